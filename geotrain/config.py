@@ -1,0 +1,331 @@
+"""Typed, validated configuration for a geotrain run.
+
+One pydantic model per section (topology, model, data, train, optim, sync, run). Every
+field has a description (rendered into docs/CONFIG.md) and is checked when the config is
+loaded, never deep inside a run: unknown keys, wrong types (strict mode: a string is not a
+number) and out-of-range values raise :class:`ConfigError` whose message names the field.
+
+Config comes from an optional YAML file plus ``KEY=VALUE`` overrides (``train.steps=200``);
+override values are parsed as YAML scalars, so ``sync.algorithm=ddp`` and ``optim.lr=1e-3``
+both do what one expects. This module imports no torch so the CLI can reject bad input fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a one-line message that names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------- topology
+
+
+class LinkConfig(_Section):
+    """A network link class: bandwidth in bits per second and one-way latency in seconds."""
+
+    bandwidth_bps: float = Field(gt=0, description="Link bandwidth in bits per second (e.g. 1.0e+9 for 1 Gbit/s).")
+    latency_s: float = Field(ge=0, le=10, description="One-way latency in seconds (0 to 10).")
+
+
+class LinksConfig(_Section):
+    intra: LinkConfig = Field(
+        default_factory=lambda: LinkConfig(bandwidth_bps=100e9, latency_s=5e-6),
+        description="Links between workers of the same site (scale-out fabric inside a datacenter).",
+    )
+    inter: LinkConfig = Field(
+        default_factory=lambda: LinkConfig(bandwidth_bps=1e9, latency_s=0.02),
+        description="Links between sites (wide-area network).",
+    )
+
+
+class SiteConfig(_Section):
+    name: str = Field(min_length=1, max_length=64, description="Site (datacenter) name, unique; letters, digits, '-', '_'.")
+    workers: int = Field(ge=1, le=1024, description="Number of workers (ranks) in this site.")
+    region: str | None = Field(default=None, description="Optional region for multi-tier sync (site -> region -> continent).")
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", v):
+            raise ValueError("may contain only letters, digits, '-' and '_'")
+        return v
+
+
+class TopologyConfig(_Section):
+    sites: list[SiteConfig] = Field(
+        default_factory=lambda: [SiteConfig(name="A", workers=2), SiteConfig(name="B", workers=2)],
+        description="The sites (datacenters) taking part; ranks are numbered site by site in this order.",
+    )
+    links: LinksConfig = Field(default_factory=LinksConfig, description="Intra-site and inter-site link properties.")
+
+    @field_validator("sites")
+    @classmethod
+    def _sites_ok(cls, v: list[SiteConfig]) -> list[SiteConfig]:
+        if not v:
+            raise ValueError("at least one site is required")
+        names = [s.name for s in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"site names must be unique (repeated: {', '.join(dup)})")
+        if len({s.workers for s in v}) != 1:
+            raise ValueError(
+                "all sites must have the same number of workers for now "
+                f"(got {[s.workers for s in v]}); heterogeneous sites are planned"
+            )
+        return v
+
+
+# --------------------------------------------------------------------------- model / data
+
+
+class ModelConfig(_Section):
+    kind: Literal["gpt", "hf"] = Field(default="gpt", description="'gpt': geotrain's GPT decoder; 'hf': a Hugging Face causal LM built from a config (needs the 'hf' extra).")
+    n_layer: int = Field(default=4, ge=1, le=256, description="Transformer blocks.")
+    n_head: int = Field(default=4, ge=1, le=256, description="Attention heads.")
+    n_embd: int = Field(default=128, ge=8, le=65536, description="Hidden size; must be divisible by n_head.")
+    block_size: int = Field(default=64, ge=4, le=65536, description="Sequence length (context) in tokens.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability.")
+    hf: dict[str, Any] = Field(
+        default_factory=lambda: {"model_type": "gpt2"},
+        description="For kind=hf: keyword arguments for transformers.AutoConfig.for_model (model_type plus sizes). "
+        "Sizes not given are taken from n_layer/n_head/n_embd/block_size; vocab is always 256 (bytes).",
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class DataConfig(_Section):
+    corpus: str | None = Field(
+        default=None,
+        description="A text file or directory of text files to train on. Default (null): text that ships with "
+        "CPython (pydoc topics and standard-library sources), so nothing is downloaded.",
+    )
+    eval_fraction: float = Field(default=0.05, gt=0, lt=0.5, description="Share of the corpus held out for evaluation.")
+    non_iid: bool = Field(default=False, description="Give each site its own contiguous slice of the corpus (sites as organisations with their own data).")
+
+    @field_validator("corpus")
+    @classmethod
+    def _corpus_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).expanduser().exists():
+            raise ValueError(f"file or directory not found: {v}")
+        return None if v is None else str(Path(v).expanduser().resolve())
+
+
+# --------------------------------------------------------------------------- training
+
+
+class TrainConfig(_Section):
+    steps: int = Field(default=300, ge=1, le=10_000_000, description="Inner (local) optimizer steps per worker.")
+    batch_size: int = Field(default=8, ge=1, le=65536, description="Sequences per worker per step.")
+    seed: int = Field(default=1234, ge=0, description="Seed for model init and data sampling.")
+    eval_every: int = Field(default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp.")
+    eval_batches: int = Field(default=8, ge=1, le=10000, description="Held-out batches (of batch_size) per evaluation, split over all ranks.")
+    log_every: int = Field(default=25, ge=1, description="Print a log line every N steps (local rank 0 of each site).")
+    threads: int = Field(default=0, ge=0, le=1024, description="torch threads per rank; 0 = CPU cores / ranks on this machine (at least 1).")
+    save_final: bool = Field(default=True, description="Write the final global model to OUT/final_model.pt.")
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "sgd"] = Field(default="adamw", description="Inner optimizer.")
+    lr: float = Field(default=4e-4, gt=0, le=10, description="Inner learning rate (DiLoCo paper: 4e-4).")
+    weight_decay: float = Field(default=0.1, ge=0, le=1, description="Weight decay (DiLoCo paper: 0.1).")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], description="AdamW betas (DiLoCo paper: 0.9, 0.95).")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="Momentum for name=sgd.")
+    warmup_steps: int = Field(default=20, ge=0, description="Linear learning-rate warm-up steps.")
+    schedule: Literal["constant", "cosine"] = Field(default="cosine", description="Learning rate after warm-up: constant, or cosine decay to 10% at the last step.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Clip the (averaged) gradient norm to this value; 0 disables.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: list[float]) -> list[float]:
+        if len(v) != 2 or not all(0 <= b < 1 for b in v):
+            raise ValueError("must be two numbers in [0, 1)")
+        return v
+
+
+class SyncConfig(_Section):
+    algorithm: Literal["ddp", "diloco"] = Field(default="diloco", description="'ddp': all-reduce gradients over all ranks every step. 'diloco': all-reduce in a site every step, average pseudo-gradients across sites every H steps.")
+    H: int = Field(default=50, ge=1, le=1_000_000, description="DiLoCo inner steps per outer round.")
+    outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate (DiLoCo paper: 0.7).")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum (DiLoCo paper: 0.9).")
+    nesterov: bool = Field(default=True, description="Nesterov outer momentum (DiLoCo paper: true).")
+    weight_by_tokens: bool = Field(default=False, description="Weight each site's pseudo-gradient by the tokens it processed in the round.")
+    allreduce: Literal["hierarchical", "flat"] = Field(default="hierarchical", description="How gradients cross sites: 'hierarchical' (reduce-scatter in site, all-reduce across sites, all-gather in site) or 'flat' (one ring over all ranks).")
+
+    @model_validator(mode="after")
+    def _nesterov(self) -> SyncConfig:
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov needs outer_momentum > 0 (set sync.nesterov=false for plain SGD)")
+        return self
+
+
+class RunConfig(_Section):
+    baseline: Literal["ddp", "diloco", "none"] = Field(default="ddp", description="Also train this algorithm on the same tokens and compare; 'none' to skip.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="torch.distributed backend; auto = nccl with CUDA, else gloo.")
+    timeout_s: float = Field(default=300, gt=0, le=86400, description="Collective timeout in seconds.")
+
+
+class Config(_Section):
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    def with_algorithm(self, algorithm: str) -> Config:
+        """A copy of this config that trains with ``algorithm`` and no baseline."""
+        data = self.model_dump()
+        data["sync"]["algorithm"] = algorithm
+        data["run"]["baseline"] = "none"
+        return Config.model_validate(data)
+
+    @property
+    def eval_every(self) -> int:
+        if self.train.eval_every:
+            return self.train.eval_every
+        return self.sync.H if self.sync.algorithm == "diloco" else 25
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e9`` as a float (YAML 1.1 insists on ``1.0e+9``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$|^[-+]?\d[\d_]*\.\d*$|^[-+]?\.\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _parse_scalar(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader) if text.strip() else ""
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: no such list element in override '{key}'")
+            node = node[int(part)]
+            continue
+        if part not in node or node[part] is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set '{key}'")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"{key}: no such list element")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _loc_to_str(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "config"
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors(include_url=False)[0]
+    loc = tuple(e["loc"])
+    field = _loc_to_str(loc)
+    if e["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc)
+        hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+        return f"{field}: unknown key{hint}"
+    msg = e["msg"].removeprefix("Value error, ")
+    if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+        return f"{field}: {msg} (got {e['input']!r})"
+    return f"{field}: {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a config from an optional YAML file plus ``KEY=VALUE`` overrides.
+
+    Raises:
+        ConfigError: with a one-line message naming the offending field.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file not found: {path}")
+        try:
+            loaded = yaml.load(p.read_text(), Loader=_Loader)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config: not valid YAML: {str(exc).splitlines()[0]}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("config: the file must hold a mapping of sections (topology, model, ...)")
+        data = loaded
+    data = copy.deepcopy(data)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set: expected KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        if not key or not re.fullmatch(r"[A-Za-z0-9_.]+", key):
+            raise ConfigError(f"--set: bad key {key!r}")
+        try:
+            parsed = _parse_scalar(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}: cannot parse value {value!r}") from None
+        _set_dotted(data, key, parsed)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a config from :meth:`Config.model_dump` output (used by workers)."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None

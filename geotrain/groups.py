@@ -1,0 +1,103 @@
+"""The one place that creates torch.distributed process groups.
+
+:meth:`ProcessGroups.build` is called once per rank after ``init_process_group`` and creates,
+in the same order on every rank (``new_group`` is itself collective):
+
+* one **intra-site** group per site (all local ranks of that site),
+* one **inter-site** group per local rank *i* (local rank *i* of every site),
+* the **global** group (the default world group).
+
+The object is passed explicitly to whoever needs a group; there are no module globals.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from geotrain.topology import RankInfo, Topology
+
+
+def choose_backend(requested: str) -> str:
+    """'auto' -> nccl when CUDA is usable, else gloo."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+@dataclass
+class ProcessGroups:
+    """All groups one rank takes part in, cut from the topology.
+
+    Attributes:
+        topology: the topology the groups were cut from.
+        me: this rank's site and local rank.
+        world: the global group (every rank).
+        intra: this rank's site group.
+        inter: this rank's cross-site group (its local rank in every site).
+        backend: 'gloo' or 'nccl'.
+    """
+
+    topology: Topology
+    me: RankInfo
+    world: dist.ProcessGroup
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    backend: str
+
+    @property
+    def intra_ranks(self) -> list[int]:
+        return self.topology.site_ranks(self.me.site_index)
+
+    @property
+    def inter_ranks(self) -> list[int]:
+        return self.topology.inter_ranks(self.me.local_rank)
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
+    @classmethod
+    def build(cls, topology: Topology, backend: str = "auto", timeout_s: float = 300) -> ProcessGroups:
+        """Initialise torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
+        MASTER_PORT, as set by geotrain's launcher or torchrun) and build every group.
+
+        Raises:
+            RuntimeError: if WORLD_SIZE does not match the topology.
+        """
+        backend = choose_backend(backend)
+        world_size = int(os.environ["WORLD_SIZE"])
+        rank = int(os.environ["RANK"])
+        if world_size != topology.world_size:
+            raise RuntimeError(
+                f"WORLD_SIZE={world_size} but the topology has {topology.world_size} ranks "
+                f"({topology.describe()}); start exactly that many processes"
+            )
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        me = topology.info(rank)
+        intra = inter = None
+        for s in range(topology.num_sites):
+            g = dist.new_group(topology.site_ranks(s))
+            if s == me.site_index:
+                intra = g
+        for local in range(topology.workers_per_site):
+            g = dist.new_group(topology.inter_ranks(local))
+            if local == me.local_rank:
+                inter = g
+        assert intra is not None and inter is not None
+        world = dist.group.WORLD
+        assert world is not None
+        return cls(topology=topology, me=me, world=world, intra=intra, inter=inter, backend=backend)
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

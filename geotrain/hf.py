@@ -1,0 +1,65 @@
+"""Hugging Face causal LMs built from a config (no weight download).
+
+Optional: needs the ``hf`` extra (``pip install 'geotrain[hf]'``). The model is created with
+``AutoModelForCausalLM.from_config`` so it starts from random weights and nothing is fetched
+from a hub. It is wrapped to geotrain's model interface ``forward(idx, targets) -> loss`` with
+a 256-entry byte vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from geotrain.config import ModelConfig
+from geotrain.model import VOCAB_SIZE
+
+# How each config family names the common sizes.
+_SIZE_KEYS: dict[str, dict[str, str]] = {
+    "gpt2": {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions"},
+    "llama": {
+        "n_layer": "num_hidden_layers",
+        "n_head": "num_attention_heads",
+        "n_embd": "hidden_size",
+        "block_size": "max_position_embeddings",
+    },
+}
+
+
+class HFCausalLM(nn.Module):
+    """Adapter: ``forward(idx, targets)`` returns the mean next-token loss."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(input_ids=idx).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    kwargs = dict(cfg.hf)
+    model_type = kwargs.pop("model_type", "gpt2")
+    keys = _SIZE_KEYS.get(model_type, _SIZE_KEYS["llama"])
+    for ours, theirs in keys.items():
+        kwargs.setdefault(theirs, getattr(cfg, ours))
+    if model_type == "llama":
+        kwargs.setdefault("intermediate_size", 4 * cfg.n_embd)
+        kwargs.setdefault("num_key_value_heads", cfg.n_head)
+    kwargs["vocab_size"] = VOCAB_SIZE
+    kwargs["model_type"] = model_type
+    return kwargs
+
+
+def build_hf_model(cfg: ModelConfig) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError("model.kind=hf needs transformers: pip install 'geotrain[hf]'") from exc
+    kwargs = hf_config_kwargs(cfg)
+    hf_cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    return HFCausalLM(AutoModelForCausalLM.from_config(hf_cfg))

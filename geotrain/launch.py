@@ -1,0 +1,170 @@
+"""Start every rank of a run as a real OS process on this machine, and tear them all down.
+
+Each rank is ``python -m geotrain.worker`` with the torch.distributed environment a launcher
+like torchrun would give it, Gloo bound to the loopback interface (MASTER_ADDR=127.0.0.1,
+GLOO_SOCKET_IFNAME=lo) — no byte leaves 127.0.0.0/8. Output of every rank goes to
+``OUT/logs/rank{r}.log``; lines from each site's local rank 0 (and any error) are forwarded to
+the console above a progress bar that follows rank 0's metrics.
+
+If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace period, and
+:class:`LaunchError` names the site and rank that failed. Children also get
+``PR_SET_PDEATHSIG`` so they die if the launcher itself is killed: no orphans either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from geotrain.config import Config
+from geotrain.topology import Topology
+
+GRACE_SECONDS = 3.0
+
+
+class LaunchError(RuntimeError):
+    """A rank failed; the message names its site and rank."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """Called first thing in a worker started by this launcher (GEOTRAIN_PARENT_PID set): ask the
+    kernel to SIGKILL this process when the launcher dies, and exit if it already has."""
+    parent = os.environ.get("GEOTRAIN_PARENT_PID")
+    if not parent:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _pump(stream: IO[str], logfile: Path, forward: Callable[[str], None] | None) -> None:
+    with open(logfile, "a") as f:
+        for line in stream:
+            f.write(line)
+            f.flush()
+            if forward is not None:
+                forward(line.rstrip("\n"))
+
+
+def launch_local(cfg: Config, out: Path, console_print: Callable[[str], None] | None = print,
+                 on_poll: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run one training job with every rank as a local process; return its summary.
+
+    Raises:
+        LaunchError: a rank failed (all others have been stopped).
+    """
+    topo = Topology.from_config(cfg.topology)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    cfg_path = out / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    summary_path = out / "summary.json"
+    summary_path.unlink(missing_ok=True)
+    port = free_port()
+    procs: list[subprocess.Popen[str]] = []
+    pumps: list[threading.Thread] = []
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "GROUP_RANK"))}
+    for rank in range(topo.world_size):
+        info = topo.info(rank)
+        env = {
+            **base_env,
+            "RANK": str(rank), "WORLD_SIZE": str(topo.world_size),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(topo.world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GEOTRAIN_GLOO_IFNAME", "lo"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+            "GEOTRAIN_PARENT_PID": str(os.getpid()),
+        }
+        p = subprocess.Popen(
+            [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True,
+        )
+        procs.append(p)
+        forward = console_print if (info.local_rank == 0 and console_print is not None) else None
+        assert p.stdout is not None
+        t = threading.Thread(target=_pump, args=(p.stdout, out / "logs" / f"rank{rank}.log", forward), daemon=True)
+        t.start()
+        pumps.append(t)
+    (out / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "ranks": [p.pid for p in procs]}))
+
+    failure: str | None = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                r, c = bad[0]
+                info = topo.info(r)
+                failure = (
+                    f"rank {r} (site {info.site}, local rank {info.local_rank}) {_describe_exit(c)}; "
+                    f"stopped the other ranks. Log: {out / 'logs' / f'rank{r}.log'}"
+                )
+                if c != 0 and console_print is not None and info.local_rank != 0:
+                    tail = (out / "logs" / f"rank{r}.log").read_text().strip().splitlines()[-5:]
+                    for line in tail:
+                        console_print(f"[{info.tag}] {line}")
+                break
+            if all(c == 0 for c in codes):
+                break
+            if on_poll is not None:
+                on_poll()
+            time.sleep(0.2)
+    finally:
+        stop_all(procs)
+        for t in pumps:
+            t.join(timeout=2)
+    if failure is not None:
+        raise LaunchError(failure)
+    if not summary_path.exists():
+        raise LaunchError(f"all ranks exited but {summary_path} was not written")
+    return dict(json.loads(summary_path.read_text()))
+
+
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM every live rank, SIGKILL what is left after the grace period, reap all."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + GRACE_SECONDS
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,74 @@
+"""Per-rank metrics sinks: a JSONL line per step, TensorBoard events, and the console log line.
+
+Every rank writes ``OUT/metrics/rank{r}.jsonl``; global rank 0 also writes TensorBoard events to
+``OUT/tb``; local rank 0 of each site prints one fixed-format line every ``log_every`` steps
+with the ``[site/rank step N]`` prefix. A do-nothing sink stands in for TensorBoard when it is
+not installed, instead of ``if tb:`` branches in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+from geotrain.topology import RankInfo
+
+
+class _Scalars(Protocol):
+    def add_scalar(self, tag: str, value: float, step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class _NullWriter:
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _tensorboard(path: Path) -> _Scalars:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("geotrain: tensorboard not installed; no event files written", file=sys.stderr)
+        return _NullWriter()
+    return SummaryWriter(log_dir=str(path))
+
+
+def log(me: RankInfo, step: int, message: str) -> None:
+    """Print one line with the rank prefix, flushed (the launcher forwards it live)."""
+    print(f"[{me.tag} step {step}] {message}", flush=True)
+
+
+class MetricsSink:
+    def __init__(self, out: Path, me: RankInfo, log_every: int, print_steps: bool) -> None:
+        self.me = me
+        self.log_every = log_every
+        self.print_steps = print_steps
+        (out / "metrics").mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(out / "metrics" / f"rank{me.rank}.jsonl", "w", buffering=1)  # noqa: SIM115
+        self._tb: _Scalars = _tensorboard(out / "tb") if me.rank == 0 else _NullWriter()
+
+    def step(self, record: dict[str, Any], step_line: bool = True) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        step = int(record["step"])
+        for key in ("loss", "lr", "inter_site_bytes", "intra_site_bytes", "comm_seconds", "eval_loss"):
+            if key in record:
+                self._tb.add_scalar(f"train/{key}", float(record[key]), step)
+        if "eval_loss" in record and self.print_steps:
+            log(self.me, step, f"eval_loss {record['eval_loss']:.4f} tokens {record['tokens']:,}")
+        if step_line and self.print_steps and (step % self.log_every == 0 or step == 1):
+            log(
+                self.me,
+                step,
+                f"loss {record['loss']:.4f} | dt {record['step_seconds'] * 1000:6.1f} ms | "
+                f"tok/s {record['tokens_per_second']:8.0f} | inter-site {record['inter_site_bytes'] / 1e6:9.3f} MB | "
+                f"net wait {record['comm_seconds']:.2f} s",
+            )
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._tb.close()

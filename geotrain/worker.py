@@ -1,0 +1,256 @@
+"""The per-rank training entry point: the same code under geotrain's launcher and torchrun.
+
+Run as ``python -m geotrain.worker --config FILE [--set K=V ...] --out DIR`` with the usual
+torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). The rank's site comes from the topology (ranks are numbered site by site).
+
+The loop is plain — ``zero_grad -> backward -> step`` — the sync algorithm acts through
+optimizer hooks. Global rank 0 writes ``OUT/summary.json`` (schema: docs/SUMMARY.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from geotrain.collectives import Collectives
+from geotrain.config import Config, ConfigError, load_config
+from geotrain.data import build_rank_data
+from geotrain.groups import ProcessGroups
+from geotrain.launch import die_with_parent
+from geotrain.metrics import MetricsSink, log
+from geotrain.model import build_model, count_params
+from geotrain.sync import SyncAlgorithm, build_sync, params_hash
+from geotrain.topology import Topology
+
+
+def rank_threads(requested: int) -> int:
+    """Threads per rank: as configured, else this machine's cores divided among its ranks."""
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(1, local_world))
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt: torch.optim.Optimizer
+    if o.name == "adamw":
+        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]))
+    else:
+        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    total = cfg.train.steps
+
+    def factor(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+@torch.no_grad()
+def evaluate(eval_model: nn.Module, params: list[torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups) -> float:
+    """Mean held-out loss of ``params``; batches are split over all ranks (control plane, not payload)."""
+    for dst, src in zip(eval_model.parameters(), params):
+        dst.copy_(src)
+    eval_model.eval()
+    world, rank = groups.topology.world_size, groups.me.rank
+    acc = torch.zeros(2, dtype=torch.float64)
+    for x, y in batches[rank::world]:
+        acc[0] += float(eval_model(x.to(groups.device), y.to(groups.device)))
+        acc[1] += 1
+    dist.all_reduce(acc, group=groups.world)
+    return float(acc[0] / acc[1])
+
+
+def train(cfg: Config, out: Path) -> dict[str, Any] | None:
+    """Train this rank; returns the run summary on global rank 0, None elsewhere."""
+    topo = Topology.from_config(cfg.topology)
+    threads = rank_threads(cfg.train.threads)
+    torch.set_num_threads(threads)
+    groups = ProcessGroups.build(topo, cfg.run.backend, cfg.run.timeout_s)
+    me = groups.me
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
+        model = build_model(cfg.model).to(groups.device)
+        eval_model = copy.deepcopy(model)
+        data = build_rank_data(
+            cfg.data, me.rank, topo.world_size, topo.num_sites, cfg.model.block_size, cfg.train.batch_size,
+            cfg.train.eval_batches, cfg.train.seed,
+        )
+        optimizer, scheduler = build_optimizer(cfg, model)
+        comm = Collectives(groups)
+        tokens_per_rank_step = cfg.train.batch_size * cfg.model.block_size
+        s = cfg.sync
+        sync = build_sync(
+            s.algorithm, model, optimizer, comm, grad_clip=cfg.optim.grad_clip, allreduce=s.allreduce, H=s.H,
+            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, nesterov=s.nesterov,
+            weight_by_tokens=s.weight_by_tokens, tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
+        )
+        sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
+        if me.rank == 0:
+            log(me, 0, f"{s.algorithm} on {topo.describe()}, {count_params(model):,} parameters, {threads} thread(s)/rank")
+        result = _loop(cfg, model, eval_model, data, optimizer, scheduler, sync, comm, groups, sink, tokens_per_rank_step)
+        sink.close()
+        summary = _summarise(cfg, result, sync, comm, groups, count_params(model), threads)
+        if me.rank == 0:
+            assert summary is not None
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            if cfg.train.save_final:
+                for dst, src in zip(eval_model.parameters(), sync.global_parameters()):
+                    dst.data.copy_(src)
+                torch.save(eval_model.state_dict(), out / "final_model.pt")
+        dist.barrier(group=groups.world)
+        sync.close()
+        return summary
+    finally:
+        groups.destroy()
+
+
+def _loop(cfg: Config, model: nn.Module, eval_model: nn.Module, data: Any, optimizer: torch.optim.Optimizer,
+          scheduler: Any, sync: SyncAlgorithm, comm: Collectives, groups: ProcessGroups, sink: MetricsSink,
+          tokens_per_rank_step: int) -> dict[str, Any]:
+    world = groups.topology.world_size
+    eval_every = cfg.eval_every
+    curve: list[dict[str, float]] = []
+    compute = eval_seconds = 0.0
+    device = groups.device
+
+    def do_eval(step: int) -> float:
+        nonlocal eval_seconds
+        t = time.perf_counter()
+        loss = evaluate(eval_model, sync.global_parameters(), data.eval, groups)
+        eval_seconds += time.perf_counter() - t
+        curve.append({"step": step, "tokens": step * world * tokens_per_rank_step, "eval_loss": loss})
+        return loss
+
+    do_eval(0)
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, cfg.train.steps + 1):
+        t0 = time.perf_counter()
+        comm0 = comm.stats.comm_seconds
+        x, y = data.train.next()
+        loss = model(x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()  # the sync algorithm's hooks average gradients / run the outer step
+        scheduler.step()
+        dt = time.perf_counter() - t0
+        compute += dt - (comm.stats.comm_seconds - comm0)
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss.item(),
+            "lr": scheduler.get_last_lr()[0],
+            "tokens": step * world * tokens_per_rank_step,
+            "round": sync.rounds,
+            "inter_site_bytes": comm.stats.inter_bytes,
+            "intra_site_bytes": comm.stats.intra_bytes,
+            "comm_seconds": comm.stats.comm_seconds,
+            "compute_seconds": compute,
+            "step_seconds": dt,
+            "tokens_per_second": tokens_per_rank_step / dt,
+        }
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+        if step % eval_every == 0 and step != cfg.train.steps:
+            record["eval_loss"] = do_eval(step)
+            model.train()
+        sink.step(record)
+    t_fin = time.perf_counter()
+    comm0 = comm.stats.comm_seconds
+    sync.finish()
+    compute += (time.perf_counter() - t_fin) - (comm.stats.comm_seconds - comm0)
+    final = do_eval(cfg.train.steps)
+    sink.step({**record, "eval_loss": final, "inter_site_bytes": comm.stats.inter_bytes,
+               "intra_site_bytes": comm.stats.intra_bytes, "comm_seconds": comm.stats.comm_seconds}, step_line=False)
+    wall = time.perf_counter() - start
+    return {"curve": curve, "final_eval_loss": final, "compute_seconds": compute, "eval_seconds": eval_seconds, "wall_seconds": wall}
+
+
+def _summarise(cfg: Config, result: dict[str, Any], sync: SyncAlgorithm, comm: Collectives, groups: ProcessGroups,
+               n_params: int, threads: int) -> dict[str, Any] | None:
+    """Gather per-rank numbers on the world group (control plane) and build the summary on rank 0."""
+    me, topo = groups.me, groups.topology
+    mine = {
+        "rank": me.rank, "site": me.site, "local_rank": me.local_rank,
+        "inter_site_bytes": comm.stats.inter_bytes, "intra_site_bytes": comm.stats.intra_bytes,
+        "compute_seconds": result["compute_seconds"], "comm_wait_seconds": comm.stats.comm_seconds,
+        "eval_seconds": result["eval_seconds"], "wall_seconds": result["wall_seconds"],
+        "global_param_hash": sync.global_hash(),
+    }
+    gathered: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(gathered, mine, group=groups.world)
+    if me.rank != 0:
+        return None
+    ranks = sorted(gathered, key=lambda r: r["rank"])
+    hashes = {name: ranks[topo.site_ranks(i)[0]]["global_param_hash"] for i, name in enumerate(topo.site_names)}
+    agree = all(r["global_param_hash"] == hashes[r["site"]] for r in ranks)
+    n = len(ranks)
+    tokens = cfg.train.steps * topo.world_size * cfg.train.batch_size * cfg.model.block_size
+    return {
+        "algorithm": cfg.sync.algorithm,
+        "sites": list(topo.site_names),
+        "workers_per_site": topo.workers_per_site,
+        "world_size": topo.world_size,
+        "steps": cfg.train.steps,
+        "H": cfg.sync.H if cfg.sync.algorithm == "diloco" else 1,
+        "rounds": sync.rounds,
+        "tokens": tokens,
+        "params": n_params,
+        "final_eval_loss": result["final_eval_loss"],
+        "inter_site_bytes": sum(r["inter_site_bytes"] for r in ranks),
+        "intra_site_bytes": sum(r["intra_site_bytes"] for r in ranks),
+        "wall_seconds": max(r["wall_seconds"] for r in ranks),
+        "compute_seconds": sum(r["compute_seconds"] for r in ranks) / n,
+        "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in ranks) / n,
+        "eval_seconds": sum(r["eval_seconds"] for r in ranks) / n,
+        "global_param_hash": hashes,
+        "hashes_agree_within_sites": agree,
+        "eval_curve": result["curve"],
+        "per_rank": ranks,
+        "threads_per_rank": threads,
+        "backend": groups.backend,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "config": cfg.model_dump(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m geotrain.worker", description="One geotrain rank (use under torchrun or geotrain's launcher).")
+    parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default="runs/geotrain", help="output directory")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"geotrain: config error: {exc}", file=sys.stderr)
+        return 2
+    train(cfg, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
