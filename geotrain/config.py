@@ -245,6 +245,14 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         node[last] = value
 
 
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, recursively for mappings; anything else in ``top`` replaces."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _loc_to_str(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
@@ -306,6 +314,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError("config: the file must hold a mapping of sections (topology, model, ...)")
         data = loaded
     data = copy.deepcopy(data)
+    if overrides:  # so an override can reach into defaults, e.g. topology.sites.0.region=eu
+        data = _merge(Config().model_dump(), data)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set: expected KEY=VALUE, got {item!r}")

@@ -58,7 +58,7 @@ class MetricsSink:
         for key in ("loss", "lr", "inter_site_bytes", "intra_site_bytes", "comm_seconds", "eval_loss"):
             if key in record:
                 self._tb.add_scalar(f"train/{key}", float(record[key]), step)
-        if "eval_loss" in record and self.print_steps:
+        if "eval_loss" in record and self.print_steps and self.me.rank == 0:
             log(self.me, step, f"eval_loss {record['eval_loss']:.4f} tokens {record['tokens']:,}")
         if step_line and self.print_steps and (step % self.log_every == 0 or step == 1):
             log(

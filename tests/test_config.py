@@ -1,0 +1,91 @@
+"""Config loading: defaults, overrides, and bad input rejected through the CLI with exit code 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from geotrain.config import Config, ConfigError, load_config
+
+
+def test_defaults_are_the_documented_main_job() -> None:
+    cfg = load_config()
+    assert [s.name for s in cfg.topology.sites] == ["A", "B"]
+    assert all(s.workers == 2 for s in cfg.topology.sites)
+    assert cfg.sync.algorithm == "diloco" and cfg.run.baseline == "ddp"
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas) == (4e-4, 0.1, [0.9, 0.95])
+    assert (cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.nesterov) == (0.7, 0.9, True)
+
+
+def test_overrides_and_yaml(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  steps: 10\ntopology:\n  links:\n    inter: {bandwidth_bps: 1e8, latency_s: 0.04}\n")
+    cfg = load_config(f, ["train.steps=200", "sync.algorithm=ddp", "optim.lr=1e-3", "topology.sites.0.region=eu"])
+    assert cfg.train.steps == 200 and cfg.sync.algorithm == "ddp" and cfg.optim.lr == 1e-3
+    assert cfg.topology.links.inter.bandwidth_bps == 1e8  # YAML 1.1 would read 1e8 as a string
+    assert cfg.topology.sites[0].region == "eu"
+
+
+def test_with_algorithm_and_round_trip() -> None:
+    cfg = load_config(None, ["sync.H=7"]).with_algorithm("ddp")
+    assert cfg.sync.algorithm == "ddp" and cfg.run.baseline == "none" and cfg.sync.H == 7
+    assert Config.model_validate(cfg.model_dump()) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["sync.H=0"], "sync.H"),
+        (["topology.sites.0.workers=-1"], "topology.sites[0].workers"),
+    ],
+)
+def test_errors_name_the_field(overrides: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    assert str(exc.value).startswith(field + ":")
+
+
+BAD = [
+    # (yaml text or None, overrides, text the one-line message must contain)
+    ("trian:\n  steps: 3\n", [], "trian: unknown key; allowed keys: data, model, optim, run, sync, topology, train"),
+    (None, ["train.stpes=3"], "train.stpes: unknown key"),
+    (None, ["topology.sites.0.workers=-2"], "topology.sites[0].workers: Input should be greater than or equal to 1"),
+    ("topology:\n  sites: []\n", [], "topology.sites: at least one site is required"),
+    (None, ["sync.H=0"], "sync.H: Input should be greater than or equal to 1"),
+    ("topology:\n  links:\n    inter: {bandwidth_bps: fast, latency_s: 0.01}\n", [], "topology.links.inter.bandwidth_bps: Input should be a valid number"),
+    (None, ["topology.links.inter.bandwidth_bps=0"], "topology.links.inter.bandwidth_bps: Input should be greater than 0"),
+    (None, ["topology.links.inter.latency_s=11"], "topology.links.inter.latency_s: Input should be less than or equal to 10"),
+    (None, ["data.corpus=/nonexistent/corpus.txt"], "data.corpus: Value error, file or directory not found"),
+    (None, ["sync.algorithm=gossip"], "sync.algorithm: Input should be 'ddp' or 'diloco'"),
+    (None, ["model.n_embd=100", "model.n_head=3"], "model: n_embd (100) must be divisible by n_head (3)"),
+    (None, ["train.steps=ten"], "train.steps: Input should be a valid integer"),
+    ("topology:\n  sites: [{name: A, workers: 2}, {name: A, workers: 2}]\n", [], "site names must be unique"),
+    ("topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}]\n", [], "same number of workers"),
+    ("- just\n- a list\n", [], "must hold a mapping"),
+    (None, ["optim.betas=[0.9]"], "optim.betas"),
+    (None, ["train.steps"], "--set: expected KEY=VALUE"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text,overrides,expect", BAD)
+def test_bad_config_through_cli(tmp_path: Path, text: str | None, overrides: list[str], expect: str) -> None:
+    args = [sys.executable, "-m", "geotrain", "train", "--out", str(tmp_path / "out")]
+    if text is not None:
+        f = tmp_path / "bad.yaml"
+        f.write_text(text)
+        args += ["--config", str(f)]
+    for o in overrides:
+        args += ["--set", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert lines[0].startswith("geotrain: config error: ")
+    assert expect.replace("Value error, ", "") in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
