@@ -79,7 +79,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     except ValueError as exc:
         err_console.print(f"geotrain: config error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
-    algorithms = [cfg.sync.algorithm]
+    algorithms: list[str] = [cfg.sync.algorithm]
     if cfg.run.baseline not in ("none", cfg.sync.algorithm):
         algorithms.append(cfg.run.baseline)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,9 +63,7 @@ class Collectives:
         self.stats.sends += 1
         self.stats.per_peer[dst] = self.stats.per_peer.get(dst, 0) + nbytes
 
-    def _exchange(
-        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup
-    ) -> None:
+    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (global ranks)."""
         ops = []
         if send.numel():

@@ -91,7 +91,10 @@ class TopologyConfig(_Section):
 
 
 class ModelConfig(_Section):
-    kind: Literal["gpt", "hf"] = Field(default="gpt", description="'gpt': geotrain's GPT decoder; 'hf': a Hugging Face causal LM built from a config (needs the 'hf' extra).")
+    kind: Literal["gpt", "hf"] = Field(
+        default="gpt",
+        description="'gpt': geotrain's GPT decoder; 'hf': a Hugging Face causal LM built from a config (needs the 'hf' extra).",
+    )
     n_layer: int = Field(default=4, ge=1, le=256, description="Transformer blocks.")
     n_head: int = Field(default=4, ge=1, le=256, description="Attention heads.")
     n_embd: int = Field(default=128, ge=8, le=65536, description="Hidden size; must be divisible by n_head.")
@@ -117,7 +120,10 @@ class DataConfig(_Section):
         "CPython (pydoc topics and standard-library sources), so nothing is downloaded.",
     )
     eval_fraction: float = Field(default=0.05, gt=0, lt=0.5, description="Share of the corpus held out for evaluation.")
-    non_iid: bool = Field(default=False, description="Give each site its own contiguous slice of the corpus (sites as organisations with their own data).")
+    non_iid: bool = Field(
+        default=False,
+        description="Give each site its own contiguous slice of the corpus (sites as organisations with their own data).",
+    )
 
     @field_validator("corpus")
     @classmethod
@@ -134,10 +140,16 @@ class TrainConfig(_Section):
     steps: int = Field(default=300, ge=1, le=10_000_000, description="Inner (local) optimizer steps per worker.")
     batch_size: int = Field(default=8, ge=1, le=65536, description="Sequences per worker per step.")
     seed: int = Field(default=1234, ge=0, description="Seed for model init and data sampling.")
-    eval_every: int = Field(default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp.")
-    eval_batches: int = Field(default=8, ge=1, le=10000, description="Held-out batches (of batch_size) per evaluation, split over all ranks.")
+    eval_every: int = Field(
+        default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp."
+    )
+    eval_batches: int = Field(
+        default=8, ge=1, le=10000, description="Held-out batches (of batch_size) per evaluation, split over all ranks."
+    )
     log_every: int = Field(default=25, ge=1, description="Print a log line every N steps (local rank 0 of each site).")
-    threads: int = Field(default=0, ge=0, le=1024, description="torch threads per rank; 0 = CPU cores / ranks on this machine (at least 1).")
+    threads: int = Field(
+        default=0, ge=0, le=1024, description="torch threads per rank; 0 = CPU cores / ranks on this machine (at least 1)."
+    )
     save_final: bool = Field(default=True, description="Write the final global model to OUT/final_model.pt.")
 
 
@@ -148,7 +160,9 @@ class OptimConfig(_Section):
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], description="AdamW betas (DiLoCo paper: 0.9, 0.95).")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Momentum for name=sgd.")
     warmup_steps: int = Field(default=20, ge=0, description="Linear learning-rate warm-up steps.")
-    schedule: Literal["constant", "cosine"] = Field(default="cosine", description="Learning rate after warm-up: constant, or cosine decay to 10% at the last step.")
+    schedule: Literal["constant", "cosine"] = Field(
+        default="cosine", description="Learning rate after warm-up: constant, or cosine decay to 10% at the last step."
+    )
     grad_clip: float = Field(default=1.0, ge=0, description="Clip the (averaged) gradient norm to this value; 0 disables.")
 
     @field_validator("betas")
@@ -160,13 +174,21 @@ class OptimConfig(_Section):
 
 
 class SyncConfig(_Section):
-    algorithm: Literal["ddp", "diloco"] = Field(default="diloco", description="'ddp': all-reduce gradients over all ranks every step. 'diloco': all-reduce in a site every step, average pseudo-gradients across sites every H steps.")
+    algorithm: Literal["ddp", "diloco"] = Field(
+        default="diloco",
+        description="'ddp': all-reduce gradients over all ranks every step. 'diloco': all-reduce in a site every step, average pseudo-gradients across sites every H steps.",
+    )
     H: int = Field(default=50, ge=1, le=1_000_000, description="DiLoCo inner steps per outer round.")
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate (DiLoCo paper: 0.7).")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum (DiLoCo paper: 0.9).")
     nesterov: bool = Field(default=True, description="Nesterov outer momentum (DiLoCo paper: true).")
-    weight_by_tokens: bool = Field(default=False, description="Weight each site's pseudo-gradient by the tokens it processed in the round.")
-    allreduce: Literal["hierarchical", "flat"] = Field(default="hierarchical", description="How gradients cross sites: 'hierarchical' (reduce-scatter in site, all-reduce across sites, all-gather in site) or 'flat' (one ring over all ranks).")
+    weight_by_tokens: bool = Field(
+        default=False, description="Weight each site's pseudo-gradient by the tokens it processed in the round."
+    )
+    allreduce: Literal["hierarchical", "flat"] = Field(
+        default="hierarchical",
+        description="How gradients cross sites: 'hierarchical' (reduce-scatter in site, all-reduce across sites, all-gather in site) or 'flat' (one ring over all ranks).",
+    )
 
     @model_validator(mode="after")
     def _nesterov(self) -> SyncConfig:
@@ -176,8 +198,12 @@ class SyncConfig(_Section):
 
 
 class RunConfig(_Section):
-    baseline: Literal["ddp", "diloco", "none"] = Field(default="ddp", description="Also train this algorithm on the same tokens and compare; 'none' to skip.")
-    backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="torch.distributed backend; auto = nccl with CUDA, else gloo.")
+    baseline: Literal["ddp", "diloco", "none"] = Field(
+        default="ddp", description="Also train this algorithm on the same tokens and compare; 'none' to skip."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="torch.distributed backend; auto = nccl with CUDA, else gloo."
+    )
     timeout_s: float = Field(default=300, gt=0, le=86400, description="Collective timeout in seconds.")
 
 

@@ -100,9 +100,7 @@ class BatchSampler:
 
     def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, seed: int) -> None:
         if tokens.numel() <= block_size + 1:
-            raise ValueError(
-                f"data.corpus: shard of {tokens.numel()} tokens is too small for model.block_size={block_size}"
-            )
+            raise ValueError(f"data.corpus: shard of {tokens.numel()} tokens is too small for model.block_size={block_size}")
         self.tokens = tokens
         self.block_size = block_size
         self.batch_size = batch_size
@@ -121,7 +119,9 @@ class BatchSampler:
         self.gen.set_state(state)
 
 
-def eval_batches(eval_tokens: torch.Tensor, block_size: int, batch_size: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    eval_tokens: torch.Tensor, block_size: int, batch_size: int, n: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` fixed evaluation batches, identical on every rank."""
     sampler = BatchSampler(eval_tokens, block_size, batch_size, seed + 1_000_003)
     return [sampler.next() for _ in range(n)]
@@ -135,7 +135,9 @@ class RankData:
     corpus_bytes: int
 
 
-def build_rank_data(cfg: DataConfig, rank: int, world: int, num_sites: int, block_size: int, batch_size: int, eval_batches_n: int, seed: int) -> RankData:
+def build_rank_data(
+    cfg: DataConfig, rank: int, world: int, num_sites: int, block_size: int, batch_size: int, eval_batches_n: int, seed: int
+) -> RankData:
     raw = load_corpus(cfg)
     splits = split_corpus(raw, cfg.eval_fraction)
     shard = shard_for_rank(splits, rank, world, num_sites, cfg.non_iid)

@@ -13,6 +13,7 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -77,8 +78,9 @@ def _pump(stream: IO[str], logfile: Path, forward: Callable[[str], None] | None)
                 forward(line.rstrip("\n"))
 
 
-def launch_local(cfg: Config, out: Path, console_print: Callable[[str], None] | None = print,
-                 on_poll: Callable[[], None] | None = None) -> dict[str, Any]:
+def launch_local(
+    cfg: Config, out: Path, console_print: Callable[[str], None] | None = print, on_poll: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """Run one training job with every rank as a local process; return its summary.
 
     Raises:
@@ -99,9 +101,12 @@ def launch_local(cfg: Config, out: Path, console_print: Callable[[str], None] | 
         info = topo.info(rank)
         env = {
             **base_env,
-            "RANK": str(rank), "WORLD_SIZE": str(topo.world_size),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(topo.world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(topo.world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(topo.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": os.environ.get("GEOTRAIN_GLOO_IFNAME", "lo"),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
@@ -109,7 +114,11 @@ def launch_local(cfg: Config, out: Path, console_print: Callable[[str], None] | 
         }
         p = subprocess.Popen(
             [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
             start_new_session=True,
         )
         procs.append(p)
@@ -157,10 +166,8 @@ def stop_all(procs: list[subprocess.Popen[str]]) -> None:
     """SIGTERM every live rank, SIGKILL what is left after the grace period, reap all."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             p.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + GRACE_SECONDS
     for p in live:
         try:

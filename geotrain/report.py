@@ -53,7 +53,10 @@ def print_table(runs: list[dict[str, Any]], console: Console) -> None:
         ("wall time", lambda r: f"{r['wall_seconds']:.1f} s"),
         ("compute / rank", lambda r: f"{r['compute_seconds']:.1f} s"),
         ("network wait / rank", lambda r: f"{r['comm_wait_seconds']:.2f} s"),
-        ("global models identical", lambda r: "yes" if len(set(r["global_param_hash"].values())) == 1 and r["hashes_agree_within_sites"] else "NO"),
+        (
+            "global models identical",
+            lambda r: "yes" if len(set(r["global_param_hash"].values())) == 1 and r["hashes_agree_within_sites"] else "NO",
+        ),
     ]
     for name, fn in rows:
         table.add_row(name, *(fn(r) for r in runs))

@@ -119,7 +119,14 @@ class DDP(SyncAlgorithm):
 
     name = "ddp"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float, allreduce: str = "hierarchical") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        allreduce: str = "hierarchical",
+    ) -> None:
         super().__init__(model, optimizer, comm, grad_clip)
         self.allreduce = allreduce
         self.world = comm.groups.topology.world_size
@@ -174,9 +181,7 @@ class DiLoCo(SyncAlgorithm):
         self.workers_per_site = topo.workers_per_site
         # fp32 outer state, whatever the model's dtype
         self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(
-            self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
-        )
+        self.outer_optimizer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         self._steps_in_round = 0
 
     def sync_gradients(self) -> None:
@@ -204,7 +209,7 @@ class DiLoCo(SyncAlgorithm):
     def outer_step(self) -> None:
         """Steps 2-5 of DiLoCo: average pseudo-gradients across sites and apply the outer optimizer."""
         # 2. pseudo-gradient, fp32
-        delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(self.global_params, self.params)])
+        delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(self.global_params, self.params, strict=True)])
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
         if self.num_sites > 1:
             if self.weight_by_tokens:
@@ -225,7 +230,7 @@ class DiLoCo(SyncAlgorithm):
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         # 5. local ← global
-        for g, p in zip(self.global_params, self.params):
+        for g, p in zip(self.global_params, self.params, strict=True):
             p.copy_(g)
         self._steps_in_round = 0
         self.rounds += 1

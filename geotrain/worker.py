@@ -32,7 +32,7 @@ from geotrain.groups import ProcessGroups
 from geotrain.launch import die_with_parent
 from geotrain.metrics import MetricsSink, log
 from geotrain.model import build_model, count_params
-from geotrain.sync import SyncAlgorithm, build_sync, params_hash
+from geotrain.sync import SyncAlgorithm, build_sync
 from geotrain.topology import Topology
 
 
@@ -67,9 +67,11 @@ def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimize
 
 
 @torch.no_grad()
-def evaluate(eval_model: nn.Module, params: list[torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups) -> float:
+def evaluate(
+    eval_model: nn.Module, params: list[torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups
+) -> float:
     """Mean held-out loss of ``params``; batches are split over all ranks (control plane, not payload)."""
-    for dst, src in zip(eval_model.parameters(), params):
+    for dst, src in zip(eval_model.parameters(), params, strict=True):
         dst.copy_(src)
     eval_model.eval()
     world, rank = groups.topology.world_size, groups.me.rank
@@ -94,17 +96,32 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         model = build_model(cfg.model).to(groups.device)
         eval_model = copy.deepcopy(model)
         data = build_rank_data(
-            cfg.data, me.rank, topo.world_size, topo.num_sites, cfg.model.block_size, cfg.train.batch_size,
-            cfg.train.eval_batches, cfg.train.seed,
+            cfg.data,
+            me.rank,
+            topo.world_size,
+            topo.num_sites,
+            cfg.model.block_size,
+            cfg.train.batch_size,
+            cfg.train.eval_batches,
+            cfg.train.seed,
         )
         optimizer, scheduler = build_optimizer(cfg, model)
         comm = Collectives(groups)
         tokens_per_rank_step = cfg.train.batch_size * cfg.model.block_size
         s = cfg.sync
         sync = build_sync(
-            s.algorithm, model, optimizer, comm, grad_clip=cfg.optim.grad_clip, allreduce=s.allreduce, H=s.H,
-            outer_lr=s.outer_lr, outer_momentum=s.outer_momentum, nesterov=s.nesterov,
-            weight_by_tokens=s.weight_by_tokens, tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
+            s.algorithm,
+            model,
+            optimizer,
+            comm,
+            grad_clip=cfg.optim.grad_clip,
+            allreduce=s.allreduce,
+            H=s.H,
+            outer_lr=s.outer_lr,
+            outer_momentum=s.outer_momentum,
+            nesterov=s.nesterov,
+            weight_by_tokens=s.weight_by_tokens,
+            tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
         )
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
@@ -116,7 +133,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             assert summary is not None
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
             if cfg.train.save_final:
-                for dst, src in zip(eval_model.parameters(), sync.global_parameters()):
+                for dst, src in zip(eval_model.parameters(), sync.global_parameters(), strict=True):
                     dst.data.copy_(src)
                 torch.save(eval_model.state_dict(), out / "final_model.pt")
         dist.barrier(group=groups.world)
@@ -126,9 +143,19 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         groups.destroy()
 
 
-def _loop(cfg: Config, model: nn.Module, eval_model: nn.Module, data: Any, optimizer: torch.optim.Optimizer,
-          scheduler: Any, sync: SyncAlgorithm, comm: Collectives, groups: ProcessGroups, sink: MetricsSink,
-          tokens_per_rank_step: int) -> dict[str, Any]:
+def _loop(
+    cfg: Config,
+    model: nn.Module,
+    eval_model: nn.Module,
+    data: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    sync: SyncAlgorithm,
+    comm: Collectives,
+    groups: ProcessGroups,
+    sink: MetricsSink,
+    tokens_per_rank_step: int,
+) -> dict[str, Any]:
     world = groups.topology.world_size
     eval_every = cfg.eval_every
     curve: list[dict[str, float]] = []
@@ -181,21 +208,47 @@ def _loop(cfg: Config, model: nn.Module, eval_model: nn.Module, data: Any, optim
     sync.finish()
     compute += (time.perf_counter() - t_fin) - (comm.stats.comm_seconds - comm0)
     final = do_eval(cfg.train.steps)
-    sink.step({**record, "eval_loss": final, "inter_site_bytes": comm.stats.inter_bytes,
-               "intra_site_bytes": comm.stats.intra_bytes, "comm_seconds": comm.stats.comm_seconds}, step_line=False)
+    sink.step(
+        {
+            **record,
+            "eval_loss": final,
+            "inter_site_bytes": comm.stats.inter_bytes,
+            "intra_site_bytes": comm.stats.intra_bytes,
+            "comm_seconds": comm.stats.comm_seconds,
+        },
+        step_line=False,
+    )
     wall = time.perf_counter() - start
-    return {"curve": curve, "final_eval_loss": final, "compute_seconds": compute, "eval_seconds": eval_seconds, "wall_seconds": wall}
+    return {
+        "curve": curve,
+        "final_eval_loss": final,
+        "compute_seconds": compute,
+        "eval_seconds": eval_seconds,
+        "wall_seconds": wall,
+    }
 
 
-def _summarise(cfg: Config, result: dict[str, Any], sync: SyncAlgorithm, comm: Collectives, groups: ProcessGroups,
-               n_params: int, threads: int) -> dict[str, Any] | None:
+def _summarise(
+    cfg: Config,
+    result: dict[str, Any],
+    sync: SyncAlgorithm,
+    comm: Collectives,
+    groups: ProcessGroups,
+    n_params: int,
+    threads: int,
+) -> dict[str, Any] | None:
     """Gather per-rank numbers on the world group (control plane) and build the summary on rank 0."""
     me, topo = groups.me, groups.topology
     mine = {
-        "rank": me.rank, "site": me.site, "local_rank": me.local_rank,
-        "inter_site_bytes": comm.stats.inter_bytes, "intra_site_bytes": comm.stats.intra_bytes,
-        "compute_seconds": result["compute_seconds"], "comm_wait_seconds": comm.stats.comm_seconds,
-        "eval_seconds": result["eval_seconds"], "wall_seconds": result["wall_seconds"],
+        "rank": me.rank,
+        "site": me.site,
+        "local_rank": me.local_rank,
+        "inter_site_bytes": comm.stats.inter_bytes,
+        "intra_site_bytes": comm.stats.intra_bytes,
+        "compute_seconds": result["compute_seconds"],
+        "comm_wait_seconds": comm.stats.comm_seconds,
+        "eval_seconds": result["eval_seconds"],
+        "wall_seconds": result["wall_seconds"],
         "global_param_hash": sync.global_hash(),
     }
     gathered: list[Any] = [None] * topo.world_size
@@ -237,7 +290,9 @@ def _summarise(cfg: Config, result: dict[str, Any], sync: SyncAlgorithm, comm: C
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m geotrain.worker", description="One geotrain rank (use under torchrun or geotrain's launcher).")
+    parser = argparse.ArgumentParser(
+        prog="python -m geotrain.worker", description="One geotrain rank (use under torchrun or geotrain's launcher)."
+    )
     parser.add_argument("--config", default=None, help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default="runs/geotrain", help="output directory")

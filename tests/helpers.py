@@ -23,8 +23,12 @@ def free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo", LOCAL_WORLD_SIZE=str(world),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        LOCAL_WORLD_SIZE=str(world),
     )
     import torch
 

@@ -108,4 +108,3 @@ def test_collectives_match_all_reduce_and_count_bytes(sites: int, workers: int) 
         intra = sum(res["bytes"][how][0] for res in results)
         inter = sum(res["bytes"][how][1] for res in results)
         assert (intra, inter) == _expected(sites, workers, how), how
-

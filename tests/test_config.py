@@ -56,7 +56,11 @@ BAD = [
     (None, ["topology.sites.0.workers=-2"], "topology.sites[0].workers: Input should be greater than or equal to 1"),
     ("topology:\n  sites: []\n", [], "topology.sites: at least one site is required"),
     (None, ["sync.H=0"], "sync.H: Input should be greater than or equal to 1"),
-    ("topology:\n  links:\n    inter: {bandwidth_bps: fast, latency_s: 0.01}\n", [], "topology.links.inter.bandwidth_bps: Input should be a valid number"),
+    (
+        "topology:\n  links:\n    inter: {bandwidth_bps: fast, latency_s: 0.01}\n",
+        [],
+        "topology.links.inter.bandwidth_bps: Input should be a valid number",
+    ),
     (None, ["topology.links.inter.bandwidth_bps=0"], "topology.links.inter.bandwidth_bps: Input should be greater than 0"),
     (None, ["topology.links.inter.latency_s=11"], "topology.links.inter.latency_s: Input should be less than or equal to 10"),
     (None, ["data.corpus=/nonexistent/corpus.txt"], "data.corpus: Value error, file or directory not found"),

@@ -29,8 +29,18 @@ def _alive(pid: int) -> bool:
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
-    args = [sys.executable, "-m", "geotrain", "train", "--out", str(tmp_path), "--set", "train.steps=100000",
-            "--set", "run.baseline=none"] + [a for o in TINY for a in ("--set", o)]
+    args = [
+        sys.executable,
+        "-m",
+        "geotrain",
+        "train",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "run.baseline=none",
+    ] + [a for o in TINY for a in ("--set", o)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     metrics = tmp_path / "metrics" / "rank0.jsonl"

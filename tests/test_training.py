@@ -12,11 +12,23 @@ from geotrain.config import load_config
 from geotrain.launch import launch_local
 
 TINY = [
-    "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
-    "train.batch_size=4", "train.eval_batches=4", "train.log_every=1000", "optim.warmup_steps=0",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "train.batch_size=4",
+    "train.eval_batches=4",
+    "train.log_every=1000",
+    "optim.warmup_steps=0",
 ]
-SGD = ["optim.name=sgd", "optim.momentum=0.0", "optim.weight_decay=0.0", "optim.lr=0.05",
-       "optim.schedule=constant", "optim.grad_clip=0"]
+SGD = [
+    "optim.name=sgd",
+    "optim.momentum=0.0",
+    "optim.weight_decay=0.0",
+    "optim.lr=0.05",
+    "optim.schedule=constant",
+    "optim.grad_clip=0",
+]
 
 
 def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -29,8 +41,13 @@ def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, to
 def test_diloco_h1_plain_sgd_equals_ddp(tmp_path: Path) -> None:
     steps = ["train.steps=6"]
     ddp, ddp_w = _run(tmp_path, "ddp", steps + SGD + ["sync.algorithm=ddp"])
-    dil, dil_w = _run(tmp_path, "dil", steps + SGD + ["sync.algorithm=diloco", "sync.H=1", "sync.outer_lr=1.0",
-                                                     "sync.outer_momentum=0.0", "sync.nesterov=false"])
+    dil, dil_w = _run(
+        tmp_path,
+        "dil",
+        steps
+        + SGD
+        + ["sync.algorithm=diloco", "sync.H=1", "sync.outer_lr=1.0", "sync.outer_momentum=0.0", "sync.nesterov=false"],
+    )
     assert ddp_w.keys() == dil_w.keys()
     for k in ddp_w:
         torch.testing.assert_close(dil_w[k], ddp_w[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -53,8 +70,20 @@ def test_diloco_bytes_are_ddp_over_h_and_summary_schema(tmp_path: Path) -> None:
     # every site holds a bit-identical global model
     assert set(dil["global_param_hash"]) == {"A", "B"}
     assert len(set(dil["global_param_hash"].values())) == 1
-    required = {"algorithm", "sites", "workers_per_site", "steps", "tokens", "final_eval_loss", "inter_site_bytes",
-                "intra_site_bytes", "wall_seconds", "compute_seconds", "comm_wait_seconds", "global_param_hash"}
+    required = {
+        "algorithm",
+        "sites",
+        "workers_per_site",
+        "steps",
+        "tokens",
+        "final_eval_loss",
+        "inter_site_bytes",
+        "intra_site_bytes",
+        "wall_seconds",
+        "compute_seconds",
+        "comm_wait_seconds",
+        "global_param_hash",
+    }
     for s in (ddp, dil):
         assert required <= s.keys()
         assert s["tokens"] == 10 * 4 * 4 * 16

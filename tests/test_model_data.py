@@ -1,0 +1,101 @@
+"""Model and data: pure units, no process group."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from geotrain.config import DataConfig, ModelConfig
+from geotrain.data import BatchSampler, build_rank_data, check_data, load_corpus, shard_for_rank, split_corpus
+from geotrain.model import GPT, build_model, count_params
+
+
+def test_model_file_knows_nothing_of_distribution() -> None:
+    src = Path(__file__).resolve().parent.parent / "geotrain" / "model.py"
+    imported = set()
+    for node in ast.walk(ast.parse(src.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert not any("distributed" in m for m in imported), imported
+
+
+def test_gpt_learns_a_repeated_sequence() -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
+    model = GPT(cfg)
+    assert count_params(model) == sum(p.numel() for p in model.parameters())
+    x = torch.arange(16).repeat(4, 1)
+    y = torch.roll(x, -1, dims=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(60):
+        loss = model(x, y)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.2 * first
+
+
+def test_hf_model_from_config_without_download() -> None:
+    pytest.importorskip("transformers")
+    for model_type in ("gpt2", "llama"):
+        cfg = ModelConfig(kind="hf", n_layer=1, n_head=2, n_embd=32, block_size=16, hf={"model_type": model_type})
+        model = build_model(cfg)
+        x = torch.randint(0, 256, (2, 16))
+        loss = model(x, x)
+        loss.backward()
+        assert torch.isfinite(loss) and 4.0 < float(loss) < 7.0  # ~ln(256) at init
+
+
+def test_default_corpus_ships_with_python_and_splits() -> None:
+    raw = load_corpus(DataConfig())
+    assert len(raw) > 1_000_000
+    s = split_corpus(raw, 0.05)
+    n_train = sum(b.numel() for b in s.train_blocks)
+    assert n_train + s.eval_tokens.numel() == len(raw)
+    assert 0.04 < s.eval_tokens.numel() / len(raw) < 0.06
+
+
+def test_sharding_iid_and_non_iid(tmp_path: Path) -> None:
+    text = "".join(f"line {i:06d} " + ("XXXX " if i < 5000 else "QQQQ ") * 5 + "\n" for i in range(10000))
+    (tmp_path / "c.txt").write_text(text)
+    cfg = DataConfig(corpus=str(tmp_path / "c.txt"))
+    s = split_corpus(load_corpus(cfg), cfg.eval_fraction)
+    iid = [shard_for_rank(s, r, 4, 2, non_iid=False) for r in range(4)]
+    non = [shard_for_rank(s, r, 4, 2, non_iid=True) for r in range(4)]
+    alpha, omega = ord("X"), ord("Q")
+    for shard in iid:  # every rank sees both halves
+        assert (shard == alpha).any() and (shard == omega).any()
+    # non-IID: site A (ranks 0,1) reads the first half, site B the second
+    assert not (non[0] == omega).any() and not (non[3] == alpha).any()
+    # shards partition the training tokens
+    total = sum(b.numel() for b in s.train_blocks)
+    assert sum(x.numel() for x in iid) == total == sum(x.numel() for x in non)
+
+
+def test_sampler_is_reproducible_from_its_state() -> None:
+    tokens = torch.randint(0, 256, (10000,), dtype=torch.uint8)
+    a = BatchSampler(tokens, 16, 4, seed=3)
+    a.next()
+    state = a.state()
+    x1, y1 = a.next()
+    b = BatchSampler(tokens, 16, 4, seed=99)
+    b.set_state(state)
+    x2, y2 = b.next()
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])
+
+
+def test_rank_data_and_too_small_corpus(tmp_path: Path) -> None:
+    rd = build_rank_data(DataConfig(), rank=1, world=4, num_sites=2, block_size=32, batch_size=2, eval_batches_n=3, seed=0)
+    x, y = rd.train.next()
+    assert x.shape == (2, 32) and len(rd.eval) == 3
+    (tmp_path / "tiny.txt").write_text("too small")
+    with pytest.raises(ValueError, match="data.corpus"):
+        check_data(DataConfig(corpus=str(tmp_path / "tiny.txt")), world=4, num_sites=2, block_size=64)
