@@ -100,8 +100,17 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
 
 
 @app.command("config")
-def show_config(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+def show_config(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the config reference instead.")] = False,
+) -> None:
     """Validate a config and print it with every default filled in."""
+    if markdown:
+        from geotrain.config import markdown_reference
+
+        print(markdown_reference())
+        return
     cfg = _load(config, set_)
     console.print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), markup=False, highlight=False)
 

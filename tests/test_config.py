@@ -93,3 +93,10 @@ def test_bad_config_through_cli(tmp_path: Path, text: str | None, overrides: lis
     assert lines[0].startswith("geotrain: config error: ")
     assert expect.replace("Value error, ", "") in lines[0], lines[0]
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_config_reference_is_up_to_date() -> None:
+    from geotrain.config import markdown_reference
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
+    assert doc.read_text().strip() == markdown_reference().strip(), "run: geotrain config --markdown > docs/CONFIG.md"
