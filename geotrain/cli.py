@@ -94,6 +94,9 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
             except LaunchError as exc:
                 err_console.print(f"geotrain: {alg} run failed: {exc}", markup=False, highlight=False)
                 raise typer.Exit(1) from None
+            except KeyboardInterrupt:
+                err_console.print("geotrain: interrupted; all ranks stopped", markup=False, highlight=False)
+                raise typer.Exit(130) from None
     print_table(runs, console)
     write_outputs(runs, out)
     console.print(f"wrote {out / 'summary.json'}, {out / 'loss.png'}; TensorBoard: tensorboard --logdir {out}")

@@ -33,7 +33,11 @@ class _Section(BaseModel):
 
 
 class LinkConfig(_Section):
-    """A network link class: bandwidth in bits per second and one-way latency in seconds."""
+    """A network link class: bandwidth in bits per second and one-way latency in seconds.
+
+    Validated and recorded with every run; emulating them (pacing and delay of the bytes sent)
+    is the WAN-emulation feature built on :mod:`geotrain.collectives`.
+    """
 
     bandwidth_bps: float = Field(gt=0, description="Link bandwidth in bits per second (e.g. 1.0e+9 for 1 Gbit/s).")
     latency_s: float = Field(ge=0, le=10, description="One-way latency in seconds (0 to 10).")

@@ -39,7 +39,7 @@ def test_gpt_learns_a_repeated_sequence() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(loss) < 0.2 * first
+    assert loss.item() < 0.2 * first
 
 
 def test_hf_model_from_config_without_download() -> None:

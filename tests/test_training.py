@@ -99,3 +99,16 @@ def test_final_partial_round_and_non_iid(tmp_path: Path) -> None:
     s, _ = _run(tmp_path, "p", ["train.steps=7", "sync.H=3", "data.non_iid=true", "sync.weight_by_tokens=true"])
     assert s["rounds"] == 3  # 3 + 3 + a final round of 1
     assert len(set(s["global_param_hash"].values())) == 1
+
+
+@pytest.mark.timeout(240)
+def test_hugging_face_model_trains_across_sites(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    s, weights = _run(
+        tmp_path,
+        "hf",
+        ["model.kind=hf", "topology.sites=[{name: eu, workers: 1}, {name: us, workers: 1}]", "train.steps=4", "sync.H=2"],
+    )
+    assert s["sites"] == ["eu", "us"] and s["rounds"] == 2
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert any(k.startswith("inner.") for k in weights)
