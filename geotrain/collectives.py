@@ -75,12 +75,16 @@ class Collectives:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def _ring_reduce_scatter(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
+    def _ring(self, ranks: list[int]) -> tuple[int, int, int, int]:
+        """(ring size, my position, next rank, previous rank) for a ring over ``ranks``."""
         n = len(ranks)
+        i = ranks.index(self.groups.me.rank)
+        return n, i, ranks[(i + 1) % n], ranks[(i - 1) % n]
+
+    def _ring_reduce_scatter(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
+        n, i, nxt, prv = self._ring(ranks)
         if n == 1:
             return
-        i = ranks.index(self.groups.me.rank)
-        nxt, prv = ranks[(i + 1) % n], ranks[(i - 1) % n]
         chunks = x.tensor_split(n)
         scratch = torch.empty_like(chunks[0])
         for s in range(n - 1):
@@ -91,11 +95,9 @@ class Collectives:
             into.add_(buf)
 
     def _ring_all_gather(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
-        n = len(ranks)
+        n, i, nxt, prv = self._ring(ranks)
         if n == 1:
             return
-        i = ranks.index(self.groups.me.rank)
-        nxt, prv = ranks[(i + 1) % n], ranks[(i - 1) % n]
         chunks = x.tensor_split(n)
         for s in range(n - 1):
             self._exchange(chunks[(i - s) % n], nxt, chunks[(i - s - 1) % n], prv, group)

@@ -23,6 +23,7 @@ Models", arXiv:2311.08105, Algorithm 1:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from types import TracebackType
 
 import torch
@@ -83,6 +84,18 @@ class SyncAlgorithm:
         """Average gradients as the algorithm requires. Called by the optimizer before each step."""
         raise NotImplementedError
 
+    def _average_gradients(self, members: int, reduce_sum: Callable[[torch.Tensor], None]) -> None:
+        """Sum gradients with ``reduce_sum`` over ``members`` ranks, divide, clip the average."""
+        if members == 1:  # nothing to exchange; keep the single-worker path as cheap as plain PyTorch
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            return
+        flat = flat_grads(self.params)
+        reduce_sum(flat)
+        flat.div_(members)
+        clip_flat_(flat, self.grad_clip)
+        write_grads(self.params, flat)
+
     def after_step(self) -> None:
         """Called by the optimizer after each inner step."""
         self.local_steps += 1
@@ -132,15 +145,7 @@ class DDP(SyncAlgorithm):
         self.world = comm.groups.topology.world_size
 
     def sync_gradients(self) -> None:
-        if self.world == 1:  # nothing to exchange; keep the single-worker path as cheap as plain PyTorch
-            if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-            return
-        flat = flat_grads(self.params)
-        self.comm.all_reduce(flat, self.allreduce)
-        flat.div_(self.world)
-        clip_flat_(flat, self.grad_clip)
-        write_grads(self.params, flat)
+        self._average_gradients(self.world, lambda flat: self.comm.all_reduce(flat, self.allreduce))
 
     def after_step(self) -> None:
         super().after_step()
@@ -185,15 +190,7 @@ class DiLoCo(SyncAlgorithm):
         self._steps_in_round = 0
 
     def sync_gradients(self) -> None:
-        if self.workers_per_site == 1:
-            if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-            return
-        flat = flat_grads(self.params)
-        self.comm.all_reduce_intra(flat)
-        flat.div_(self.workers_per_site)
-        clip_flat_(flat, self.grad_clip)
-        write_grads(self.params, flat)
+        self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
 
     def after_step(self) -> None:
         super().after_step()
