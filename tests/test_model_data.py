@@ -50,7 +50,7 @@ def test_hf_model_from_config_without_download() -> None:
         x = torch.randint(0, 256, (2, 16))
         loss = model(x, x)
         loss.backward()
-        assert torch.isfinite(loss) and 4.0 < float(loss) < 7.0  # ~ln(256) at init
+        assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # ~ln(256) at init
 
 
 def test_default_corpus_ships_with_python_and_splits() -> None:
