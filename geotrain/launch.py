@@ -70,7 +70,7 @@ def _describe_exit(code: int) -> str:
 
 
 def _pump(stream: IO[str], logfile: Path, forward: Callable[[str], None] | None) -> None:
-    with open(logfile, "a") as f:
+    with open(logfile, "w") as f:
         for line in stream:
             f.write(line)
             f.flush()
@@ -135,7 +135,8 @@ def launch_local(
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                r, c = bad[0]
+                # a peer that lost its connection may exit in the same poll: name the cause first
+                r, c = min(bad, key=lambda rc: (rc[1] > 0, rc[0]))
                 info = topo.info(r)
                 failure = (
                     f"rank {r} (site {info.site}, local rank {info.local_rank}) {_describe_exit(c)}; "
