@@ -293,6 +293,14 @@ def _loc_to_str(loc: tuple[Any, ...]) -> str:
     return out or "config"
 
 
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The config section type an annotation holds (``X``, ``X | None``, ``list[X]``), if any."""
+    for a in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
     model: Any = Config
     for part in loc[:-1]:
@@ -301,9 +309,7 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return []
-        ann = field.annotation
-        args = getattr(ann, "__args__", ())
-        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = _submodel(field.annotation)
         if model is None:
             return []
     return sorted(getattr(model, "model_fields", {}))
@@ -363,14 +369,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_error(exc)) from None
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a config from :meth:`Config.model_dump` output (used by workers)."""
-    try:
-        return Config.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
-
-
 def markdown_reference() -> str:
     """The config reference (docs/CONFIG.md), generated from the field descriptions."""
     lines = [
@@ -384,27 +382,25 @@ def markdown_reference() -> str:
     ]
 
     def walk(model: type[BaseModel], prefix: str, defaults: dict[str, Any], about: str) -> None:
-        rows = []
+        rows, element_sections = [], []
         for name, f in model.model_fields.items():
-            ann = f.annotation
-            sub = next(
-                (a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)), None
-            )
-            if sub is not None and getattr(ann, "__origin__", None) is not list:
+            sub = _submodel(f.annotation)
+            is_list = getattr(f.annotation, "__origin__", None) is list
+            if sub is not None and not is_list:
                 walk(sub, f"{prefix}{name}.", defaults[name], f.description or "")
                 continue
-            rows.append(f"| `{prefix}{name}` | `{defaults[name]!r}` | {f.description or ''} |")
+            if name in defaults:
+                default = f"`{defaults[name]!r}`"
+            else:  # inside a list element there are no config-level defaults
+                default = "required" if f.is_required() else f"`{f.get_default(call_default_factory=True)!r}`"
+            rows.append(f"| `{prefix}{name}` | {default} | {f.description or ''} |")
+            if sub is not None:  # a list of sections (topology.sites): document one element's keys
+                element_sections.append((sub, f"{prefix}{name}[i]."))
         if rows:
             head = [f"## `{prefix.rstrip('.')}`", ""] + ([about, ""] if about else [])
             lines.extend([*head, "| key | default | meaning |", "|---|---|---|", *rows, ""])
+        for sub, element_prefix in element_sections:
+            walk(sub, element_prefix, {}, "")
 
     walk(Config, "", Config().model_dump(), "")
-    lines += [
-        "## `topology.sites[i]`",
-        "",
-        "| key | default | meaning |",
-        "|---|---|---|",
-        *(f"| `{n}` | `{f.get_default()!r}` | {f.description} |" for n, f in SiteConfig.model_fields.items()),
-        "",
-    ]
     return "\n".join(lines)
