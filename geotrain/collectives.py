@@ -19,7 +19,7 @@ per rank (G = workers per site) cross the slow links, twice (N-1)/N of it for N 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,6 @@ class CommStats:
     intra_bytes: int = 0
     inter_bytes: int = 0
     comm_seconds: float = 0.0
-    sends: int = 0
-    per_peer: dict[int, int] = field(default_factory=dict)
-
-    def snapshot(self) -> tuple[int, int, float]:
-        return self.intra_bytes, self.inter_bytes, self.comm_seconds
 
 
 class Collectives:
@@ -60,8 +55,6 @@ class Collectives:
             self.stats.intra_bytes += nbytes
         else:
             self.stats.inter_bytes += nbytes
-        self.stats.sends += 1
-        self.stats.per_peer[dst] = self.stats.per_peer.get(dst, 0) + nbytes
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (global ranks)."""

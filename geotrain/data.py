@@ -131,21 +131,16 @@ def eval_batches(
 class RankData:
     train: BatchSampler
     eval: list[tuple[torch.Tensor, torch.Tensor]]
-    shard_tokens: int
-    corpus_bytes: int
 
 
 def build_rank_data(
     cfg: DataConfig, rank: int, world: int, num_sites: int, block_size: int, batch_size: int, eval_batches_n: int, seed: int
 ) -> RankData:
-    raw = load_corpus(cfg)
-    splits = split_corpus(raw, cfg.eval_fraction)
+    splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
     shard = shard_for_rank(splits, rank, world, num_sites, cfg.non_iid)
     return RankData(
         train=BatchSampler(shard, block_size, batch_size, seed * 1_000_033 + rank),
         eval=eval_batches(splits.eval_tokens, block_size, batch_size, eval_batches_n, seed),
-        shard_tokens=shard.numel(),
-        corpus_bytes=len(raw),
     )
 
 

@@ -23,7 +23,7 @@ Models", arXiv:2311.08105, Algorithm 1:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import torch
@@ -36,14 +36,16 @@ def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
+def views_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into ``flat`` shaped like each tensor of ``like``, in order (the inverse of a cat)."""
+    return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
+
+
 def write_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
+    for p, v in zip(params, views_like(flat, params), strict=True):
         if p.grad is None:
             p.grad = torch.empty_like(p)
-        p.grad.copy_(flat[offset : offset + n].view_as(p))
-        offset += n
+        p.grad.copy_(v)
 
 
 def clip_flat_(flat: torch.Tensor, max_norm: float) -> None:
@@ -219,11 +221,8 @@ class DiLoCo(SyncAlgorithm):
                 self.comm.all_reduce_across_sites(delta)
                 delta.div_(self.num_sites)
         # 4. outer optimizer step with Δ as the gradient
-        offset = 0
-        for g in self.global_params:
-            n = g.numel()
-            g.grad = delta[offset : offset + n].view_as(g)
-            offset += n
+        for g, v in zip(self.global_params, views_like(delta, self.global_params), strict=True):
+            g.grad = v
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         # 5. local ← global

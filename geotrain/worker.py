@@ -67,12 +67,18 @@ def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimize
 
 
 @torch.no_grad()
+def load_parameters(module: nn.Module, params: list[torch.Tensor]) -> None:
+    """Copy ``params`` (e.g. the global parameters of a sync algorithm) into ``module``."""
+    for dst, src in zip(module.parameters(), params, strict=True):
+        dst.copy_(src)
+
+
+@torch.no_grad()
 def evaluate(
     eval_model: nn.Module, params: list[torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups
 ) -> float:
     """Mean held-out loss of ``params``; batches are split over all ranks (control plane, not payload)."""
-    for dst, src in zip(eval_model.parameters(), params, strict=True):
-        dst.copy_(src)
+    load_parameters(eval_model, params)
     eval_model.eval()
     world, rank = groups.topology.world_size, groups.me.rank
     acc = torch.zeros(2, dtype=torch.float64)
@@ -123,18 +129,18 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             weight_by_tokens=s.weight_by_tokens,
             tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
         )
+        n_params = count_params(model)
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
-            log(me, 0, f"{s.algorithm} on {topo.describe()}, {count_params(model):,} parameters, {threads} thread(s)/rank")
+            log(me, 0, f"{s.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
         result = _loop(cfg, model, eval_model, data, optimizer, scheduler, sync, comm, groups, sink, tokens_per_rank_step)
         sink.close()
-        summary = _summarise(cfg, result, sync, comm, groups, count_params(model), threads)
+        summary = _summarise(cfg, result, sync, comm, groups, n_params, threads)
         if me.rank == 0:
             assert summary is not None
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
             if cfg.train.save_final:
-                for dst, src in zip(eval_model.parameters(), sync.global_parameters(), strict=True):
-                    dst.data.copy_(src)
+                load_parameters(eval_model, sync.global_parameters())
                 torch.save(eval_model.state_dict(), out / "final_model.pt")
         dist.barrier(group=groups.world)
         sync.close()
