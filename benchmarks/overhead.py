@@ -38,28 +38,19 @@ def _cfg(steps: int) -> list[str]:
 
 def plain_loop(steps: int) -> float:
     """A straightforward PyTorch training loop; returns seconds per step."""
-    import math
-
     import torch
 
     from geotrain.config import load_config
     from geotrain.data import build_rank_data
     from geotrain.model import GPT
+    from geotrain.worker import build_optimizer
 
     cfg = load_config(None, _cfg(steps))
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
     data = build_rank_data(cfg.data, 0, 1, 1, cfg.model.block_size, cfg.train.batch_size, 1, cfg.train.seed)
-    o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
-
-    def factor(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - o.warmup_steps) / max(1, steps - o.warmup_steps))))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    opt, sched = build_optimizer(cfg, model)  # same optimizer and schedule; not part of the framework overhead
     model.train()
     start = time.perf_counter()
     for _ in range(steps):
@@ -67,7 +58,7 @@ def plain_loop(steps: int) -> float:
         loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         sched.step()
         loss.item()
@@ -77,6 +68,7 @@ def plain_loop(steps: int) -> float:
 def geotrain_loop(steps: int) -> float:
     """geotrain's real worker (process group, hooks, metrics) on 1x1; returns seconds per step."""
     from geotrain.config import load_config
+    from geotrain.launch import free_port
     from geotrain.worker import train
 
     env = {
@@ -87,11 +79,7 @@ def geotrain_loop(steps: int) -> float:
         "MASTER_ADDR": "127.0.0.1",
         "GLOO_SOCKET_IFNAME": "lo",
     }
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(s.getsockname()[1])
+    env["MASTER_PORT"] = str(free_port())
     os.environ.update(env)
     with tempfile.TemporaryDirectory() as out:
         summary = train(load_config(None, _cfg(steps)), Path(out))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -12,13 +11,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from geotrain.launch import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
