@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from geotrain.collectives import Collectives
+from geotrain.config import SyncConfig
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
@@ -236,22 +237,26 @@ class DiLoCo(SyncAlgorithm):
 
 
 def build_sync(
-    algorithm: str,
+    cfg: SyncConfig,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     comm: Collectives,
     *,
     grad_clip: float,
-    allreduce: str,
-    H: int,
-    outer_lr: float,
-    outer_momentum: float,
-    nesterov: bool,
-    weight_by_tokens: bool,
     tokens_per_step: int,
 ) -> SyncAlgorithm:
-    if algorithm == "ddp":
-        return DDP(model, optimizer, comm, grad_clip, allreduce)
-    if algorithm == "diloco":
-        return DiLoCo(model, optimizer, comm, grad_clip, H, outer_lr, outer_momentum, nesterov, weight_by_tokens, tokens_per_step)
-    raise ValueError(f"sync.algorithm: unknown algorithm {algorithm!r}")
+    """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section."""
+    if cfg.algorithm == "ddp":
+        return DDP(model, optimizer, comm, grad_clip, cfg.allreduce)
+    return DiLoCo(
+        model,
+        optimizer,
+        comm,
+        grad_clip,
+        cfg.H,
+        cfg.outer_lr,
+        cfg.outer_momentum,
+        cfg.nesterov,
+        cfg.weight_by_tokens,
+        tokens_per_step,
+    )

@@ -114,25 +114,18 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         optimizer, scheduler = build_optimizer(cfg, model)
         comm = Collectives(groups)
         tokens_per_rank_step = cfg.train.batch_size * cfg.model.block_size
-        s = cfg.sync
         sync = build_sync(
-            s.algorithm,
+            cfg.sync,
             model,
             optimizer,
             comm,
             grad_clip=cfg.optim.grad_clip,
-            allreduce=s.allreduce,
-            H=s.H,
-            outer_lr=s.outer_lr,
-            outer_momentum=s.outer_momentum,
-            nesterov=s.nesterov,
-            weight_by_tokens=s.weight_by_tokens,
             tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
         )
         n_params = count_params(model)
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
-            log(me, 0, f"{s.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
+            log(me, 0, f"{cfg.sync.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
         result = _loop(cfg, model, eval_model, data, optimizer, scheduler, sync, comm, groups, sink, tokens_per_rank_step)
         sink.close()
         summary = _summarise(cfg, result, sync, comm, groups, n_params, threads)
@@ -265,7 +258,6 @@ def _summarise(
     hashes = {name: ranks[topo.site_ranks(i)[0]]["global_param_hash"] for i, name in enumerate(topo.site_names)}
     agree = all(r["global_param_hash"] == hashes[r["site"]] for r in ranks)
     n = len(ranks)
-    tokens = cfg.train.steps * topo.world_size * cfg.train.batch_size * cfg.model.block_size
     return {
         "algorithm": cfg.sync.algorithm,
         "sites": list(topo.site_names),
@@ -274,7 +266,7 @@ def _summarise(
         "steps": cfg.train.steps,
         "H": cfg.sync.H if cfg.sync.algorithm == "diloco" else 1,
         "rounds": sync.rounds,
-        "tokens": tokens,
+        "tokens": result["curve"][-1]["tokens"],
         "params": n_params,
         "final_eval_loss": result["final_eval_loss"],
         "inter_site_bytes": sum(r["inter_site_bytes"] for r in ranks),
