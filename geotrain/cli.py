@@ -118,6 +118,39 @@ def show_config(
     console.print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), markup=False, highlight=False)
 
 
+@app.command()
+def netsim(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML (see scenarios/netsim/ and docs/NETSIM.md).")],
+    set_: SetOpt = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write fct_cdf.png (completion-time CDF per routing) here.")] = None,
+) -> None:
+    """Size a datacenter fabric and simulate synchronized training traffic (ECMP vs multipath)."""
+    from geotrain.netsim.scenario import load_scenario
+
+    try:
+        sc = load_scenario(scenario, set_)
+    except ConfigError as exc:
+        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    from geotrain.netsim.report import print_report
+    from geotrain.netsim.run import plot_fct_cdf, run_scenario
+
+    try:
+        out, fcts = run_scenario(sc)
+    except ValueError as exc:
+        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    print_report(out, Console(soft_wrap=True, width=max(console.width, 132)))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(out, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+    if plot is not None:
+        plot_fct_cdf(fcts, plot / "fct_cdf.png", f"{sc.name}: {sc.traffic.pattern}, {sc.fabric.hosts} hosts")
+        console.print(f"wrote {plot / 'fct_cdf.png'}")
+
+
 def main() -> None:
     app()
 

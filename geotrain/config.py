@@ -12,13 +12,16 @@ both do what one expects. This module imports no torch so the CLI can reject bad
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -301,8 +304,8 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
-    model: Any = Config
+def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    model: Any = root
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
@@ -315,22 +318,30 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
     return sorted(getattr(model, "model_fields", {}))
 
 
-def _format_error(err: ValidationError) -> str:
+def format_error(err: ValidationError, root: type[BaseModel]) -> str:
+    """The first validation error as one line: ``field.path: message (got value)``."""
     e = err.errors(include_url=False)[0]
     loc = tuple(e["loc"])
     field = _loc_to_str(loc)
     if e["type"] == "extra_forbidden":
-        allowed = _allowed_keys(loc)
+        allowed = _allowed_keys(root, loc)
         hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
         return f"{field}: unknown key{hint}"
     msg = e["msg"].removeprefix("Value error, ")
+    named = re.match(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): (.*)", msg)
+    if e["type"] == "value_error" and named and named.group(1).split(".")[0].split("[")[0] in _allowed_keys(root, (*loc, "")):
+        # a cross-field check that names its field: report it at that field
+        return f"{_loc_to_str((*loc, named.group(1)))}: {named.group(2)}"
     if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
         return f"{field}: {msg} (got {e['input']!r})"
     return f"{field}: {msg}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a config from an optional YAML file plus ``KEY=VALUE`` overrides.
+def load_yaml_model(root: type[M], path: str | Path | None, overrides: list[str] | None = None, option: str = "--config") -> M:
+    """Validate ``root`` from an optional YAML file plus ``KEY=VALUE`` overrides.
+
+    Shared by training configs and the planner/simulator scenarios, so every file geotrain reads
+    has the same rules: strict types, unknown keys refused, one-line errors naming the field.
 
     Raises:
         ConfigError: with a one-line message naming the offending field.
@@ -339,19 +350,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"--config: file not found: {path}")
+            raise ConfigError(f"{option}: file not found: {path}")
         try:
             loaded = yaml.load(p.read_text(), Loader=_Loader)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--config: not valid YAML: {str(exc).splitlines()[0]}") from None
+            raise ConfigError(f"{option}: not valid YAML: {str(exc).splitlines()[0]}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError("config: the file must hold a mapping of sections (topology, model, ...)")
+            raise ConfigError(f"{option}: the file must hold a mapping of sections ({', '.join(root.model_fields)})")
         data = loaded
     data = copy.deepcopy(data)
     if overrides:  # so an override can reach into defaults, e.g. topology.sites.0.region=eu
-        data = _merge(Config().model_dump(), data)
+        with contextlib.suppress(ValidationError):  # a root with required keys: overrides apply to the file only
+            data = _merge(root().model_dump(), data)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"--set: expected KEY=VALUE, got {item!r}")
@@ -364,9 +376,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{key}: cannot parse value {value!r}") from None
         _set_dotted(data, key, parsed)
     try:
-        return Config.model_validate(data)
+        return root.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(format_error(exc, root)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a training config from an optional YAML file plus ``KEY=VALUE`` overrides.
+
+    Raises:
+        ConfigError: with a one-line message naming the offending field.
+    """
+    return load_yaml_model(Config, path, overrides)
 
 
 def markdown_reference() -> str:

@@ -1,0 +1,220 @@
+"""Run a ``geotrain netsim`` scenario: size the fabric, simulate every routing, report, plot.
+
+JSON schema: docs/NETSIM.md. The "optimal" time of a phase is the cut bound: every flow split
+evenly over all its shortest paths, which on a fat tree puts exactly (traffic leaving a subtree) /
+(its up-links) on every up-link, the least any routing can; optimal = startup + busiest link's
+bytes / its capacity + the longest base RTT. Spraying reaches it whenever the max-min allocation
+of the sprayed flows is not itself the bottleneck (always for permutations on full bisection).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geotrain.netsim.engine import max_min_rates, simulate
+from geotrain.netsim.fabric import Fabric, build_fabric
+from geotrain.netsim.routing import FlowSet, route, spray
+from geotrain.netsim.scenario import Scenario, TreeConfig
+from geotrain.netsim.sizing import size_fat_tree
+from geotrain.netsim.traffic import Phase, build_phases
+
+SCOPE = (
+    "Fluid flow-level model: rates are max-min fair and change only when a flow completes. It shows "
+    "where routing wastes capacity (hash collisions) but not incast, PFC pauses, buffer occupancy, "
+    "congestion-control dynamics (slow start, reaction delay), retransmissions or reordering; real "
+    "single-path transports usually do worse than its ECMP figure, and real multipath ones a little "
+    "worse than its spray figure."
+)
+
+
+def size_tree(t: TreeConfig) -> dict[str, Any]:
+    return size_fat_tree(
+        t.hosts,
+        t.radix,
+        t.tiers,
+        oversubscription=t.oversubscription,
+        ports=t.ports,
+        port_bps=t.port_gbps * 1e9,
+        rails=t.rails,
+        transceiver_usd=t.cost.transceiver_usd,
+        transceivers_per_link=t.cost.transceivers_per_link,
+        host_links_optical=t.cost.host_links_optical,
+        switch_usd=t.cost.switch_usd,
+    ).to_dict()
+
+
+@dataclass
+class _RoutingRun:
+    makespans: list[float] = field(default_factory=list)
+    optimals: list[float] = field(default_factory=list)
+    throughput: list[float] = field(default_factory=list)
+    max_load: list[float] = field(default_factory=list)
+    used: list[float] = field(default_factory=list)
+    util: list[float] = field(default_factory=list)
+    fct: np.ndarray | None = None  # first trial, the costliest phase
+    seconds: float = 0.0
+
+
+def _on_rails(fabric: Fabric, make: Any, rails: int) -> FlowSet:
+    """Route every flow once per rail (1/rails of its bytes on each independent plane)."""
+    sets = [make() for _ in range(rails)]
+    if rails == 1:
+        return sets[0]
+    base = sets[0]
+    return FlowSet(
+        size=np.concatenate([s.size for s in sets]),
+        parent=np.concatenate([s.parent for s in sets]),
+        hops=np.concatenate([s.hops for s in sets]),
+        ent_flow=np.concatenate([s.ent_flow + r * base.num_flows for r, s in enumerate(sets)]),
+        ent_link=np.concatenate([s.ent_link + r * fabric.num_links for r, s in enumerate(sets)]),
+        ent_weight=np.concatenate([s.ent_weight for s in sets]),
+        num_parents=base.num_parents,
+    )
+
+
+def _initial_rates(flows: FlowSet, cap: np.ndarray) -> np.ndarray:
+    """Max-min rate of every traffic flow while all flows are active."""
+    r = max_min_rates(flows.ent_flow, flows.ent_link, flows.ent_weight, cap, flows.num_flows)
+    return np.bincount(flows.parent, r, minlength=flows.num_parents)
+
+
+def _phase(sc: Scenario, fabric: Fabric, cap: np.ndarray, ph: Phase, routing: str, rng: np.random.Generator) -> dict[str, Any]:
+    tr = sc.transport
+    rails = sc.fabric.rails
+    share = ph.size / rails
+
+    def entries(fs: FlowSet) -> int:
+        return int(fs.ent_flow.size)
+
+    ideal = _on_rails(fabric, lambda: spray(fabric, ph.src, ph.dst, share), rails)
+    routed = (
+        ideal
+        if routing == "spray"
+        else _on_rails(fabric, lambda: route(fabric, routing, ph.src, ph.dst, share, rng, tr.subflows), rails)
+    )
+    if max(entries(ideal), entries(routed)) > sc.max_entries:
+        raise ValueError(
+            f"max_entries: {routing} on {ph.num_flows} flows needs {max(entries(ideal), entries(routed)):,} routing "
+            f"entries (limit {sc.max_entries:,}); use fewer hosts or a smaller group_size"
+        )
+    res = simulate(routed, cap, tr.hop_latency_s, tr.startup_s)
+    link_bytes_ideal = ideal.link_bytes(cap.size)
+    optimal = tr.startup_s + float((link_bytes_ideal / cap).max()) + float(2 * ideal.hops.max() * tr.hop_latency_s)
+    # rates each flow would get with ideal spraying when all are active (the throughput yardstick)
+    ideal_rate = _initial_rates(ideal, cap)
+    loads = routed.link_flows(cap.size) * rails
+    link_bytes = routed.link_bytes(cap.size)
+    switch_links = np.tile(fabric.link_tier > 0, rails)
+    used = link_bytes > 0
+    drain = max(res.makespan - tr.startup_s, 1e-30)
+    return {
+        "makespan": res.makespan,
+        "optimal": optimal,
+        "fct": res.fct,
+        "throughput": float(np.mean(res.initial_rate / ideal_rate)),
+        "max_load": float(loads.max()),
+        "used": float(used[switch_links].mean()) if switch_links.any() else 1.0,
+        "util": float(np.mean(link_bytes[used] / (cap[used] * drain))),
+    }
+
+
+def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Size and simulate ``sc``. Returns (JSON-ready result, per-routing completion times for plots)."""
+    t_start = time.perf_counter()
+    f = sc.fabric
+    fabric = build_fabric(f.hosts, f.tier_ports(), f.port_gbps * 1e9 / f.rails)
+    cap = np.tile(fabric.link_cap, f.rails)
+    topology = size_tree(f)
+    topology["simulated"] = {"links": int(cap.size), "switches": fabric.num_switches * f.rails, "planes": f.rails}
+    msg = sc.traffic.bytes
+    results: list[dict[str, Any]] = []
+    fcts: dict[str, np.ndarray] = {}
+    phases_doc: list[dict[str, Any]] = []
+    for routing in sc.transport.routings:
+        run = _RoutingRun()
+        t0 = time.perf_counter()
+        for trial in range(sc.trials):
+            rng = np.random.default_rng([sc.seed, trial])
+            phases = build_phases(sc.traffic.pattern, f.hosts, msg, rng, sc.traffic.group_size, sc.traffic.in_group_on_fabric)
+            if not phases_doc:
+                phases_doc = [
+                    {"name": p.name, "flows": p.num_flows, "bytes_per_flow": float(p.size[0]), "repeat": p.repeat} for p in phases
+                ]
+            outs = [_phase(sc, fabric, cap, p, routing, rng) for p in phases]
+            run.makespans.append(sum(o["makespan"] * p.repeat for o, p in zip(outs, phases, strict=True)))
+            run.optimals.append(sum(o["optimal"] * p.repeat for o, p in zip(outs, phases, strict=True)))
+            main = max(range(len(outs)), key=lambda i: outs[i]["makespan"] * phases[i].repeat)
+            run.throughput.append(outs[main]["throughput"])
+            run.max_load.append(outs[main]["max_load"])
+            run.used.append(outs[main]["used"])
+            run.util.append(outs[main]["util"])
+            if run.fct is None:
+                run.fct = outs[main]["fct"]
+        run.seconds = time.perf_counter() - t0
+        assert run.fct is not None
+        fcts[routing] = run.fct
+        mk, opt = float(np.mean(run.makespans)), float(np.mean(run.optimals))
+        results.append(
+            {
+                "routing": routing,
+                "makespan_seconds": mk,
+                "makespan_seconds_min": float(np.min(run.makespans)),
+                "makespan_seconds_max": float(np.max(run.makespans)),
+                "optimal_seconds": opt,
+                "ratio_to_optimal": mk / opt,
+                "mean_throughput_fraction": float(np.mean(run.throughput)),
+                "max_link_load": float(np.mean(run.max_load)),
+                "switch_links_used_fraction": float(np.mean(run.used)),
+                "mean_link_utilization": float(np.mean(run.util)),
+                "fct_percentiles_seconds": {str(q): float(np.percentile(run.fct, q)) for q in (1, 10, 50, 90, 99, 100)},
+                "trials": sc.trials,
+                "wall_seconds": run.seconds,
+            }
+        )
+    out: dict[str, Any] = {
+        "scenario": sc.name,
+        "topology": topology,
+        "sizing": [
+            {"name": c.name, "ours": size_tree(c), "paper": c.paper.model_dump() if c.paper else None, "note": c.note}
+            for c in sc.sizing
+        ],
+        "traffic": {
+            "pattern": sc.traffic.pattern,
+            "message_bytes": msg,
+            "message_from": "model" if sc.traffic.model is not None else "message_bytes",
+            "phases": phases_doc,
+        },
+        "transport": sc.transport.model_dump(),
+        "results": results,
+        "paper": sc.paper.model_dump() if sc.paper else None,
+        "scope": SCOPE,
+        "elapsed_seconds": time.perf_counter() - t_start,
+    }
+    return out, fcts
+
+
+def plot_fct_cdf(fcts: dict[str, np.ndarray], path: Path, title: str) -> None:
+    """CDF of flow completion times per routing (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for routing, fct in fcts.items():
+        x = np.sort(fct) * 1e3
+        ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", label=routing)
+    ax.set_xlabel("flow completion time (ms)")
+    ax.set_ylabel("fraction of flows")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
