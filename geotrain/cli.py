@@ -124,6 +124,7 @@ def netsim(
     set_: SetOpt = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write fct_cdf.png (completion-time CDF per routing) here.")] = None,
+    flows_csv: Annotated[Path | None, typer.Option("--flows", help="Write every flow's completion time as CSV here.")] = None,
 ) -> None:
     """Size a datacenter fabric and simulate synchronized training traffic (ECMP vs multipath)."""
     from geotrain.netsim.scenario import load_scenario
@@ -134,10 +135,10 @@ def netsim(
         err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     from geotrain.netsim.report import print_report
-    from geotrain.netsim.run import plot_fct_cdf, run_scenario
+    from geotrain.netsim.run import plot_fct_cdf, run_scenario, write_flows_csv
 
     try:
-        out, fcts = run_scenario(sc)
+        out, flows = run_scenario(sc)
     except ValueError as exc:
         err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
@@ -147,8 +148,11 @@ def netsim(
         json_out.write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"wrote {json_out}")
     if plot is not None:
-        plot_fct_cdf(fcts, plot / "fct_cdf.png", f"{sc.name}: {sc.traffic.pattern}, {sc.fabric.hosts} hosts")
+        plot_fct_cdf(flows, plot / "fct_cdf.png", f"{sc.name}: {sc.traffic.pattern}, {sc.fabric.hosts} hosts")
         console.print(f"wrote {plot / 'fct_cdf.png'}")
+    if flows_csv is not None:
+        write_flows_csv(flows, flows_csv)
+        console.print(f"wrote {flows_csv}")
 
 
 def main() -> None:

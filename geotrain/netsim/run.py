@@ -49,6 +49,17 @@ def size_tree(t: TreeConfig) -> dict[str, Any]:
 
 
 @dataclass
+class FlowRecord:
+    """Every flow of one run of the costliest phase (first trial) and its completion time."""
+
+    phase: str
+    src: np.ndarray
+    dst: np.ndarray
+    size: np.ndarray
+    fct: np.ndarray
+
+
+@dataclass
 class _RoutingRun:
     makespans: list[float] = field(default_factory=list)
     optimals: list[float] = field(default_factory=list)
@@ -56,7 +67,7 @@ class _RoutingRun:
     max_load: list[float] = field(default_factory=list)
     used: list[float] = field(default_factory=list)
     util: list[float] = field(default_factory=list)
-    fct: np.ndarray | None = None  # first trial, the costliest phase
+    flows: FlowRecord | None = None  # first trial, the costliest phase
     seconds: float = 0.0
 
 
@@ -88,26 +99,26 @@ def _phase(sc: Scenario, fabric: Fabric, cap: np.ndarray, ph: Phase, routing: st
     rails = sc.fabric.rails
     share = ph.size / rails
 
-    def entries(fs: FlowSet) -> int:
-        return int(fs.ent_flow.size)
-
+    # spraying holds the most routing entries: check the bound before building anything
+    per_flow = max(2 + 2 * sum(fabric.planes[1:]), 2 * fabric.tiers * (tr.subflows if routing == "ecmp_subflows" else 1))
+    need = ph.num_flows * rails * per_flow
+    if need > sc.max_entries:
+        raise ValueError(
+            f"max_entries: {ph.num_flows:,} flows on this fabric need up to {need:,} routing entries "
+            f"(limit {sc.max_entries:,}); use fewer hosts or a smaller group_size"
+        )
     ideal = _on_rails(fabric, lambda: spray(fabric, ph.src, ph.dst, share), rails)
     routed = (
         ideal
         if routing == "spray"
         else _on_rails(fabric, lambda: route(fabric, routing, ph.src, ph.dst, share, rng, tr.subflows), rails)
     )
-    if max(entries(ideal), entries(routed)) > sc.max_entries:
-        raise ValueError(
-            f"max_entries: {routing} on {ph.num_flows} flows needs {max(entries(ideal), entries(routed)):,} routing "
-            f"entries (limit {sc.max_entries:,}); use fewer hosts or a smaller group_size"
-        )
     res = simulate(routed, cap, tr.hop_latency_s, tr.startup_s)
     link_bytes_ideal = ideal.link_bytes(cap.size)
     optimal = tr.startup_s + float((link_bytes_ideal / cap).max()) + float(2 * ideal.hops.max() * tr.hop_latency_s)
     # rates each flow would get with ideal spraying when all are active (the throughput yardstick)
     ideal_rate = _initial_rates(ideal, cap)
-    loads = routed.link_flows(cap.size) * rails
+    loads = routed.link_flows(cap.size)
     link_bytes = routed.link_bytes(cap.size)
     switch_links = np.tile(fabric.link_tier > 0, rails)
     used = link_bytes > 0
@@ -123,8 +134,8 @@ def _phase(sc: Scenario, fabric: Fabric, cap: np.ndarray, ph: Phase, routing: st
     }
 
 
-def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Size and simulate ``sc``. Returns (JSON-ready result, per-routing completion times for plots)."""
+def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, FlowRecord]]:
+    """Size and simulate ``sc``. Returns (JSON-ready result, per-routing flows with completion times)."""
     t_start = time.perf_counter()
     f = sc.fabric
     fabric = build_fabric(f.hosts, f.tier_ports(), f.port_gbps * 1e9 / f.rails)
@@ -133,7 +144,7 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     topology["simulated"] = {"links": int(cap.size), "switches": fabric.num_switches * f.rails, "planes": f.rails}
     msg = sc.traffic.bytes
     results: list[dict[str, Any]] = []
-    fcts: dict[str, np.ndarray] = {}
+    flows: dict[str, FlowRecord] = {}
     phases_doc: list[dict[str, Any]] = []
     for routing in sc.transport.routings:
         run = _RoutingRun()
@@ -153,11 +164,12 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             run.max_load.append(outs[main]["max_load"])
             run.used.append(outs[main]["used"])
             run.util.append(outs[main]["util"])
-            if run.fct is None:
-                run.fct = outs[main]["fct"]
+            if run.flows is None:
+                p = phases[main]
+                run.flows = FlowRecord(p.name, p.src, p.dst, p.size, outs[main]["fct"])
         run.seconds = time.perf_counter() - t0
-        assert run.fct is not None
-        fcts[routing] = run.fct
+        assert run.flows is not None
+        flows[routing] = run.flows
         mk, opt = float(np.mean(run.makespans)), float(np.mean(run.optimals))
         results.append(
             {
@@ -171,7 +183,7 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 "max_link_load": float(np.mean(run.max_load)),
                 "switch_links_used_fraction": float(np.mean(run.used)),
                 "mean_link_utilization": float(np.mean(run.util)),
-                "fct_percentiles_seconds": {str(q): float(np.percentile(run.fct, q)) for q in (1, 10, 50, 90, 99, 100)},
+                "fct_percentiles_seconds": {str(q): float(np.percentile(run.flows.fct, q)) for q in (1, 10, 50, 90, 99, 100)},
                 "trials": sc.trials,
                 "wall_seconds": run.seconds,
             }
@@ -195,10 +207,20 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         "scope": SCOPE,
         "elapsed_seconds": time.perf_counter() - t_start,
     }
-    return out, fcts
+    return out, flows
 
 
-def plot_fct_cdf(fcts: dict[str, np.ndarray], path: Path, title: str) -> None:
+def write_flows_csv(flows: dict[str, FlowRecord], path: Path) -> None:
+    """One line per flow and routing: routing, phase, src, dst, bytes, fct_seconds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write("routing,phase,src,dst,bytes,fct_seconds\n")
+        for routing, rec in flows.items():
+            for s, d, b, t in zip(rec.src.tolist(), rec.dst.tolist(), rec.size.tolist(), rec.fct.tolist(), strict=True):
+                f.write(f"{routing},{rec.phase},{s},{d},{b:.6g},{t:.9g}\n")
+
+
+def plot_fct_cdf(flows: dict[str, FlowRecord], path: Path, title: str) -> None:
     """CDF of flow completion times per routing (matplotlib, no display needed)."""
     import matplotlib
 
@@ -206,8 +228,8 @@ def plot_fct_cdf(fcts: dict[str, np.ndarray], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for routing, fct in fcts.items():
-        x = np.sort(fct) * 1e3
+    for routing, rec in flows.items():
+        x = np.sort(rec.fct) * 1e3
         ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", label=routing)
     ax.set_xlabel("flow completion time (ms)")
     ax.set_ylabel("fraction of flows")
