@@ -139,7 +139,7 @@ def netsim(
 
     try:
         out, flows = run_scenario(sc)
-    except ValueError as exc:
+    except ConfigError as exc:  # a limit only known once the fabric is built (max_entries)
         err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     print_report(out, Console(soft_wrap=True, width=max(console.width, 132)))

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from geotrain.config import ConfigError
 from geotrain.netsim.engine import max_min_rates, simulate
 from geotrain.netsim.fabric import Fabric, build_fabric
 from geotrain.netsim.routing import FlowSet, route, spray
@@ -103,7 +104,7 @@ def _phase(sc: Scenario, fabric: Fabric, cap: np.ndarray, ph: Phase, routing: st
     per_flow = max(2 + 2 * sum(fabric.planes[1:]), 2 * fabric.tiers * (tr.subflows if routing == "ecmp_subflows" else 1))
     need = ph.num_flows * rails * per_flow
     if need > sc.max_entries:
-        raise ValueError(
+        raise ConfigError(
             f"max_entries: {ph.num_flows:,} flows on this fabric need up to {need:,} routing entries "
             f"(limit {sc.max_entries:,}); use fewer hosts or a smaller group_size"
         )
