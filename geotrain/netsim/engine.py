@@ -44,44 +44,73 @@ def _csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return order, ptr
 
 
+class MaxMin:
+    """Max-min fair rates of a fixed set of flows, re-computable as flows leave.
+
+    The routing matrix is indexed once (CSR by link and by flow). :meth:`fill` runs progressive
+    filling; each round costs O(links still filling + entries of the flows it freezes), because
+    link demands are updated by subtraction instead of being recomputed from every entry.
+
+    Incremental refill after completions: if flows with rates ``>= r_min`` leave, every flow that
+    froze at a level ``< r_min`` keeps its rate exactly. (Below ``r_min`` no link a departed flow
+    crossed had filled, and without those flows such links fill no earlier, so filling up to
+    ``r_min`` repeats step for step.) Filling then resumes from the highest kept level. Fast
+    flows finish first, so a completion usually re-fills only the top few levels.
+    """
+
+    def __init__(self, ent_flow: np.ndarray, ent_link: np.ndarray, ent_weight: np.ndarray, capacity: np.ndarray, num_flows: int):
+        self.num_flows = num_flows
+        self.ent_flow, self.ent_weight = ent_flow, ent_weight
+        links, self.ent_lidx = np.unique(ent_link, return_inverse=True)
+        self.n_links = links.size
+        self.cap = capacity[links].astype(np.float64)
+        by_link, self.link_ptr = _csr(self.ent_lidx, self.n_links)
+        self.flows_of_link = ent_flow[by_link]
+        by_flow, self.flow_ptr = _csr(ent_flow, num_flows)
+        self.links_of_flow, self.weight_of_flow = self.ent_lidx[by_flow], ent_weight[by_flow]
+
+    def fill(self, rate: np.ndarray, fixed: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Rates for the ``active`` flows; those in ``fixed`` keep ``rate`` (see the class docstring)."""
+        out = np.where(fixed & active, rate, 0.0)
+        free = active & ~fixed
+        if not free.any():
+            return out
+        level = float(out[fixed & active].max()) if (fixed & active).any() else 0.0
+        e_free = free[self.ent_flow]
+        e_fixed = (fixed & active)[self.ent_flow]
+        demand = np.bincount(self.ent_lidx[e_free], self.ent_weight[e_free], minlength=self.n_links)
+        used = np.bincount(self.ent_lidx[e_fixed], self.ent_weight[e_fixed] * out[self.ent_flow[e_fixed]], minlength=self.n_links)
+        cap_left = self.cap - used - level * demand
+        frozen = ~free
+        alive = np.flatnonzero(demand > 1e-12)
+        while alive.size:
+            d = demand[alive]
+            share = cap_left[alive] / d
+            inc = max(float(share.min()), 0.0)
+            level += inc
+            cap_left[alive] -= inc * d
+            full = share <= inc * (1 + 1e-9) + 1e-300
+            fl = self.flows_of_link[_ranges(self.link_ptr, alive[full])]
+            fl = np.unique(fl[~frozen[fl]])
+            out[fl] = level
+            frozen[fl] = True
+            ent = _ranges(self.flow_ptr, fl)
+            demand -= np.bincount(self.links_of_flow[ent], self.weight_of_flow[ent], minlength=self.n_links)
+            alive = alive[~full]
+            alive = alive[demand[alive] > 1e-12]
+        return out
+
+
 def max_min_rates(
     ent_flow: np.ndarray, ent_link: np.ndarray, ent_weight: np.ndarray, capacity: np.ndarray, num_flows: int
 ) -> np.ndarray:
-    """Max-min fair rate of every flow (0 for flows with no entries) by progressive filling.
-
-    Each round costs O(links still filling + entries of the flows it freezes): link demands are
-    updated by subtraction instead of being recomputed from every entry.
-    """
-    rate = np.zeros(num_flows)
+    """Max-min fair rate of every flow (0 for flows with no entries) by progressive filling."""
     if ent_flow.size == 0:
-        return rate
-    links, lidx = np.unique(ent_link, return_inverse=True)
-    n_links = links.size
-    cap_left = capacity[links].astype(np.float64)
-    demand = np.bincount(lidx, ent_weight, minlength=n_links)
-    by_link, link_ptr = _csr(lidx, n_links)
-    flows_of_link = ent_flow[by_link]
-    by_flow, flow_ptr = _csr(ent_flow, num_flows)
-    links_of_flow, weight_of_flow = lidx[by_flow], ent_weight[by_flow]
-    frozen = np.zeros(num_flows, dtype=bool)
-    alive = np.flatnonzero(demand > 0)
-    level = 0.0
-    while alive.size:
-        d = demand[alive]
-        share = cap_left[alive] / d
-        inc = max(float(share.min()), 0.0)
-        level += inc
-        cap_left[alive] -= inc * d
-        full = share <= inc * (1 + 1e-9) + 1e-300
-        fl = flows_of_link[_ranges(link_ptr, alive[full])]
-        fl = np.unique(fl[~frozen[fl]])
-        rate[fl] = level
-        frozen[fl] = True
-        ent = _ranges(flow_ptr, fl)
-        demand -= np.bincount(links_of_flow[ent], weight_of_flow[ent], minlength=n_links)
-        alive = alive[~full]
-        alive = alive[demand[alive] > 1e-12]
-    return rate
+        return np.zeros(num_flows)
+    everyone = np.zeros(num_flows, dtype=bool)
+    everyone[ent_flow] = True
+    none = np.zeros(num_flows, dtype=bool)
+    return MaxMin(ent_flow, ent_link, ent_weight, capacity, num_flows).fill(np.zeros(num_flows), none, everyone)
 
 
 @dataclass
@@ -102,13 +131,18 @@ def simulate(flows: FlowSet, capacity: np.ndarray, hop_latency_s: float = 0.0, s
     n = flows.num_flows
     remaining = flows.size.copy()
     done_at = np.zeros(n)
-    alive = np.ones(n, dtype=bool)
-    ent_flow, ent_link, ent_weight = flows.ent_flow, flows.ent_link, flows.ent_weight
+    alive = np.zeros(n, dtype=bool)
+    alive[flows.ent_flow] = True
+    if not alive.all():
+        raise RuntimeError("every flow needs at least one link")
+    mm = MaxMin(flows.ent_flow, flows.ent_link, flows.ent_weight, capacity, n)
+    rate = np.zeros(n)
+    fixed = np.zeros(n, dtype=bool)
     t = 0.0
     initial: np.ndarray | None = None
     events = 0
     while alive.any():
-        rate = max_min_rates(ent_flow, ent_link, ent_weight, capacity, n)
+        rate = mm.fill(rate, fixed, alive)
         if initial is None:
             initial = rate.copy()
         idx = np.flatnonzero(alive)
@@ -121,8 +155,8 @@ def simulate(flows: FlowSet, capacity: np.ndarray, hop_latency_s: float = 0.0, s
         remaining[idx] -= rate[idx] * dt
         done_at[idx[finished]] = t
         alive[idx[finished]] = False
-        keep = alive[ent_flow]
-        ent_flow, ent_link, ent_weight = ent_flow[keep], ent_link[keep], ent_weight[keep]
+        r_min = float(rate[idx[finished]].min())
+        fixed = alive & (rate < r_min * (1 - 1e-9))
         events += 1
     assert initial is not None
     sub_fct = done_at + 2.0 * flows.hops * hop_latency_s + startup_s
