@@ -12,8 +12,8 @@ which link.
   (a sender cycling through ``subflows`` entropy values, as Ultra Ethernet's packet spraying or
   NCCL's several queue pairs per connection do). In the fluid limit the flow's rate splits evenly
   over those paths; ``subflows = 1`` is ``ecmp``, and as it grows it approaches ``spray``.
-  Independently congestion-controlled subflows (uncoupled MPTCP) are not modelled: every subflow
-  finishing at its own time makes the fluid engine's event count explode.
+  Independently congestion-controlled subflows (uncoupled MPTCP, each with its own max-min
+  share and finishing time) are not modelled.
 - ``spray``: ideal packet spraying: every flow's rate split evenly over all its shortest paths
   (NDP, Homa-style receiver-driven multipath in the fluid limit).
 - ``adaptive``: a central least-loaded placement: flows in random order each take the path whose
