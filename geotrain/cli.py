@@ -155,6 +155,40 @@ def netsim(
         console.print(f"wrote {flows_csv}")
 
 
+@app.command()
+def plan(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML (see scenarios/plan/ and docs/PLAN.md).")],
+    set_: SetOpt = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the plan as JSON here.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write model_size_vs_months.png and bandwidth_vs_utilization.png here.")
+    ] = None,
+) -> None:
+    """Plan a (multi-site) training run: facility, scaling law, memory, layout, step time, network, sync strategy."""
+    from geotrain.plan.scenario import load_plan
+
+    try:
+        sc = load_plan(scenario, set_)
+    except ConfigError as exc:
+        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    from geotrain.plan.run import plot_plan, print_plan, run_plan
+
+    try:
+        out = run_plan(sc)
+    except ValueError as exc:  # inputs only the arithmetic can reject (e.g. a budget that buys no rack)
+        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    print_plan(out, Console(soft_wrap=True, width=max(console.width, 132)))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(out, indent=2, default=float) + "\n")
+        console.print(f"wrote {json_out}")
+    if plot is not None:
+        for path in plot_plan(sc, out, plot):
+            console.print(f"wrote {path}")
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,158 @@
+"""Low-communication training across sites: bandwidth needed for a compute utilisation, and back.
+
+A model of ``P`` parameters trains with step time ``T`` on every site; ``n`` sites are joined by
+a link of bandwidth ``B`` (bit/s) and round-trip time ``rtt``. An all-reduce across sites moves
+``V = 2 (n-1)/n * P * bits`` over each site's link (ring) with ``2 (n-1)`` latency steps
+(``rtt / 2`` each). Utilisation = compute time / wall time.
+
+- ``dp`` (data parallel across sites): every step, gradients at ``dp_bits``; the all-reduce
+  overlaps the backward pass (2/3 of the step), the rest is exposed:
+  ``u = T / (T + max(0, t_ar - 2T/3))``;
+- ``diloco``: every ``H`` steps, pseudo-gradients at ``bits``, blocking:
+  ``u = H T / (H T + t_ar)``;
+- ``streaming`` (Streaming DiLoCo, Douillard et al. 2025): the model in ``F`` fragments (3 layers
+  each), one fragment synced every ``H/F`` steps, its all-reduce overlapped with ``τ`` inner
+  steps: ``u = H T / (H T + F max(0, t_frag - τ T))``;
+- ``streaming_fp4``: the same with 4-bit pseudo-gradients (E3M0 as in the paper).
+
+Required bandwidth for a target ``u`` inverts these: the allowed communication time minus the
+latency, divided into ``V``. Their Table 4 simulated a DAG of per-layer compute and communication
+on a discrete bandwidth grid; this closed form is printed beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Streaming DiLoCo (arXiv 2501.18512) Table 4: Gbit/s for 90/95/99% utilisation; H=100, MFU 60%
+STREAMING_TABLE4 = {
+    "1B": {
+        "step_s": 0.1,
+        "dp": (184.2, 222.3, 569.0),
+        "diloco": (13.3, 23.3, 86.8),
+        "streaming": (6.2, 9.1, 11.0),
+        "streaming_fp4": (1.7, 2.0, 3.0),
+    },
+    "10B": {
+        "step_s": 0.8,
+        "dp": (222.3, 268.3, 471.5),
+        "diloco": (16.0, 33.9, 104.8),
+        "streaming": (5.2, 6.2, 7.5),
+        "streaming_fp4": (1.4, 1.4, 1.7),
+    },
+    "100B": {
+        "step_s": 4.9,
+        "dp": (390.7, 390.7, 471.5),
+        "diloco": (23.3, 49.4, 184.2),
+        "streaming": (4.3, 5.2, 5.2),
+        "streaming_fp4": (1.1, 1.1, 1.4),
+    },
+}
+ALGORITHMS = ("dp", "diloco", "streaming", "streaming_fp4")
+TARGETS = (0.90, 0.95, 0.99)
+
+
+def _volume_latency(params: float, bits: float, sites: int, rtt_s: float, fragments: int = 1) -> tuple[float, float]:
+    vol = 2 * (sites - 1) / sites * params * bits / fragments
+    return vol, 2 * (sites - 1) * rtt_s / 2
+
+
+def _comm_allowed(alg: str, u: float, step_s: float, H: int, F: int, tau: int) -> float:
+    """Communication time (per all-reduce) that still gives utilisation ``u``."""
+    slack = (1 / u - 1) * step_s
+    if alg == "dp":
+        return 2 * step_s / 3 + slack
+    if alg == "diloco":
+        return H * slack
+    return tau * step_s + H * slack / F
+
+
+def required_bps(
+    alg: str,
+    u: float,
+    params: float,
+    step_s: float,
+    sites: int,
+    rtt_s: float,
+    H: int,
+    fragments: int,
+    tau: int,
+    bits: dict[str, float],
+) -> float:
+    """Link bandwidth (bit/s) for utilisation ``u`` (inf when latency alone exceeds the allowance)."""
+    F = fragments if alg.startswith("streaming") else 1
+    vol, lat = _volume_latency(params, bits[alg], sites, rtt_s, F)
+    t = _comm_allowed(alg, u, step_s, H, F, tau) - lat
+    return vol / t if t > 0 else math.inf
+
+
+def utilization(
+    alg: str,
+    bps: float,
+    params: float,
+    step_s: float,
+    sites: int,
+    rtt_s: float,
+    H: int,
+    fragments: int,
+    tau: int,
+    bits: dict[str, float],
+) -> float:
+    """Predicted compute utilisation on a link of ``bps``."""
+    F = fragments if alg.startswith("streaming") else 1
+    vol, lat = _volume_latency(params, bits[alg], sites, rtt_s, F)
+    t = vol / bps + lat
+    if alg == "dp":
+        return step_s / (step_s + max(0.0, t - 2 * step_s / 3))
+    if alg == "diloco":
+        return H * step_s / (H * step_s + t)
+    return H * step_s / (H * step_s + F * max(0.0, t - tau * step_s))
+
+
+def strategies(
+    params: float,
+    layers: int,
+    step_s: float,
+    sites: int,
+    link_bps: float,
+    rtt_s: float,
+    H: int,
+    tau: int,
+    bits: dict[str, float],
+    target: float,
+) -> dict[str, Any]:
+    """Required bandwidth per strategy and target, predicted utilisation on the link, a recommendation."""
+    fragments = max(1, math.ceil(layers / 3))
+    rows: list[dict[str, Any]] = []
+    for alg in ALGORITHMS:
+        rows.append(
+            {
+                "algorithm": alg,
+                "bits": bits[alg],
+                "H": 1 if alg == "dp" else H,
+                "fragments": fragments if alg.startswith("streaming") else 1,
+                "required_bps": {
+                    f"{t:.2f}": required_bps(alg, t, params, step_s, sites, rtt_s, H, fragments, tau, bits) for t in TARGETS
+                },
+                "predicted_utilization": utilization(alg, link_bps, params, step_s, sites, rtt_s, H, fragments, tau, bits),
+            }
+        )
+    ok = [r for r in rows if r["predicted_utilization"] >= target]
+    # prefer the least departure from data parallel that meets the target: dp, diloco, streaming, fp4
+    best = ok[0] if ok else max(rows, key=lambda r: r["predicted_utilization"])
+    rec = {
+        "algorithm": best["algorithm"],
+        "H": best["H"],
+        "fragments": best["fragments"],
+        "codec": "fp4" if best["algorithm"] == "streaming_fp4" else ("bf16" if best["bits"] == 16 else f"{best['bits']:g}-bit"),
+        "predicted_utilization": best["predicted_utilization"],
+        "meets_target": bool(ok),
+        "target": target,
+    }
+    if best["algorithm"] == "diloco":  # the smallest H that still meets the target: the least staleness
+        for h in (1, 5, 10, 25, 50, 100, 250, 500, 1000):
+            if utilization("diloco", link_bps, params, step_s, sites, rtt_s, h, fragments, tau, bits) >= target:
+                rec["H"] = h
+                break
+    return {"fragments": fragments, "tau": tau, "rows": rows, "recommendation": rec}
