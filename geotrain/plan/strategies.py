@@ -152,7 +152,8 @@ def strategies(
     }
     if best["algorithm"] == "diloco":  # the smallest H that still meets the target: the least staleness
         for h in (1, 5, 10, 25, 50, 100, 250, 500, 1000):
-            if utilization("diloco", link_bps, params, step_s, sites, rtt_s, h, fragments, tau, bits) >= target:
-                rec["H"] = h
+            u_h = utilization("diloco", link_bps, params, step_s, sites, rtt_s, h, fragments, tau, bits)
+            if u_h >= target:
+                rec["H"], rec["predicted_utilization"] = h, u_h
                 break
     return {"fragments": fragments, "tau": tau, "rows": rows, "recommendation": rec}
