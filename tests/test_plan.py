@@ -174,7 +174,7 @@ def test_cli_plan_json_plots_and_errors(tmp_path: Path) -> None:
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"):
         assert out["memory"][key] > 0
     assert out["step"]["layer_forward_seconds"] > 0 and out["step"]["tp_allreduce_seconds"] > 0
-    assert {"tiers", "switches", "switch_links"} <= set(out["network"]["fat_tree"])
+    assert {"tiers", "switches", "links", "switch_links"} <= set(out["network"]["fat_tree"])
     assert set(out["strategies"][0]["required_bps"]) == {"0.90", "0.95", "0.99"} and "recommendation" in out
     for png in ("model_size_vs_months.png", "bandwidth_vs_utilization.png"):
         assert (tmp_path / png).stat().st_size > 10_000

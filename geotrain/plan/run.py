@@ -110,6 +110,7 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
             rails=n.rails,
         ).to_dict()
         tree["fits"] = True
+        tree["links"] = tree["switch_links"]
     except ValueError as exc:
         tree = {"fits": False, "reason": str(exc), "tiers": n.tiers, "hosts": hosts_per_site}
         notes.append(f"scale-out network: {exc}")
