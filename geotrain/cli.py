@@ -176,7 +176,7 @@ def plan(
 
     try:
         out = run_plan(sc)
-    except ValueError as exc:  # inputs only the arithmetic can reject (e.g. a budget that buys no rack)
+    except ConfigError as exc:  # inputs only the arithmetic can reject (e.g. a budget that buys no rack)
         err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
         raise typer.Exit(2) from None
     print_plan(out, Console(soft_wrap=True, width=max(console.width, 132)))

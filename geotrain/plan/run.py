@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from geotrain.config import ConfigError
 from geotrain.netsim.sizing import size_fat_tree, split_ports
 from geotrain.plan.architecture import architecture
 from geotrain.plan.facility import Rack, compute_budget, facility
@@ -47,7 +48,10 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
     rack = _rack(sc)
     f = sc.facility
     budget_usd = f.budget_usd if f.racks is None else f.racks * rack.price_usd / f.compute_share
-    fac = facility(budget_usd, f.compute_share, rack, f.precision, f.sparsity, f.non_compute_overhead)
+    try:
+        fac = facility(budget_usd, f.compute_share, rack, f.precision, f.sparsity, f.non_compute_overhead)
+    except ValueError as exc:  # e.g. a budget that buys no rack: the input's fault, reported as such
+        raise ConfigError(f"facility: {exc}") from None
     flops = compute_budget(fac["peak_flops"], sc.budget.utilization, sc.budget.months)
     scal = optimal(sc.budget.law, flops, sc.budget.tokens_per_param)
     all_laws = {law: optimal(law, flops, sc.budget.tokens_per_param) for law in LAWS}
