@@ -62,13 +62,15 @@ def _by_lca(fabric: Fabric, src: np.ndarray, dst: np.ndarray) -> list[tuple[int,
     return [(int(c), np.flatnonzero(lca == c)) for c in np.unique(lca)]
 
 
-def _single_path(fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndarray, planes: np.ndarray) -> FlowSet:
-    """One path per flow through ``planes`` (a plane at each flow's lowest common tier)."""
+def _hashed_paths(fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndarray, planes: np.ndarray) -> FlowSet:
+    """Each flow spread evenly over the paths through ``planes`` (flows x P planes at each flow's
+    lowest common tier; P = 1 is one path per flow, repeated planes carry repeated shares)."""
+    per_flow = planes.shape[1]
     fl, ln = [], []
     hops = np.zeros(src.size, dtype=np.int64)
     for c, idx in _by_lca(fabric, src, dst):
-        links = fabric.path_links(src[idx], dst[idx], c, planes[idx])
-        fl.append(np.repeat(idx, links.shape[1]))
+        links = fabric.path_links(np.repeat(src[idx], per_flow), np.repeat(dst[idx], per_flow), c, planes[idx].ravel())
+        fl.append(np.repeat(idx, per_flow * links.shape[1]))
         ln.append(links.ravel())
         hops[idx] = links.shape[1]
     ent_flow = np.concatenate(fl)
@@ -78,7 +80,7 @@ def _single_path(fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndar
         hops=hops,
         ent_flow=ent_flow,
         ent_link=np.concatenate(ln),
-        ent_weight=np.ones(ent_flow.size),
+        ent_weight=np.full(ent_flow.size, 1.0 / per_flow),
         num_parents=src.size,
     )
 
@@ -86,33 +88,18 @@ def _single_path(fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndar
 def ecmp(fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndarray, rng: np.random.Generator) -> FlowSet:
     """One uniformly random equal-cost path per flow."""
     n_paths = fabric.path_count(fabric.lca_tier(src, dst))
-    return _single_path(fabric, src, dst, size, rng.integers(0, n_paths))
+    return _hashed_paths(fabric, src, dst, size, rng.integers(0, n_paths)[:, None])
 
 
 def ecmp_subflows(
     fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndarray, rng: np.random.Generator, subflows: int
 ) -> FlowSet:
     """Each flow spread evenly over ``subflows`` independently hashed paths (repeats allowed)."""
-    lca = fabric.lca_tier(src, dst)
-    n_paths = fabric.path_count(lca)
-    fl, ln = [], []
-    hops = np.zeros(src.size, dtype=np.int64)
-    for c, idx in _by_lca(fabric, src, dst):
-        planes = rng.integers(0, n_paths[idx][:, None], size=(idx.size, subflows))
-        links = fabric.path_links(np.repeat(src[idx], subflows), np.repeat(dst[idx], subflows), c, planes.ravel())
-        fl.append(np.repeat(idx, subflows * links.shape[1]))
-        ln.append(links.ravel())
-        hops[idx] = links.shape[1]
-    ent_flow = np.concatenate(fl)
-    return FlowSet(
-        size=size.astype(np.float64),
-        parent=np.arange(src.size),
-        hops=hops,
-        ent_flow=ent_flow,
-        ent_link=np.concatenate(ln),
-        ent_weight=np.full(ent_flow.size, 1.0 / subflows),
-        num_parents=src.size,
-    )
+    n_paths = fabric.path_count(fabric.lca_tier(src, dst))
+    planes = np.zeros((src.size, subflows), dtype=np.int64)
+    for _, idx in _by_lca(fabric, src, dst):  # drawn group by group, lowest common tier first
+        planes[idx] = rng.integers(0, n_paths[idx][:, None], size=(idx.size, subflows))
+    return _hashed_paths(fabric, src, dst, size, planes)
 
 
 def spray(fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> FlowSet:
@@ -153,7 +140,7 @@ def adaptive(fabric: Fabric, src: np.ndarray, dst: np.ndarray, size: np.ndarray,
         choice = int(best[rng.integers(best.size)]) if best.size > 1 else int(best[0])
         planes[i] = choice
         load[options[choice]] += size[i]
-    return _single_path(fabric, src, dst, size, planes)
+    return _hashed_paths(fabric, src, dst, size, planes[:, None])
 
 
 def route(
