@@ -28,14 +28,16 @@ class ConfigError(ValueError):
     """A configuration problem, with a one-line message that names the field."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """Base of every section of a file geotrain reads: unknown keys refused, strict types."""
+
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
 
 
 # --------------------------------------------------------------------------- topology
 
 
-class LinkConfig(_Section):
+class LinkConfig(Section):
     """A network link class: bandwidth in bits per second and one-way latency in seconds.
 
     Validated and recorded with every run; emulating them (pacing and delay of the bytes sent)
@@ -46,7 +48,7 @@ class LinkConfig(_Section):
     latency_s: float = Field(ge=0, le=10, description="One-way latency in seconds (0 to 10).")
 
 
-class LinksConfig(_Section):
+class LinksConfig(Section):
     intra: LinkConfig = Field(
         default_factory=lambda: LinkConfig(bandwidth_bps=100e9, latency_s=5e-6),
         description="Links between workers of the same site (scale-out fabric inside a datacenter).",
@@ -57,7 +59,7 @@ class LinksConfig(_Section):
     )
 
 
-class SiteConfig(_Section):
+class SiteConfig(Section):
     name: str = Field(min_length=1, max_length=64, description="Site (datacenter) name, unique; letters, digits, '-', '_'.")
     workers: int = Field(ge=1, le=1024, description="Number of workers (ranks) in this site.")
     region: str | None = Field(default=None, description="Optional region for multi-tier sync (site -> region -> continent).")
@@ -70,7 +72,7 @@ class SiteConfig(_Section):
         return v
 
 
-class TopologyConfig(_Section):
+class TopologyConfig(Section):
     sites: list[SiteConfig] = Field(
         default_factory=lambda: [SiteConfig(name="A", workers=2), SiteConfig(name="B", workers=2)],
         description="The sites (datacenters) taking part; ranks are numbered site by site in this order.",
@@ -97,7 +99,7 @@ class TopologyConfig(_Section):
 # --------------------------------------------------------------------------- model / data
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     kind: Literal["gpt", "hf"] = Field(
         default="gpt",
         description="'gpt': geotrain's GPT decoder; 'hf': a Hugging Face causal LM built from a config (needs the 'hf' extra).",
@@ -120,7 +122,7 @@ class ModelConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     corpus: str | None = Field(
         default=None,
         description="A text file or directory of text files to train on. Default (null): text that ships with "
@@ -143,7 +145,7 @@ class DataConfig(_Section):
 # --------------------------------------------------------------------------- training
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(default=300, ge=1, le=10_000_000, description="Inner (local) optimizer steps per worker.")
     batch_size: int = Field(default=8, ge=1, le=65536, description="Sequences per worker per step.")
     seed: int = Field(default=1234, ge=0, description="Seed for model init and data sampling.")
@@ -160,7 +162,7 @@ class TrainConfig(_Section):
     save_final: bool = Field(default=True, description="Write the final global model to OUT/final_model.pt.")
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = Field(default="adamw", description="Inner optimizer.")
     lr: float = Field(default=4e-4, gt=0, le=10, description="Inner learning rate (DiLoCo paper: 4e-4).")
     weight_decay: float = Field(default=0.1, ge=0, le=1, description="Weight decay (DiLoCo paper: 0.1).")
@@ -180,7 +182,7 @@ class OptimConfig(_Section):
         return v
 
 
-class SyncConfig(_Section):
+class SyncConfig(Section):
     algorithm: Literal["ddp", "diloco"] = Field(
         default="diloco",
         description="'ddp': all-reduce gradients over all ranks every step. 'diloco': all-reduce in a site every step, average pseudo-gradients across sites every H steps.",
@@ -204,7 +206,7 @@ class SyncConfig(_Section):
         return self
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     baseline: Literal["ddp", "diloco", "none"] = Field(
         default="ddp", description="Also train this algorithm on the same tokens and compare; 'none' to skip."
     )
@@ -214,7 +216,7 @@ class RunConfig(_Section):
     timeout_s: float = Field(default=300, gt=0, le=86400, description="Collective timeout in seconds.")
 
 
-class Config(_Section):
+class Config(Section):
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -10,19 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from geotrain.config import load_yaml_model
+from geotrain.config import Section, load_yaml_model
 from geotrain.netsim.sizing import hosts_capacity, tier_ports
 
 Ratio = Annotated[float, Field(ge=1, le=1024)]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
-
-
-class CostConfig(_Section):
+class CostConfig(Section):
     transceiver_usd: float = Field(default=1000.0, ge=0, description="Price of one optical transceiver (paper: 1K USD).")
     transceivers_per_link: int = Field(
         default=2, ge=0, le=8, description="Transceivers per switch-to-switch cable (one per end)."
@@ -31,7 +27,7 @@ class CostConfig(_Section):
     switch_usd: float = Field(default=0.0, ge=0, description="Price of one switch box (0 = not costed).")
 
 
-class TreeConfig(_Section):
+class TreeConfig(Section):
     """A fat tree: hosts, tiers, radix, port speed, per-tier port split, rails, cost."""
 
     hosts: int = Field(ge=2, le=100_000_000, description="Hosts (GPUs / NICs) to connect.")
@@ -72,7 +68,7 @@ class TreeConfig(_Section):
         return tier_ports(self.radix, self.tiers, self.oversubscription, self.ports)
 
 
-class PaperFigures(_Section):
+class PaperFigures(Section):
     """Figures a source publishes for a sizing case, printed beside ours."""
 
     hosts: float | None = None
@@ -89,7 +85,7 @@ class SizingCase(TreeConfig):
     note: str = Field(default="", description="Why ours and the paper's differ, if they do.")
 
 
-class ModelMessage(_Section):
+class ModelMessage(Section):
     """Message derived from a model: the activations one GPU passes to the next pipeline stage."""
 
     hidden: int = Field(ge=1, description="Hidden size.")
@@ -104,7 +100,7 @@ class ModelMessage(_Section):
         return self.seq_len * self.micro_batch * self.hidden * self.bytes_per_value / self.tensor_parallel
 
 
-class TrafficConfig(_Section):
+class TrafficConfig(Section):
     pattern: Literal["permutation", "ring", "hierarchical", "all_to_all"] = Field(
         default="permutation", description="Traffic pattern (geotrain/netsim/traffic.py)."
     )
@@ -135,7 +131,7 @@ def _all_routings() -> list[Routing]:
     return ["ecmp", "ecmp_subflows", "spray", "adaptive"]
 
 
-class TransportConfig(_Section):
+class TransportConfig(Section):
     routings: list[Routing] = Field(
         default_factory=_all_routings,
         min_length=1,
@@ -148,7 +144,7 @@ class TransportConfig(_Section):
     startup_s: float = Field(default=0.0, ge=0, le=10, description="Fixed start cost per flow (set-up, launch).")
 
 
-class PaperSimulation(_Section):
+class PaperSimulation(Section):
     """A published simulation of the same case, printed beside ours."""
 
     optimal_seconds: float | None = None
@@ -157,7 +153,7 @@ class PaperSimulation(_Section):
     source: str = ""
 
 
-class Scenario(_Section):
+class Scenario(Section):
     name: str = Field(default="netsim", description="Label in the report.")
     fabric: TreeConfig = Field(description="The fabric to size and simulate.")
     traffic: TrafficConfig = Field(description="What the hosts exchange in one synchronized phase.")

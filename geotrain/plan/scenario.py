@@ -5,16 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from geotrain.config import load_yaml_model
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+from geotrain.config import Section, load_yaml_model
 
 
-class RackConfig(_Section):
+class RackConfig(Section):
     name: str = "GB200 NVL72"
     gpus: int = Field(default=72, ge=1, le=100_000, description="GPUs per rack (= scale-up domain).")
     price_usd: float = Field(default=3e6, gt=0)
@@ -28,7 +24,7 @@ class RackConfig(_Section):
     nic_gbps: float = Field(default=800.0, gt=0, description="Scale-out NIC per GPU (Gbit/s).")
 
 
-class FacilityConfig(_Section):
+class FacilityConfig(Section):
     budget_usd: float = Field(gt=0, description="Total budget.")
     compute_share: float = Field(default=0.7, gt=0, le=1, description="Share spent on compute racks (paper: 70%).")
     rack: RackConfig = Field(default_factory=RackConfig)
@@ -44,14 +40,14 @@ class FacilityConfig(_Section):
         return self
 
 
-class BudgetConfig(_Section):
+class BudgetConfig(Section):
     months: float = Field(default=6.0, gt=0, le=120, description="Training duration (30-day months).")
     utilization: float = Field(default=1.0, gt=0, le=1, description="Assumed share of peak achieved (paper: 100%).")
     law: Literal["hoffmann1", "hoffmann2", "hoffmann3", "epoch", "tokens_per_param"] = "hoffmann2"
     tokens_per_param: float = Field(default=20.0, gt=0, description="For law=tokens_per_param.")
 
 
-class ModelArch(_Section):
+class ModelArch(Section):
     name: str = "model"
     layers: int = Field(ge=1)
     hidden: int = Field(ge=1)
@@ -61,7 +57,7 @@ class ModelArch(_Section):
     micro_batch: int = Field(default=1, ge=1)
 
 
-class PrecisionConfig(_Section):
+class PrecisionConfig(Section):
     weight_bytes: float = Field(default=1.5, gt=0, description="Bytes per parameter for weights (paper: FP8 master + FP4 copy).")
     grad_bytes: float = Field(default=0.5, gt=0, description="Bytes per gradient (paper: FP4).")
     optimizer_bytes: float = Field(
@@ -72,12 +68,12 @@ class PrecisionConfig(_Section):
     recompute: bool = Field(default=False, description="Full activation recomputation.")
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     tensor_parallel_max: int = Field(default=72, ge=1, description="Largest TP degree (at most the scale-up domain).")
     mfu: float = Field(default=1.0, gt=0, le=1, description="Model FLOPs utilisation for step times (paper: 100%).")
 
 
-class NetworkConfig(_Section):
+class NetworkConfig(Section):
     radix: int = Field(default=256, ge=4)
     tiers: Literal[2, 3, 4] = 3
     oversubscription: list[float] | None = None
@@ -85,7 +81,7 @@ class NetworkConfig(_Section):
     rails: int = Field(default=4, ge=1)
 
 
-class SitesConfig(_Section):
+class SitesConfig(Section):
     count: int = Field(default=2, ge=1, le=64, description="Datacenters the GPUs are split over.")
     link_gbps: float = Field(default=100_000.0, gt=0, description="Inter-site bandwidth per site (Gbit/s).")
     rtt_ms: float = Field(
@@ -96,7 +92,7 @@ class SitesConfig(_Section):
     )
 
 
-class StrategyConfig(_Section):
+class StrategyConfig(Section):
     params: float | None = Field(
         default=None, gt=0, description="Model size for the strategy section (default: the scenario model)."
     )
@@ -109,7 +105,7 @@ class StrategyConfig(_Section):
     compare_streaming_table4: bool = Field(default=False, description="Also print Streaming DiLoCo's Table 4 beside ours.")
 
 
-class PaperPlan(_Section):
+class PaperPlan(Section):
     """Published figures for this scenario (any subset), printed beside ours."""
 
     figures: dict[str, float] = Field(default_factory=dict, description="Dotted JSON path -> the paper's value.")
@@ -117,7 +113,7 @@ class PaperPlan(_Section):
     source: str = ""
 
 
-class PlanScenario(_Section):
+class PlanScenario(Section):
     name: str = "plan"
     facility: FacilityConfig
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
