@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -28,12 +28,23 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override:
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output directory.")]
 
 
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """One line on stderr, no traceback, exit ``code`` (2: bad input)."""
+    err_console.print(f"geotrain: {message}", markup=False, highlight=False)
+    raise typer.Exit(code) from None
+
+
+def _write_json(out: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=float) + "\n")
+    console.print(f"wrote {path}")
+
+
 def _load(config: Path | None, overrides: list[str] | None) -> Config:
     try:
         return load_config(config, overrides or [])
     except ConfigError as exc:
-        err_console.print(f"geotrain: config error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        _fail(f"config error: {exc}")
 
 
 def _last_step(path: Path) -> int:
@@ -77,8 +88,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     try:
         check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size)
     except ValueError as exc:
-        err_console.print(f"geotrain: config error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        _fail(f"config error: {exc}")
     algorithms: list[str] = [cfg.sync.algorithm]
     if cfg.run.baseline not in ("none", cfg.sync.algorithm):
         algorithms.append(cfg.run.baseline)
@@ -92,11 +102,9 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
             try:
                 runs.append(_run_one(cfg.with_algorithm(alg), run_dir, progress))
             except LaunchError as exc:
-                err_console.print(f"geotrain: {alg} run failed: {exc}", markup=False, highlight=False)
-                raise typer.Exit(1) from None
+                _fail(f"{alg} run failed: {exc}", 1)
             except KeyboardInterrupt:
-                err_console.print("geotrain: interrupted; all ranks stopped", markup=False, highlight=False)
-                raise typer.Exit(130) from None
+                _fail("interrupted; all ranks stopped", 130)
     print_table(runs, console)
     write_outputs(runs, out)
     console.print(f"wrote {out / 'summary.json'}, {out / 'loss.png'}; TensorBoard: tensorboard --logdir {out}")
@@ -132,21 +140,17 @@ def netsim(
     try:
         sc = load_scenario(scenario, set_)
     except ConfigError as exc:
-        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        _fail(f"scenario error: {exc}")
     from geotrain.netsim.report import print_report
     from geotrain.netsim.run import plot_fct_cdf, run_scenario, write_flows_csv
 
     try:
         out, flows = run_scenario(sc)
     except ConfigError as exc:  # a limit only known once the fabric is built (max_entries)
-        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        _fail(f"scenario error: {exc}")
     print_report(out, Console(soft_wrap=True, width=max(console.width, 132)))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(out, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        _write_json(out, json_out)
     if plot is not None:
         plot_fct_cdf(flows, plot / "fct_cdf.png", f"{sc.name}: {sc.traffic.pattern}, {sc.fabric.hosts} hosts")
         console.print(f"wrote {plot / 'fct_cdf.png'}")
@@ -170,20 +174,16 @@ def plan(
     try:
         sc = load_plan(scenario, set_)
     except ConfigError as exc:
-        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        _fail(f"scenario error: {exc}")
     from geotrain.plan.run import plot_plan, print_plan, run_plan
 
     try:
         out = run_plan(sc)
     except ConfigError as exc:  # inputs only the arithmetic can reject (e.g. a budget that buys no rack)
-        err_console.print(f"geotrain: scenario error: {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        _fail(f"scenario error: {exc}")
     print_plan(out, Console(soft_wrap=True, width=max(console.width, 132)))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(out, indent=2, default=float) + "\n")
-        console.print(f"wrote {json_out}")
+        _write_json(out, json_out)
     if plot is not None:
         for path in plot_plan(sc, out, plot):
             console.print(f"wrote {path}")
