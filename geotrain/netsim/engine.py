@@ -71,13 +71,14 @@ class MaxMin:
 
     def fill(self, rate: np.ndarray, fixed: np.ndarray, active: np.ndarray) -> np.ndarray:
         """Rates for the ``active`` flows; those in ``fixed`` keep ``rate`` (see the class docstring)."""
-        out = np.where(fixed & active, rate, 0.0)
+        keep = fixed & active
+        out = np.where(keep, rate, 0.0)
         free = active & ~fixed
         if not free.any():
             return out
-        level = float(out[fixed & active].max()) if (fixed & active).any() else 0.0
+        level = float(out[keep].max()) if keep.any() else 0.0
         e_free = free[self.ent_flow]
-        e_fixed = (fixed & active)[self.ent_flow]
+        e_fixed = keep[self.ent_flow]
         demand = np.bincount(self.ent_lidx[e_free], self.ent_weight[e_free], minlength=self.n_links)
         used = np.bincount(self.ent_lidx[e_fixed], self.ent_weight[e_fixed] * out[self.ent_flow[e_fixed]], minlength=self.n_links)
         cap_left = self.cap - used - level * demand
