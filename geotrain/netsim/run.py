@@ -64,12 +64,12 @@ class FlowRecord:
 class _RoutingRun:
     makespans: list[float] = field(default_factory=list)
     optimals: list[float] = field(default_factory=list)
-    throughput: list[float] = field(default_factory=list)
-    max_load: list[float] = field(default_factory=list)
-    used: list[float] = field(default_factory=list)
-    util: list[float] = field(default_factory=list)
+    mains: list[dict[str, Any]] = field(default_factory=list)  # the costliest phase of every trial
     flows: FlowRecord | None = None  # first trial, the costliest phase
     seconds: float = 0.0
+
+    def mean(self, key: str) -> float:
+        return float(np.mean([m[key] for m in self.mains]))
 
 
 def _on_rails(fabric: Fabric, make: Any, rails: int) -> FlowSet:
@@ -172,10 +172,7 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, FlowRecord]]:
             run.makespans.append(sum(o["makespan"] * p.repeat for o, p in zip(outs, phases, strict=True)))
             run.optimals.append(sum(o["optimal"] * p.repeat for o, p in zip(outs, phases, strict=True)))
             main = max(range(len(outs)), key=lambda i: outs[i]["makespan"] * phases[i].repeat)
-            run.throughput.append(outs[main]["throughput"])
-            run.max_load.append(outs[main]["max_load"])
-            run.used.append(outs[main]["used"])
-            run.util.append(outs[main]["util"])
+            run.mains.append(outs[main])
             if run.flows is None:
                 p = phases[main]
                 run.flows = FlowRecord(p.name, p.src, p.dst, p.size, outs[main]["fct"])
@@ -191,10 +188,10 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, FlowRecord]]:
                 "makespan_seconds_max": float(np.max(run.makespans)),
                 "optimal_seconds": opt,
                 "ratio_to_optimal": mk / opt,
-                "mean_throughput_fraction": float(np.mean(run.throughput)),
-                "max_link_load": float(np.mean(run.max_load)),
-                "switch_links_used_fraction": float(np.mean(run.used)),
-                "mean_link_utilization": float(np.mean(run.util)),
+                "mean_throughput_fraction": run.mean("throughput"),
+                "max_link_load": run.mean("max_load"),
+                "switch_links_used_fraction": run.mean("used"),
+                "mean_link_utilization": run.mean("util"),
                 "fct_percentiles_seconds": {str(q): float(np.percentile(run.flows.fct, q)) for q in (1, 10, 50, 90, 99, 100)},
                 "trials": sc.trials,
                 "wall_seconds": run.seconds,
