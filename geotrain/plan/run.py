@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from geotrain.config import ConfigError
-from geotrain.netsim.sizing import size_fat_tree, split_ports
+from geotrain.netsim.sizing import hosts_capacity, size_fat_tree, tier_ports
 from geotrain.plan.architecture import architecture
 from geotrain.plan.facility import Rack, compute_budget, facility
 from geotrain.plan.layout import layout
@@ -53,8 +53,8 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
     except ValueError as exc:  # e.g. a budget that buys no rack: the input's fault, reported as such
         raise ConfigError(f"facility: {exc}") from None
     flops = compute_budget(fac["peak_flops"], sc.budget.utilization, sc.budget.months)
-    scal = optimal(sc.budget.law, flops, sc.budget.tokens_per_param)
     all_laws = {law: optimal(law, flops, sc.budget.tokens_per_param) for law in LAWS}
+    scal = all_laws[sc.budget.law]
     m = sc.model
     arch = architecture(m.layers, m.hidden, m.heads, m.vocab, m.seq_len)
     p = sc.precision
@@ -118,12 +118,11 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
     except ValueError as exc:
         tree = {"fits": False, "reason": str(exc), "tiers": n.tiers, "hosts": hosts_per_site}
         notes.append(f"scale-out network: {exc}")
-    d4 = split_ports(n.radix, 4)
     network = {
         "hosts_per_site": hosts_per_site,
         "fat_tree": tree,
-        "two_tier_hosts_full": n.radix * (n.radix // 2),
-        "two_tier_hosts_4to1": n.radix * d4[0],
+        "two_tier_hosts_full": hosts_capacity(tier_ports(n.radix, 2)),
+        "two_tier_hosts_4to1": hosts_capacity(tier_ports(n.radix, 2, [4.0])),
     }
     s = sc.strategies
     step_s = s.step_seconds or (3 * step["layer_forward_seconds"] * m.layers if step else 1.0)
