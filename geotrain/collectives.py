@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from geotrain.codecs import Codec, Residual
 from geotrain.groups import ProcessGroups
 
 
@@ -34,6 +35,7 @@ class CommStats:
     intra_bytes: int = 0
     inter_bytes: int = 0
     comm_seconds: float = 0.0
+    inter_raw_bytes: int = 0  # what the same inter-site sends would have taken in fp32
 
 
 class Collectives:
@@ -50,11 +52,12 @@ class Collectives:
 
     # ------------------------------------------------------------------ primitives
 
-    def _count(self, dst: int, nbytes: int) -> None:
+    def _count(self, dst: int, nbytes: int, raw: int | None = None) -> None:
         if self.groups.topology.site_of(dst) == self._my_site:
             self.stats.intra_bytes += nbytes
         else:
             self.stats.inter_bytes += nbytes
+            self.stats.inter_raw_bytes += nbytes if raw is None else raw
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (global ranks)."""
@@ -87,11 +90,14 @@ class Collectives:
             self._exchange(send, nxt, buf, prv, group)
             into.add_(buf)
 
-    def _ring_all_gather(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
+    def _ring_all_gather(
+        self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup, sizes: list[int] | None = None
+    ) -> None:
+        """Ring all-gather; rank ``ranks[j]`` owns chunk j (``x.tensor_split(n)``, or ``x.split(sizes)``)."""
         n, i, nxt, prv = self._ring(ranks)
         if n == 1:
             return
-        chunks = x.tensor_split(n)
+        chunks = x.split(sizes) if sizes is not None else x.tensor_split(n)
         for s in range(n - 1):
             self._exchange(chunks[(i - s) % n], nxt, chunks[(i - s - 1) % n], prv, group)
 
@@ -105,7 +111,76 @@ class Collectives:
         if x.dim() != 1 or not x.is_contiguous():
             raise ValueError("collectives take a 1-D contiguous tensor (flatten first)")
 
+    def _peer_exchange(
+        self, sends: dict[int, tuple[torch.Tensor, int]], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup
+    ) -> None:
+        """Send ``sends[dst] = (buffer, fp32 bytes it stands for)`` and receive ``recvs[src]``, all at once."""
+        ops = []
+        for dst, (buf, raw) in sends.items():
+            ops.append(dist.P2POp(dist.isend, buf, dst, group))
+            self._count(dst, buf.numel() * buf.element_size(), raw)
+        ops.extend(dist.P2POp(dist.irecv, buf, src, group) for src, buf in recvs.items())
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def _coded_all_reduce(
+        self, x: torch.Tensor, codec: Codec, ranks: list[int], group: dist.ProcessGroup, ef: Residual | None
+    ) -> None:
+        """Sum ``x`` over ``ranks`` sending only ``codec``-encoded bytes; fp32 accumulation (see geotrain.codecs)."""
+        n, i, _, _ = self._ring(ranks)
+        if n == 1:
+            return
+        if ef is not None:
+            ef.add_to(x)
+        peers = [r for r in ranks if r != self.groups.me.rank]
+        if codec.reduce == "gather":
+            enc = codec.encode(x)
+            if ef is not None:
+                ef.tensor = x - codec.decode(enc, x.numel())
+            got = {r: torch.empty_like(enc) for r in peers}
+            self._peer_exchange({r: (enc, 4 * x.numel()) for r in peers}, got, group)
+            got[self.groups.me.rank] = enc
+            tmp = torch.empty_like(x)
+            x.zero_()
+            for r in ranks:  # same order on every rank: bit-identical sums
+                x.add_(codec.decode(got[r], x.numel(), tmp))
+            return
+        chunks = x.tensor_split(n)
+        mine = chunks[i]
+        # reduce-scatter: encode the chunks others own, receive everyone's encoding of mine
+        encoded = {ranks[j]: codec.encode(chunks[j]) for j in range(n) if j != i}
+        if ef is not None:
+            res = torch.zeros_like(x)
+            for j, r in enumerate(ranks):
+                if j != i:
+                    torch.sub(chunks[j], codec.decode(encoded[r], chunks[j].numel()), out=res.tensor_split(n)[j])
+            ef.tensor = res
+        got = {r: torch.empty(codec.encoded_nbytes(mine.numel()), dtype=torch.uint8) for r in peers}
+        self._peer_exchange({r: (encoded[r], 4 * chunks[j].numel()) for j, r in enumerate(ranks) if j != i}, got, group)
+        tmp = torch.empty_like(mine)
+        for r in peers:
+            mine.add_(codec.decode(got[r], mine.numel(), tmp))
+        # all-gather the encoded sums; the owner keeps the decoded one too, so all ranks agree
+        summed = codec.encode(mine)
+        codec.decode(summed, mine.numel(), mine)
+        back = {ranks[j]: torch.empty(codec.encoded_nbytes(chunks[j].numel()), dtype=torch.uint8) for j in range(n) if j != i}
+        self._peer_exchange({r: (summed, 4 * mine.numel()) for r in peers}, back, group)
+        for j, r in enumerate(ranks):
+            if j != i:
+                codec.decode(back[r], chunks[j].numel(), chunks[j])
+
     # ------------------------------------------------------------------ public collectives
+
+    def coded_all_reduce(
+        self, x: torch.Tensor, codec: Codec | None, ranks: list[int], group: dist.ProcessGroup, ef: Residual | None = None
+    ) -> None:
+        """Sum ``x`` over ``ranks`` in place, encoded with ``codec`` (None: the fp32 ring)."""
+        self._check(x)
+        if codec is None:
+            self.ring_all_reduce(x, ranks, group)
+        else:
+            self._timed(self._coded_all_reduce, x, codec, ranks, group, ef)
 
     def ring_all_reduce(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
         """Sum ``x`` over ``ranks`` (global ranks, ring order) in place."""
@@ -121,25 +196,40 @@ class Collectives:
         """Sum over the ranks of this rank's site."""
         self.ring_all_reduce(x, self.groups.intra_ranks, self.groups.intra)
 
-    def all_reduce_flat(self, x: torch.Tensor) -> None:
+    def all_reduce_flat(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks with one ring in rank order (site-major): the topology-blind baseline."""
-        self.ring_all_reduce(x, self.groups.topology.all_ranks(), self.groups.world)
+        self.coded_all_reduce(x, codec, self.groups.topology.all_ranks(), self.groups.world, ef)
 
-    def all_reduce_hierarchical(self, x: torch.Tensor) -> None:
-        """Sum over all ranks: reduce-scatter in site, all-reduce shards across sites, all-gather in site."""
+    def _across(self, shard: torch.Tensor, codec: Codec | None, ef: Residual | None) -> None:
+        g = self.groups
+        if codec is None:
+            self._ring_reduce_scatter(shard, g.inter_ranks, g.inter)
+            self._ring_all_gather(shard, g.inter_ranks, g.inter)
+        else:
+            self._coded_all_reduce(shard, codec, g.inter_ranks, g.inter, ef)
+
+    def all_reduce_hierarchical(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
+        """Sum over all ranks: reduce-scatter in site, all-reduce shards across sites, all-gather in site.
+
+        Only the across-sites step is encoded with ``codec``; in-site traffic stays fp32.
+        """
         self._check(x)
         g = self.groups
 
         def run() -> None:
             self._ring_reduce_scatter(x, g.intra_ranks, g.intra)
             shard = x.tensor_split(len(g.intra_ranks))[g.me.local_rank]
-            self._ring_reduce_scatter(shard, g.inter_ranks, g.inter)
-            self._ring_all_gather(shard, g.inter_ranks, g.inter)
+            self._across(shard, codec, ef)
             self._ring_all_gather(x, g.intra_ranks, g.intra)
 
         self._timed(run)
 
-    def all_reduce_across_sites(self, x: torch.Tensor) -> None:
+    def all_gather_intra(self, x: torch.Tensor, sizes: list[int]) -> None:
+        """In-site all-gather where local rank j owns ``x.split(sizes)[j]``."""
+        self._check(x)
+        self._timed(self._ring_all_gather, x, self.groups.intra_ranks, self.groups.intra, sizes)
+
+    def all_reduce_across_sites(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over sites of a tensor that is already identical on every rank of a site.
 
         Each local rank all-reduces only its 1/G shard across sites, then the site all-gathers:
@@ -151,15 +241,14 @@ class Collectives:
 
         def run() -> None:
             shard = x.tensor_split(len(g.intra_ranks))[g.me.local_rank]
-            self._ring_reduce_scatter(shard, g.inter_ranks, g.inter)
-            self._ring_all_gather(shard, g.inter_ranks, g.inter)
+            self._across(shard, codec, ef)
             self._ring_all_gather(x, g.intra_ranks, g.intra)
 
         self._timed(run)
 
-    def all_reduce(self, x: torch.Tensor, how: str) -> None:
+    def all_reduce(self, x: torch.Tensor, how: str, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks, ``how`` = 'hierarchical' or 'flat'."""
         if how == "flat":
-            self.all_reduce_flat(x)
+            self.all_reduce_flat(x, codec, ef)
         else:
-            self.all_reduce_hierarchical(x)
+            self.all_reduce_hierarchical(x, codec, ef)

@@ -36,6 +36,18 @@ def merged_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return top
 
 
+def run_label(r: dict[str, Any]) -> str:
+    """'ddp', 'diloco H=50', 'streaming H=100 F=4 + fp4'."""
+    label = r["algorithm"]
+    if r["algorithm"] != "ddp":
+        label += f" H={r['H']}"
+    if r["algorithm"] == "streaming":
+        label += f" F={r.get('fragments', 1)}"
+    if r.get("codec", "none") != "none":
+        label += f" + {r['codec']}"
+    return label
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.2f} MB"
 
@@ -44,11 +56,13 @@ def print_table(runs: list[dict[str, Any]], console: Console) -> None:
     table = Table(title="geotrain: runs side by side (equal tokens)")
     table.add_column("")
     for r in runs:
-        table.add_column(r["algorithm"] + (f" (H={r['H']})" if r["algorithm"] == "diloco" else ""), justify="right")
+        table.add_column(run_label(r), justify="right")
     rows: list[tuple[str, Any]] = [
         ("final eval loss", lambda r: f"{r['final_eval_loss']:.4f}"),
         ("tokens", lambda r: f"{r['tokens']:,}"),
         ("inter-site bytes", lambda r: _mb(r["inter_site_bytes"])),
+        ("compression (inter-site)", lambda r: f"{r.get('compression_ratio', 1.0):.2f}x"),
+        ("peak inter-site bytes / step", lambda r: _mb(r.get("peak_inter_site_bytes_per_step", 0))),
         ("intra-site bytes", lambda r: _mb(r["intra_site_bytes"])),
         ("wall time", lambda r: f"{r['wall_seconds']:.1f} s"),
         ("compute / rank", lambda r: f"{r['compute_seconds']:.1f} s"),
@@ -81,7 +95,7 @@ def plot_curves(runs: list[dict[str, Any]], path: Path) -> None:
     for r in runs:
         xs = [p["tokens"] for p in r["eval_curve"]]
         ys = [p["eval_loss"] for p in r["eval_curve"]]
-        label = r["algorithm"] + (f" H={r['H']}" if r["algorithm"] == "diloco" else "")
+        label = run_label(r)
         label += f" ({r['inter_site_bytes'] / 1e6:,.1f} MB inter-site)"
         ax.plot(xs, ys, marker="o", markersize=3, label=label)
     ax.set_xlabel("tokens (all ranks)")

@@ -18,17 +18,31 @@ Models", arXiv:2311.08105, Algorithm 1:
 4. the outer optimizer (SGD with Nesterov momentum, fp32 state) steps θ_global with Δ as its
    gradient;
 5. θ_local ← θ_global, and the next round starts (the inner optimizer state is kept).
+
+``StreamingDiLoCo`` — Douillard et al., "Streaming DiLoCo with overlapping communication",
+arXiv:2501.18512: the parameters are split into F fragments (strided groups of layers); fragment
+p syncs when the step count is ≡ p·H/F (mod H), so only 1/F of the model crosses sites at any
+sync point; its averaged pseudo-gradient is applied τ inner steps later (the communication has
+τ steps of compute to hide behind), and the fresh global fragment is mixed into the local one:
+θ_local ← α·θ_local + (1 − α)·θ_global.
+
+What crosses sites goes through a :class:`SiteReducer`, which applies the configured codec
+(:mod:`geotrain.codecs`) and keeps its error-feedback state.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from geotrain.codecs import Codec, Residual, build_codec
+from geotrain.codecs.powersgd import PowerSGD
 from geotrain.collectives import Collectives
 from geotrain.config import SyncConfig
 
@@ -63,6 +77,76 @@ def params_hash(tensors: list[torch.Tensor]) -> str:
     for t in tensors:
         h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def make_codec(cfg: SyncConfig) -> Codec | None:
+    """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec)."""
+    if cfg.codec in ("none", "powersgd"):
+        return None
+    return build_codec(cfg.codec, sigma_range=cfg.sigma_range, block_size=cfg.block_size, topk_fraction=cfg.topk_fraction)
+
+
+def contiguous_split(sizes: Sequence[int], parts: int) -> list[int]:
+    """Cut ``sizes`` (in order) into ``parts`` contiguous runs of near-equal total; the run totals."""
+    total = sum(sizes)
+    runs = [0] * parts
+    acc = 0
+    for n in sizes:
+        j = min(parts - 1, (acc * parts) // max(1, total)) if total else 0
+        # a tensor goes to the part its start falls in
+        runs[j] += n
+        acc += n
+    return runs
+
+
+class SiteReducer:
+    """Sums a flat fp32 vector that is identical on every rank of a site across sites, encoded.
+
+    Byte codecs run on each local rank's 1/G shard (:meth:`Collectives.all_reduce_across_sites`).
+    PowerSGD needs matrices, so each local rank takes a contiguous run of whole tensors, all-reduces
+    their P and Q factors across sites, and the site all-gathers the runs.
+    """
+
+    def __init__(self, cfg: SyncConfig, comm: Collectives, shapes: Sequence[torch.Size], seed: int = 0) -> None:
+        self.comm = comm
+        self.codec = make_codec(cfg)
+        self.residual = Residual() if (self.codec is not None and cfg.uses_error_feedback) else None
+        self.shapes = list(shapes)
+        self.powersgd: PowerSGD | None = None
+        if cfg.codec == "powersgd":
+            self.powersgd = PowerSGD(cfg.rank, cfg.uses_error_feedback, seed)
+            g = comm.groups
+            numels = [int(s.numel()) for s in self.shapes]
+            self.run_sizes = contiguous_split(numels, len(g.intra_ranks))
+            # which tensors this local rank owns: the run its index falls in
+            start = sum(self.run_sizes[: g.me.local_rank])
+            stop = start + self.run_sizes[g.me.local_rank]
+            offsets = [sum(numels[:i]) for i in range(len(numels))]
+            self.mine = [i for i, o in enumerate(offsets) if start <= o < stop and numels[i]]
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        """Replace ``flat`` by its sum over sites (every rank of every site ends with the same values)."""
+        if self.powersgd is None:
+            self.comm.all_reduce_across_sites(flat, self.codec, self.residual)
+            return
+        g = self.comm.groups
+        stats = self.comm.stats
+        raw0 = stats.inter_raw_bytes
+        views = [v.view(shape) for v, shape in zip(flat.split([s.numel() for s in self.shapes]), self.shapes, strict=True)]
+        self.powersgd.all_reduce(
+            [views[i] for i in self.mine], lambda t: self.comm.coded_all_reduce(t, None, g.inter_ranks, g.inter)
+        )
+        # reference for the compression ratio: an fp32 ring all-reduce of the same tensors
+        n, mine = len(g.inter_ranks), sum(views[i].numel() for i in self.mine)
+        stats.inter_raw_bytes = raw0 + round(2 * (n - 1) / n * 4 * mine)
+        self.comm.all_gather_intra(flat, self.run_sizes)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Error-feedback / warm-start state: belongs to the site, goes into its checkpoint."""
+        return {
+            "residual": None if self.residual is None else self.residual.tensor,
+            "powersgd": None if self.powersgd is None else self.powersgd.state_dict(),
+        }
 
 
 class SyncAlgorithm:
@@ -113,6 +197,10 @@ class SyncAlgorithm:
     def global_hash(self) -> str:
         return params_hash(self.global_parameters())
 
+    def state_dict(self) -> dict[str, Any]:
+        """Sync state a checkpoint must carry beyond parameters and optimizers (codec state)."""
+        return {}
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
@@ -131,6 +219,7 @@ class DDP(SyncAlgorithm):
     Args:
         allreduce: 'hierarchical' (reduce-scatter in site, all-reduce across, all-gather in site)
             or 'flat' (one ring over all ranks).
+        cfg: the sync section; its codec encodes the across-sites step (None: fp32).
     """
 
     name = "ddp"
@@ -142,17 +231,32 @@ class DDP(SyncAlgorithm):
         comm: Collectives,
         grad_clip: float,
         allreduce: str = "hierarchical",
+        cfg: SyncConfig | None = None,
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip)
         self.allreduce = allreduce
         self.world = comm.groups.topology.world_size
+        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.params]) if cfg and cfg.codec != "none" else None
 
     def sync_gradients(self) -> None:
-        self._average_gradients(self.world, lambda flat: self.comm.all_reduce(flat, self.allreduce))
+        self._average_gradients(self.world, self._sum)
+
+    def _sum(self, flat: torch.Tensor) -> None:
+        r = self.reducer
+        if r is None:
+            self.comm.all_reduce(flat, self.allreduce)
+        elif r.powersgd is not None:  # PowerSGD needs whole tensors: sum in site first
+            self.comm.all_reduce_intra(flat)
+            r(flat)
+        else:
+            self.comm.all_reduce(flat, self.allreduce, r.codec, r.residual)
 
     def after_step(self) -> None:
         super().after_step()
         self.rounds = self.local_steps  # every step is a global sync
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reducer": None if self.reducer is None else self.reducer.state_dict()}
 
 
 class DiLoCo(SyncAlgorithm):
@@ -179,9 +283,11 @@ class DiLoCo(SyncAlgorithm):
         nesterov: bool = True,
         weight_by_tokens: bool = False,
         tokens_per_step: int = 1,
+        cfg: SyncConfig | None = None,
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip)
         self.H = H
+        self.cfg = cfg if cfg is not None else SyncConfig()
         self.weight_by_tokens = weight_by_tokens
         self.tokens_per_step = tokens_per_step
         topo = comm.groups.topology
@@ -191,6 +297,7 @@ class DiLoCo(SyncAlgorithm):
         self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         self._steps_in_round = 0
+        self.reducer = SiteReducer(self.cfg, comm, [p.shape for p in self.params])
 
     def sync_gradients(self) -> None:
         self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
@@ -209,31 +316,173 @@ class DiLoCo(SyncAlgorithm):
     def outer_step(self) -> None:
         """Steps 2-5 of DiLoCo: average pseudo-gradients across sites and apply the outer optimizer."""
         # 2. pseudo-gradient, fp32
-        delta = torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(self.global_params, self.params, strict=True)])
+        delta = pseudo_gradient(self.global_params, self.params)
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
-        if self.num_sites > 1:
-            if self.weight_by_tokens:
-                mine = float(self._steps_in_round * self.tokens_per_step)
-                total = torch.tensor([mine], dtype=torch.float64)
-                self.comm.all_reduce_across_sites(total)
-                delta.mul_(mine / float(total.item()))
-                self.comm.all_reduce_across_sites(delta)
-            else:
-                self.comm.all_reduce_across_sites(delta)
-                delta.div_(self.num_sites)
+        self._average_across_sites(delta, self.reducer, self._steps_in_round)
         # 4. outer optimizer step with Δ as the gradient
-        for g, v in zip(self.global_params, views_like(delta, self.global_params), strict=True):
-            g.grad = v
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
+        outer_step_(self.outer_optimizer, self.global_params, delta)
         # 5. local ← global
         for g, p in zip(self.global_params, self.params, strict=True):
             p.copy_(g)
         self._steps_in_round = 0
         self.rounds += 1
 
+    def _average_across_sites(self, delta: torch.Tensor, reducer: SiteReducer, steps: int) -> None:
+        """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``."""
+        if self.num_sites == 1:
+            return
+        if self.weight_by_tokens:
+            mine = float(steps * self.tokens_per_step)
+            total = torch.tensor([mine], dtype=torch.float64)
+            self.comm.all_reduce_across_sites(total)
+            delta.mul_(mine / float(total.item()))
+            reducer(delta)
+        else:
+            reducer(delta)
+            delta.div_(self.num_sites)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reducer": self.reducer.state_dict()}
+
     def global_parameters(self) -> list[torch.Tensor]:
         return self.global_params
+
+
+def pseudo_gradient(global_params: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Δ = θ_global − θ_local, flat fp32."""
+    return torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(global_params, params, strict=True)])
+
+
+def outer_step_(optimizer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], delta: torch.Tensor) -> None:
+    """One outer optimizer step on ``global_params`` with the flat ``delta`` as their gradient."""
+    for g, v in zip(global_params, views_like(delta, global_params), strict=True):
+        g.grad = v
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)\.")
+
+
+def strided_fragments(names: Sequence[str], sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Parameter indices per fragment: layer i goes to fragment i mod F (strided, as in the paper);
+    parameters outside numbered layers (embeddings, final norm, head) go to the smallest fragment."""
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    load = [0] * fragments
+    loose = []
+    for i, name in enumerate(names):
+        m = _LAYER.search(name)
+        if m is None:
+            loose.append(i)
+            continue
+        f = int(m.group(1)) % fragments
+        out[f].append(i)
+        load[f] += sizes[i]
+    for i in sorted(loose, key=lambda i: -sizes[i]):
+        f = min(range(fragments), key=lambda f: load[f])
+        out[f].append(i)
+        load[f] += sizes[i]
+    return [sorted(f) for f in out]
+
+
+class StreamingDiLoCo(DiLoCo):
+    """Streaming DiLoCo: F fragments sync at staggered steps; each merges τ steps after its sync.
+
+    Fragment p syncs after inner step t when t ≡ p·H/F (mod H), t > 0. Its pseudo-gradient (Δ_p
+    at step t) is averaged across sites then; at step t + τ the outer optimizer applies it to the
+    global fragment and θ_local,p ← α·θ_local,p + (1 − α)·θ_global,p. Every fragment has its own
+    outer optimizer (the momentum of a fragment moves only when that fragment syncs). In this
+    implementation the exchange runs when the fragment syncs and the result is held for τ steps,
+    which is the same arithmetic as a background exchange that finishes within τ steps.
+    """
+
+    name = "streaming"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        cfg: SyncConfig,
+        tokens_per_step: int = 1,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            comm,
+            grad_clip,
+            cfg.H,
+            cfg.outer_lr,
+            cfg.outer_momentum,
+            cfg.nesterov,
+            cfg.weight_by_tokens,
+            tokens_per_step,
+            cfg,
+        )
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.F = min(cfg.fragments, len(self.params))
+        self.tau = cfg.tau
+        self.alpha = cfg.alpha
+        self.fragments = strided_fragments(names, [p.numel() for p in self.params], self.F)
+        self.offsets = [(f * self.H) // self.F for f in range(self.F)]
+        self.outer = [
+            torch.optim.SGD(
+                [self.global_params[i] for i in frag], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov
+            )
+            for frag in self.fragments
+        ]
+        self.reducers = [
+            SiteReducer(cfg, comm, [self.params[i].shape for i in frag], seed=f) for f, frag in enumerate(self.fragments)
+        ]
+        self.last_sync = [0] * self.F
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (merge at step, averaged Δ)
+        self.fragment_syncs = 0
+
+    def after_step(self) -> None:
+        SyncAlgorithm.after_step(self)
+        t = self.local_steps
+        for f in [f for f, (at, _) in self.pending.items() if at <= t]:
+            self._merge(f)
+        for f in range(self.F):
+            if t % self.H == self.offsets[f] and t > 0 and f not in self.pending:
+                self._sync(f, t)
+
+    @torch.no_grad()
+    def _sync(self, f: int, t: int) -> None:
+        frag = self.fragments[f]
+        delta = pseudo_gradient([self.global_params[i] for i in frag], [self.params[i] for i in frag])
+        self._average_across_sites(delta, self.reducers[f], t - self.last_sync[f])
+        self.last_sync[f] = t
+        self.fragment_syncs += 1
+        self.pending[f] = (t + self.tau, delta)
+        if self.tau == 0:
+            self._merge(f)
+
+    @torch.no_grad()
+    def _merge(self, f: int) -> None:
+        _, delta = self.pending.pop(f)
+        frag = self.fragments[f]
+        globals_ = [self.global_params[i] for i in frag]
+        outer_step_(self.outer[f], globals_, delta)
+        for g, i in zip(globals_, frag, strict=True):
+            p = self.params[i]
+            p.mul_(self.alpha).add_(g.to(p.dtype), alpha=1 - self.alpha)
+        self.rounds = self.fragment_syncs
+
+    def finish(self) -> None:
+        """Merge what is pending, then sync every fragment with unsynced steps so all sites end on one model."""
+        for f in list(self.pending):
+            self._merge(f)
+        t = self.local_steps
+        for f in range(self.F):
+            if self.last_sync[f] < t:
+                self._sync(f, t)
+                if f in self.pending:
+                    self._merge(f)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reducers": [r.state_dict() for r in self.reducers]}
 
 
 def build_sync(
@@ -247,7 +496,9 @@ def build_sync(
 ) -> SyncAlgorithm:
     """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section."""
     if cfg.algorithm == "ddp":
-        return DDP(model, optimizer, comm, grad_clip, cfg.allreduce)
+        return DDP(model, optimizer, comm, grad_clip, cfg.allreduce, cfg)
+    if cfg.algorithm == "streaming":
+        return StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
     return DiLoCo(
         model,
         optimizer,
@@ -259,4 +510,5 @@ def build_sync(
         cfg.nesterov,
         cfg.weight_by_tokens,
         tokens_per_step,
+        cfg,
     )

@@ -172,9 +172,11 @@ def _loop(
     do_eval(0)
     model.train()
     start = time.perf_counter()
+    peak_inter = 0
     for step in range(1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         comm0 = comm.stats.comm_seconds
+        inter0 = comm.stats.inter_bytes
         x, y = data.train.next()
         loss = model(x.to(device), y.to(device))
         optimizer.zero_grad(set_to_none=True)
@@ -183,6 +185,7 @@ def _loop(
         scheduler.step()
         dt = time.perf_counter() - t0
         compute += dt - (comm.stats.comm_seconds - comm0)
+        peak_inter = max(peak_inter, comm.stats.inter_bytes - inter0)
         record: dict[str, Any] = {
             "step": step,
             "loss": loss.item(),
@@ -204,8 +207,10 @@ def _loop(
         sink.step(record)
     t_fin = time.perf_counter()
     comm0 = comm.stats.comm_seconds
+    inter0 = comm.stats.inter_bytes
     sync.finish()
     compute += (time.perf_counter() - t_fin) - (comm.stats.comm_seconds - comm0)
+    peak_inter = max(peak_inter, comm.stats.inter_bytes - inter0)
     final = do_eval(cfg.train.steps)
     sink.step(
         {
@@ -224,6 +229,7 @@ def _loop(
         "compute_seconds": compute,
         "eval_seconds": eval_seconds,
         "wall_seconds": wall,
+        "peak_inter_site_bytes_per_step": peak_inter,
     }
 
 
@@ -243,7 +249,9 @@ def _summarise(
         "site": me.site,
         "local_rank": me.local_rank,
         "inter_site_bytes": comm.stats.inter_bytes,
+        "inter_site_raw_bytes": comm.stats.inter_raw_bytes,
         "intra_site_bytes": comm.stats.intra_bytes,
+        "peak_inter_site_bytes_per_step": result["peak_inter_site_bytes_per_step"],
         "compute_seconds": result["compute_seconds"],
         "comm_wait_seconds": comm.stats.comm_seconds,
         "eval_seconds": result["eval_seconds"],
@@ -258,18 +266,24 @@ def _summarise(
     hashes = {name: ranks[topo.site_ranks(i)[0]]["global_param_hash"] for i, name in enumerate(topo.site_names)}
     agree = all(r["global_param_hash"] == hashes[r["site"]] for r in ranks)
     n = len(ranks)
+    inter = sum(r["inter_site_bytes"] for r in ranks)
+    raw = sum(r["inter_site_raw_bytes"] for r in ranks)
     return {
         "algorithm": cfg.sync.algorithm,
         "sites": list(topo.site_names),
         "workers_per_site": topo.workers_per_site,
         "world_size": topo.world_size,
         "steps": cfg.train.steps,
-        "H": cfg.sync.H if cfg.sync.algorithm == "diloco" else 1,
+        "H": cfg.sync.H if cfg.sync.algorithm != "ddp" else 1,
+        "fragments": getattr(sync, "F", 1),
         "rounds": sync.rounds,
+        "codec": cfg.sync.codec,
         "tokens": result["curve"][-1]["tokens"],
         "params": n_params,
         "final_eval_loss": result["final_eval_loss"],
-        "inter_site_bytes": sum(r["inter_site_bytes"] for r in ranks),
+        "inter_site_bytes": inter,
+        "compression_ratio": raw / inter if inter else 1.0,
+        "peak_inter_site_bytes_per_step": sum(r["peak_inter_site_bytes_per_step"] for r in ranks),
         "intra_site_bytes": sum(r["intra_site_bytes"] for r in ranks),
         "wall_seconds": max(r["wall_seconds"] for r in ranks),
         "compute_seconds": sum(r["compute_seconds"] for r in ranks) / n,

@@ -64,7 +64,7 @@ BAD = [
     (None, ["topology.links.inter.bandwidth_bps=0"], "topology.links.inter.bandwidth_bps: Input should be greater than 0"),
     (None, ["topology.links.inter.latency_s=11"], "topology.links.inter.latency_s: Input should be less than or equal to 10"),
     (None, ["data.corpus=/nonexistent/corpus.txt"], "data.corpus: Value error, file or directory not found"),
-    (None, ["sync.algorithm=gossip"], "sync.algorithm: Input should be 'ddp' or 'diloco'"),
+    (None, ["sync.algorithm=gossip"], "sync.algorithm: Input should be 'ddp', 'diloco' or 'streaming'"),
     (None, ["model.n_embd=100", "model.n_head=3"], "model: n_embd (100) must be divisible by n_head (3)"),
     (None, ["train.steps=ten"], "train.steps: Input should be a valid integer"),
     ("topology:\n  sites: [{name: A, workers: 2}, {name: A, workers: 2}]\n", [], "site names must be unique"),
