@@ -129,7 +129,7 @@ class Collectives:
     ) -> None:
         """Sum ``x`` over ``ranks`` sending only ``codec``-encoded bytes; fp32 accumulation (see geotrain.codecs)."""
         n, i, _, _ = self._ring(ranks)
-        if n == 1:
+        if n == 1 or x.numel() == 0:
             return
         if ef is not None:
             ef.add_to(x)
@@ -149,26 +149,30 @@ class Collectives:
         chunks = x.tensor_split(n)
         mine = chunks[i]
         # reduce-scatter: encode the chunks others own, receive everyone's encoding of mine
-        encoded = {ranks[j]: codec.encode(chunks[j]) for j in range(n) if j != i}
+        # empty chunks (fewer values than ranks) are not sent at all
+        others = [j for j in range(n) if j != i and chunks[j].numel()]
+        encoded = {ranks[j]: codec.encode(chunks[j]) for j in others}
         if ef is not None:
             res = torch.zeros_like(x)
-            for j, r in enumerate(ranks):
-                if j != i:
-                    torch.sub(chunks[j], codec.decode(encoded[r], chunks[j].numel()), out=res.tensor_split(n)[j])
+            for j in others:
+                torch.sub(chunks[j], codec.decode(encoded[ranks[j]], chunks[j].numel()), out=res.tensor_split(n)[j])
             ef.tensor = res
-        got = {r: torch.empty(codec.encoded_nbytes(mine.numel()), dtype=torch.uint8) for r in peers}
-        self._peer_exchange({r: (encoded[r], 4 * chunks[j].numel()) for j, r in enumerate(ranks) if j != i}, got, group)
+        senders = peers if mine.numel() else []
+        got = {r: torch.empty(codec.encoded_nbytes(mine.numel()), dtype=torch.uint8) for r in senders}
+        self._peer_exchange({ranks[j]: (encoded[ranks[j]], 4 * chunks[j].numel()) for j in others}, got, group)
         tmp = torch.empty_like(mine)
-        for r in peers:
+        for r in senders:
             mine.add_(codec.decode(got[r], mine.numel(), tmp))
         # all-gather the encoded sums; the owner keeps the decoded one too, so all ranks agree
-        summed = codec.encode(mine)
-        codec.decode(summed, mine.numel(), mine)
-        back = {ranks[j]: torch.empty(codec.encoded_nbytes(chunks[j].numel()), dtype=torch.uint8) for j in range(n) if j != i}
-        self._peer_exchange({r: (summed, 4 * mine.numel()) for r in peers}, back, group)
-        for j, r in enumerate(ranks):
-            if j != i:
-                codec.decode(back[r], chunks[j].numel(), chunks[j])
+        sends: dict[int, tuple[torch.Tensor, int]] = {}
+        if mine.numel():
+            summed = codec.encode(mine)
+            codec.decode(summed, mine.numel(), mine)
+            sends = {r: (summed, 4 * mine.numel()) for r in peers}
+        back = {ranks[j]: torch.empty(codec.encoded_nbytes(chunks[j].numel()), dtype=torch.uint8) for j in others}
+        self._peer_exchange(sends, back, group)
+        for j in others:
+            codec.decode(back[ranks[j]], chunks[j].numel(), chunks[j])
 
     # ------------------------------------------------------------------ public collectives
 
