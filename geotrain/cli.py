@@ -189,6 +189,26 @@ def plan(
             console.print(f"wrote {path}")
 
 
+bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True, add_completion=False)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("codecs")
+def bench_codecs_cmd(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    size_mib: Annotated[float, typer.Option("--size-mib", min=0.001, max=4096, help="fp32 tensor size for throughput.")] = 64,
+    reps: Annotated[int, typer.Option(min=1, max=100, help="Timed repetitions (median).")] = 5,
+    rank: Annotated[int, typer.Option(min=1, max=1024, help="PowerSGD rank.")] = 4,
+) -> None:
+    """Every codec: compression ratio, reconstruction error, one-core encode/decode GB/s vs a torch-ops reference."""
+    from geotrain.bench import bench_codecs, print_codecs
+
+    out = bench_codecs(size_mib, reps, rank, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    print_codecs(out, Console(soft_wrap=True, width=max(console.width, 160)))
+    if json_out is not None:
+        _write_json(out, json_out)
+
+
 def main() -> None:
     app()
 

@@ -46,13 +46,15 @@ def int8_encode(x: np.ndarray, lo: float, inv_step: float, codes: np.ndarray, ta
     sums = np.zeros((4, 256), dtype=np.float64)
     counts = np.zeros((4, 256), dtype=np.int64)
     n = x.size
+    lo32 = np.float32(lo)
+    inv32 = np.float32(inv_step)
     for i in range(n):
         v = x[i]
-        t = (v - lo) * inv_step
-        if t < 0.0:
-            t = 0.0
-        elif t > 255.0:
-            t = 255.0
+        t = (v - lo32) * inv32  # fp32, as the torch reference computes it
+        if t < 0:
+            t = np.float32(0)
+        elif t > 255:
+            t = np.float32(255)
         q = int(t)
         codes[i] = q
         lane = i & 3
@@ -89,29 +91,29 @@ def block4_encode(x: np.ndarray, block: int, is_fp4: bool, scales: np.ndarray, p
     for b in range(nblocks):
         start = b * block
         stop = min(start + block, n)
-        m = 0.0
+        m = np.float32(0)
         for i in range(start, stop):
-            a = abs(np.float64(x[i]))
+            a = abs(x[i])
             probe += a * 0.0
             if a > m:
                 m = a
         scales[b] = m
         length = stop - start
-        if m == 0.0:
+        if m == 0:
             for j in range(length):
                 codes[j] = 8 if not is_fp4 else 0
         elif is_fp4:
             # e = how many of the 7 midpoints |v| reaches: 2^-7 (between 0 and 2^-6), then
             # 0.75 * 2^(k-7) for k = 2..7 (between 2^(k-8) and 2^(k-7)); all relative to m
-            t1 = m * 0.0078125
-            t2 = m * 0.0234375
-            t3 = m * 0.046875
-            t4 = m * 0.09375
-            t5 = m * 0.1875
-            t6 = m * 0.375
-            t7 = m * 0.75
+            t1 = m * np.float32(0.0078125)
+            t2 = m * np.float32(0.0234375)
+            t3 = m * np.float32(0.046875)
+            t4 = m * np.float32(0.09375)
+            t5 = m * np.float32(0.1875)
+            t6 = m * np.float32(0.375)
+            t7 = m * np.float32(0.75)
             for j in range(length):
-                v = np.float64(x[start + j])
+                v = x[start + j]
                 a = abs(v)
                 e = (
                     np.int64(a >= t1)
@@ -122,12 +124,12 @@ def block4_encode(x: np.ndarray, block: int, is_fp4: bool, scales: np.ndarray, p
                     + np.int64(a >= t6)
                     + np.int64(a >= t7)
                 )
-                codes[j] = e | (np.int64(v < 0.0 and e > 0) << 3)
+                codes[j] = e | (np.int64(v < 0 and e > 0) << 3)
         else:
-            inv = 7.0 / m
+            inv = np.float32(7) / m
             for j in range(length):
-                q = np.float64(x[start + j]) * inv
-                codes[j] = np.int64(np.floor(q + 0.5)) + 8
+                q = x[start + j] * inv
+                codes[j] = np.int64(np.floor(q + np.float32(0.5))) + 8
         if length & 1:
             codes[length] = 0
         base = start // 2

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-FP4_MIDPOINTS = torch.tensor([2.0**-7] + [0.75 * 2.0 ** (k - 7) for k in range(2, 8)], dtype=torch.float64)
+FP4_MIDPOINTS = torch.tensor([2.0**-7] + [0.75 * 2.0 ** (k - 7) for k in range(2, 8)], dtype=torch.float32)
 
 
 def int8_encode(x: torch.Tensor, sigma_range: float = 6.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,7 +25,9 @@ def int8_encode(x: torch.Tensor, sigma_range: float = 6.0) -> tuple[torch.Tensor
     if half <= 1e-30 * max(1.0, abs(float(mean))):  # constant tensor, as in the fast codec
         half = max(abs(float(mean)), 1e-30)
     lo = float(mean) - half
-    t = ((x.double() - lo) * (256.0 / (2 * half))).clamp(0, 255)
+    lo32 = torch.tensor(lo, dtype=torch.float32)
+    inv32 = torch.tensor(256.0 / (2 * half), dtype=torch.float32)
+    t = ((x - lo32) * inv32).clamp(0, 255)
     codes = t.floor().to(torch.uint8)
     idx = codes.long()
     sums = torch.bincount(idx, weights=x.double(), minlength=256)
@@ -58,11 +60,11 @@ def _unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 def block4_encode(x: torch.Tensor, block: int = 64, fp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes uint8, scales fp32 per block) for int4 or fp4 (E3M0)."""
     n = x.numel()
-    b = _blocks(x, block).double()
+    b = _blocks(x, block)
     scale = b.abs().amax(dim=1, keepdim=True)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if fp4:
-        e = torch.bucketize(b.abs() / safe, FP4_MIDPOINTS, right=True)
+    if fp4:  # e = how many midpoints (scaled to the block) |x| reaches
+        e = (b.abs().unsqueeze(-1) >= safe.unsqueeze(-1) * FP4_MIDPOINTS).sum(-1)
         codes = e | ((b < 0) & (e > 0)).long() << 3
     else:
         codes = torch.floor(b * (7.0 / safe) + 0.5).long() + 8
