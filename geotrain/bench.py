@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -102,8 +103,8 @@ def bench_codecs(
             codec = build_codec(name)
             buf = codec.encode(x)
             out = torch.empty(n)
-            enc_s = _median_seconds(lambda c=codec: c.encode(x), reps)
-            dec_s = _median_seconds(lambda c=codec, b=buf, o=out: c.decode(b, n, o), reps)
+            enc_s = _median_seconds(partial(codec.encode, x), reps)
+            dec_s = _median_seconds(partial(codec.decode, buf, n, out), reps)
             e: dict[str, Any] = {
                 "codec": name,
                 "ratio": codec.ratio(n),
