@@ -209,6 +209,30 @@ def bench_codecs_cmd(
         _write_json(out, json_out)
 
 
+@bench_app.command("codec-quality")
+def bench_codec_quality_cmd(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write codec_quality.png here (a directory).")] = None,
+    out: OutOpt = Path("runs/codec-quality"),
+    streaming_h: Annotated[int, typer.Option("--streaming-h", min=1, help="H of the streaming+fp4 point.")] = 100,
+    set_: SetOpt = None,
+) -> None:
+    """Eval loss vs inter-site bytes at equal tokens: ddp, diloco with every codec, streaming with fp4."""
+    from geotrain.bench import codec_quality, plot_quality, print_quality
+    from geotrain.launch import LaunchError
+
+    _load(None, set_)  # bad overrides fail here, before any run starts
+    try:
+        result = codec_quality(out, set_, streaming_h, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    except LaunchError as exc:
+        _fail(f"a run failed: {exc}", 1)
+    print_quality(result, Console(soft_wrap=True, width=max(console.width, 140)))
+    if json_out is not None:
+        _write_json(result, json_out)
+    if plot is not None:
+        console.print(f"wrote {plot_quality(result, plot / 'codec_quality.png')}")
+
+
 def main() -> None:
     app()
 

@@ -112,3 +112,31 @@ def test_hugging_face_model_trains_across_sites(tmp_path: Path) -> None:
     assert s["sites"] == ["eu", "us"] and s["rounds"] == 2
     assert len(set(s["global_param_hash"].values())) == 1
     assert any(k.startswith("inner.") for k in weights)
+
+
+@pytest.mark.timeout(300)
+def test_streaming_one_fragment_no_delay_is_diloco_and_fragments_cut_the_peak(tmp_path: Path) -> None:
+    common = ["train.steps=9", "sync.H=4", "model.n_layer=2"]
+    dil, dil_w = _run(tmp_path, "dil", [*common, "sync.algorithm=diloco"])
+    one, one_w = _run(tmp_path, "one", [*common, "sync.algorithm=streaming", "sync.fragments=1", "sync.tau=0", "sync.alpha=0"])
+    assert one["global_param_hash"] == dil["global_param_hash"]  # bit-identical: same algorithm
+    for k in dil_w:
+        assert torch.equal(one_w[k], dil_w[k]), k
+    two, _ = _run(tmp_path, "two", [*common, "sync.algorithm=streaming", "sync.fragments=2", "sync.tau=1"])
+    assert two["fragments"] == 2 and two["rounds"] == 2 * 3  # each fragment: 2 syncs + the final one
+    assert len(set(two["global_param_hash"].values())) == 1 and two["hashes_agree_within_sites"]
+    # each sync point carries one fragment: the peak per step falls to about half
+    assert two["peak_inter_site_bytes_per_step"] <= 0.7 * dil["peak_inter_site_bytes_per_step"]
+    assert two["final_eval_loss"] < two["eval_curve"][0]["eval_loss"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "codec,algorithm,low,high", [("int8", "diloco", 3.3, 4.0), ("fp4", "streaming", 6.5, 7.2), ("powersgd", "ddp", 2.0, 200.0)]
+)
+def test_codec_end_to_end(tmp_path: Path, codec: str, algorithm: str, low: float, high: float) -> None:
+    s, _ = _run(tmp_path, codec, ["train.steps=8", "sync.H=4", f"sync.algorithm={algorithm}", f"sync.codec={codec}"])
+    assert s["codec"] == codec
+    assert low <= s["compression_ratio"] <= high, s["compression_ratio"]
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
