@@ -210,7 +210,7 @@ def _loop(
     inter0 = comm.stats.inter_bytes
     sync.finish()
     compute += (time.perf_counter() - t_fin) - (comm.stats.comm_seconds - comm0)
-    peak_inter = max(peak_inter, comm.stats.inter_bytes - inter0)
+    final_sync_inter = comm.stats.inter_bytes - inter0
     final = do_eval(cfg.train.steps)
     sink.step(
         {
@@ -230,6 +230,7 @@ def _loop(
         "eval_seconds": eval_seconds,
         "wall_seconds": wall,
         "peak_inter_site_bytes_per_step": peak_inter,
+        "final_sync_inter_site_bytes": final_sync_inter,
     }
 
 
@@ -252,6 +253,7 @@ def _summarise(
         "inter_site_raw_bytes": comm.stats.inter_raw_bytes,
         "intra_site_bytes": comm.stats.intra_bytes,
         "peak_inter_site_bytes_per_step": result["peak_inter_site_bytes_per_step"],
+        "final_sync_inter_site_bytes": result["final_sync_inter_site_bytes"],
         "compute_seconds": result["compute_seconds"],
         "comm_wait_seconds": comm.stats.comm_seconds,
         "eval_seconds": result["eval_seconds"],
@@ -284,6 +286,7 @@ def _summarise(
         "inter_site_bytes": inter,
         "compression_ratio": raw / inter if inter else 1.0,
         "peak_inter_site_bytes_per_step": sum(r["peak_inter_site_bytes_per_step"] for r in ranks),
+        "final_sync_inter_site_bytes": sum(r["final_sync_inter_site_bytes"] for r in ranks),
         "intra_site_bytes": sum(r["intra_site_bytes"] for r in ranks),
         "wall_seconds": max(r["wall_seconds"] for r in ranks),
         "compute_seconds": sum(r["compute_seconds"] for r in ranks) / n,
