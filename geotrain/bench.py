@@ -323,10 +323,9 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     for p in result["points"]:
         marker = {"ddp": "s", "diloco": "o", "streaming": "*"}[p["algorithm"]]
-        ax.scatter(p["inter_site_bytes"], p["final_eval_loss"], marker=marker, s=80 if marker == "*" else 40)
-        ax.annotate(
-            p["label"], (p["inter_site_bytes"], p["final_eval_loss"]), textcoords="offset points", xytext=(5, 3), fontsize=8
-        )
+        label = f"{p['label']}: {p['final_eval_loss']:.3f}"
+        ax.scatter(p["inter_site_bytes"], p["final_eval_loss"], marker=marker, s=120 if marker == "*" else 45, label=label)
+    ax.legend(fontsize=8, loc="upper right")
     ax.set_xscale("log")
     ax.set_xlabel("total inter-site bytes (log)")
     ax.set_ylabel("final eval loss")

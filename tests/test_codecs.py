@@ -4,9 +4,11 @@ over real Gloo groups (bit-identical results, exact wire bytes), PowerSGD agains
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +262,25 @@ def test_bad_codec_config_is_one_line(override: str, message: str) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_bench_codecs_cli_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "codecs.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "geotrain", "bench", "codecs", "--size-mib", "0.25", "--reps", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    entries = {e["codec"]: e for e in result["entries"]}
+    assert set(entries) == set(CODEC_NAMES)
+    for e in entries.values():
+        assert {"codec", "ratio", "rel_error", "encode_gbps", "decode_gbps", "reference_encode_gbps"} <= e.keys()
+        assert e["ratio"] >= 1.0
+    assert entries["int8"]["rel_error"] <= 0.015 and entries["int8"]["ratio"] == pytest.approx(4.0, rel=0.01)
+    assert entries["fp4"]["ratio"] == pytest.approx(4 * 64 / (4 + 32), rel=0.01)
+    assert 0 < entries["int8"]["rel_error_pseudo_gradient"] < 0.05
+    assert "int8" in proc.stdout and "speed-up" in proc.stdout

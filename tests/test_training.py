@@ -136,7 +136,9 @@ def test_streaming_one_fragment_no_delay_is_diloco_and_fragments_cut_the_peak(tm
     "codec,algorithm,low,high", [("int8", "diloco", 3.3, 4.0), ("fp4", "streaming", 6.5, 7.2), ("powersgd", "ddp", 2.0, 200.0)]
 )
 def test_codec_end_to_end(tmp_path: Path, codec: str, algorithm: str, low: float, high: float) -> None:
-    s, _ = _run(tmp_path, codec, ["train.steps=8", "sync.H=4", "sync.tau=1", f"sync.algorithm={algorithm}", f"sync.codec={codec}"])
+    s, _ = _run(
+        tmp_path, codec, ["train.steps=8", "sync.H=4", "sync.tau=1", f"sync.algorithm={algorithm}", f"sync.codec={codec}"]
+    )
     assert s["codec"] == codec
     assert low <= s["compression_ratio"] <= high, s["compression_ratio"]
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
