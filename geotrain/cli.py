@@ -89,6 +89,12 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
         check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size)
     except ValueError as exc:
         _fail(f"config error: {exc}")
+    from geotrain.groups import choose_backend
+
+    if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
+        _fail(
+            f"config error: sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})"
+        )
     algorithms: list[str] = [cfg.sync.algorithm]
     if cfg.run.baseline not in ("none", cfg.sync.algorithm):
         algorithms.append(cfg.run.baseline)

@@ -227,7 +227,7 @@ class SyncConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _nesterov(self) -> SyncConfig:
+    def _cross_field(self) -> SyncConfig:
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0 (set sync.nesterov=false for plain SGD)")
         if self.bits is not None:

@@ -108,6 +108,10 @@ class SiteReducer:
     """
 
     def __init__(self, cfg: SyncConfig, comm: Collectives, shapes: Sequence[torch.Size], seed: int = 0) -> None:
+        if cfg.codec != "none" and comm.groups.device.type != "cpu":
+            raise ValueError(
+                f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {comm.groups.backend} backend use sync.codec=none for now"
+            )
         self.comm = comm
         self.codec = make_codec(cfg)
         self.residual = Residual() if (self.codec is not None and cfg.uses_error_feedback) else None

@@ -249,6 +249,7 @@ def test_powersgd_matches_pytorch_powersgd_quality() -> None:
         ("sync.topk_fraction=0", "sync.topk_fraction: Input should be greater than 0"),
         ("sync.rank=0", "sync.rank: Input should be greater than or equal to 1"),
         ("sync.block_size=63", "sync.block_size: must be even"),
+        ("run.backend=nccl", "sync.codec: codecs encode CPU tensors"),
     ],
 )
 def test_bad_codec_config_is_one_line(override: str, message: str) -> None:
