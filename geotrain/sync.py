@@ -33,6 +33,7 @@ What crosses sites goes through a :class:`SiteReducer`, which applies the config
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -125,8 +126,8 @@ class SiteReducer:
             # which tensors this local rank owns: the run its index falls in
             start = sum(self.run_sizes[: g.me.local_rank])
             stop = start + self.run_sizes[g.me.local_rank]
-            offsets = [sum(numels[:i]) for i in range(len(numels))]
-            self.mine = [i for i, o in enumerate(offsets) if start <= o < stop and numels[i]]
+            offsets = list(itertools.accumulate(numels, initial=0))[:-1]  # where each tensor starts
+            self.mine = [i for i, (o, n) in enumerate(zip(offsets, numels, strict=True)) if start <= o < stop and n]
 
     def __call__(self, flat: torch.Tensor) -> None:
         """Replace ``flat`` by its sum over sites (every rank of every site ends with the same values)."""
@@ -263,14 +264,65 @@ class DDP(SyncAlgorithm):
         return {"reducer": None if self.reducer is None else self.reducer.state_dict()}
 
 
-class DiLoCo(SyncAlgorithm):
-    """DiLoCo across sites, synchronous data parallel inside a site.
+class _OuterSync(SyncAlgorithm):
+    """What DiLoCo and Streaming DiLoCo share: DDP inside a site, fp32 global parameters, and the
+    averaging of pseudo-gradients across sites (token-weighted if configured) through a reducer.
 
     Args:
-        H: inner steps per outer round.
-        outer_lr, outer_momentum, nesterov: outer SGD (paper: 0.7, 0.9, Nesterov).
+        cfg: the sync section (H, outer SGD settings, token weighting, codec).
         tokens_per_step: tokens this site processes per inner step (for token weighting).
-        weight_by_tokens: weight each site's pseudo-gradient by its tokens in the round.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        cfg: SyncConfig,
+        tokens_per_step: int = 1,
+    ) -> None:
+        super().__init__(model, optimizer, comm, grad_clip)
+        self.cfg = cfg
+        self.H = cfg.H
+        self.weight_by_tokens = cfg.weight_by_tokens
+        self.tokens_per_step = tokens_per_step
+        topo = comm.groups.topology
+        self.num_sites = topo.num_sites
+        self.workers_per_site = topo.workers_per_site
+        # fp32 outer state, whatever the model's dtype
+        self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
+
+    def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        c = self.cfg
+        return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+
+    def sync_gradients(self) -> None:
+        self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
+
+    def _average_across_sites(self, delta: torch.Tensor, reducer: SiteReducer, steps: int) -> None:
+        """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``."""
+        if self.num_sites == 1:
+            return
+        if self.weight_by_tokens:
+            mine = float(steps * self.tokens_per_step)
+            total = torch.tensor([mine], dtype=torch.float64)
+            self.comm.all_reduce_across_sites(total)
+            delta.mul_(mine / float(total.item()))
+            reducer(delta)
+        else:
+            reducer(delta)
+            delta.div_(self.num_sites)
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        return self.global_params
+
+
+class DiLoCo(_OuterSync):
+    """DiLoCo across sites, synchronous data parallel inside a site.
+
+    Settings come from the sync section: H inner steps per outer round, outer SGD (paper: 0.7,
+    0.9, Nesterov), token weighting, codec.
     """
 
     name = "diloco"
@@ -281,30 +333,13 @@ class DiLoCo(SyncAlgorithm):
         optimizer: torch.optim.Optimizer,
         comm: Collectives,
         grad_clip: float,
-        H: int,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        weight_by_tokens: bool = False,
+        cfg: SyncConfig,
         tokens_per_step: int = 1,
-        cfg: SyncConfig | None = None,
     ) -> None:
-        super().__init__(model, optimizer, comm, grad_clip)
-        self.H = H
-        self.cfg = cfg if cfg is not None else SyncConfig()
-        self.weight_by_tokens = weight_by_tokens
-        self.tokens_per_step = tokens_per_step
-        topo = comm.groups.topology
-        self.num_sites = topo.num_sites
-        self.workers_per_site = topo.workers_per_site
-        # fp32 outer state, whatever the model's dtype
-        self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        self.outer_optimizer = self._outer_optimizer(self.global_params)
         self._steps_in_round = 0
-        self.reducer = SiteReducer(self.cfg, comm, [p.shape for p in self.params])
-
-    def sync_gradients(self) -> None:
-        self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
+        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.params])
 
     def after_step(self) -> None:
         super().after_step()
@@ -331,25 +366,8 @@ class DiLoCo(SyncAlgorithm):
         self._steps_in_round = 0
         self.rounds += 1
 
-    def _average_across_sites(self, delta: torch.Tensor, reducer: SiteReducer, steps: int) -> None:
-        """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``."""
-        if self.num_sites == 1:
-            return
-        if self.weight_by_tokens:
-            mine = float(steps * self.tokens_per_step)
-            total = torch.tensor([mine], dtype=torch.float64)
-            self.comm.all_reduce_across_sites(total)
-            delta.mul_(mine / float(total.item()))
-            reducer(delta)
-        else:
-            reducer(delta)
-            delta.div_(self.num_sites)
-
     def state_dict(self) -> dict[str, Any]:
         return {"reducer": self.reducer.state_dict()}
-
-    def global_parameters(self) -> list[torch.Tensor]:
-        return self.global_params
 
 
 def pseudo_gradient(global_params: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -389,7 +407,7 @@ def strided_fragments(names: Sequence[str], sizes: Sequence[int], fragments: int
     return [sorted(f) for f in out]
 
 
-class StreamingDiLoCo(DiLoCo):
+class StreamingDiLoCo(_OuterSync):
     """Streaming DiLoCo: F fragments sync at staggered steps; each merges τ steps after its sync.
 
     Fragment p syncs after inner step t when t ≡ p·H/F (mod H), t > 0. Its pseudo-gradient (Δ_p
@@ -411,40 +429,22 @@ class StreamingDiLoCo(DiLoCo):
         cfg: SyncConfig,
         tokens_per_step: int = 1,
     ) -> None:
-        super().__init__(
-            model,
-            optimizer,
-            comm,
-            grad_clip,
-            cfg.H,
-            cfg.outer_lr,
-            cfg.outer_momentum,
-            cfg.nesterov,
-            cfg.weight_by_tokens,
-            tokens_per_step,
-            cfg,
-        )
+        super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.F = min(cfg.fragments, len(self.params))
         self.tau = cfg.tau
         self.alpha = cfg.alpha
         self.fragments = strided_fragments(names, [p.numel() for p in self.params], self.F)
         self.offsets = [(f * self.H) // self.F for f in range(self.F)]
-        self.outer = [
-            torch.optim.SGD(
-                [self.global_params[i] for i in frag], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov
-            )
-            for frag in self.fragments
-        ]
+        self.outer = [self._outer_optimizer([self.global_params[i] for i in frag]) for frag in self.fragments]
         self.reducers = [
             SiteReducer(cfg, comm, [self.params[i].shape for i in frag], seed=f) for f, frag in enumerate(self.fragments)
         ]
         self.last_sync = [0] * self.F
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (merge at step, averaged Δ)
-        self.fragment_syncs = 0
 
     def after_step(self) -> None:
-        SyncAlgorithm.after_step(self)
+        super().after_step()
         t = self.local_steps
         for f in [f for f, (at, _) in self.pending.items() if at <= t]:
             self._merge(f)
@@ -458,7 +458,7 @@ class StreamingDiLoCo(DiLoCo):
         delta = pseudo_gradient([self.global_params[i] for i in frag], [self.params[i] for i in frag])
         self._average_across_sites(delta, self.reducers[f], t - self.last_sync[f])
         self.last_sync[f] = t
-        self.fragment_syncs += 1
+        self.rounds += 1  # for streaming, a round is one fragment's sync
         self.pending[f] = (t + self.tau, delta)
         if self.tau == 0:
             self._merge(f)
@@ -472,7 +472,6 @@ class StreamingDiLoCo(DiLoCo):
         for g, i in zip(globals_, frag, strict=True):
             p = self.params[i]
             p.mul_(self.alpha).add_(g.to(p.dtype), alpha=1 - self.alpha)
-        self.rounds = self.fragment_syncs
 
     def finish(self) -> None:
         """Merge what is pending, then sync every fragment with unsynced steps so all sites end on one model."""
@@ -501,18 +500,5 @@ def build_sync(
     """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section."""
     if cfg.algorithm == "ddp":
         return DDP(model, optimizer, comm, grad_clip, cfg.allreduce, cfg)
-    if cfg.algorithm == "streaming":
-        return StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
-    return DiLoCo(
-        model,
-        optimizer,
-        comm,
-        grad_clip,
-        cfg.H,
-        cfg.outer_lr,
-        cfg.outer_momentum,
-        cfg.nesterov,
-        cfg.weight_by_tokens,
-        tokens_per_step,
-        cfg,
-    )
+    cls = StreamingDiLoCo if cfg.algorithm == "streaming" else DiLoCo
+    return cls(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
