@@ -136,15 +136,15 @@ class Collectives:
         peers = [r for r in ranks if r != self.groups.me.rank]
         if codec.reduce == "gather":
             enc = codec.encode(x)
+            own = codec.decode(enc, x.numel())
             if ef is not None:
-                ef.tensor = x - codec.decode(enc, x.numel())
+                ef.tensor = x - own
             got = {r: torch.empty_like(enc) for r in peers}
             self._peer_exchange({r: (enc, 4 * x.numel()) for r in peers}, got, group)
-            got[self.groups.me.rank] = enc
             tmp = torch.empty_like(x)
             x.zero_()
             for r in ranks:  # same order on every rank: bit-identical sums
-                x.add_(codec.decode(got[r], x.numel(), tmp))
+                x.add_(own if r == self.groups.me.rank else codec.decode(got[r], x.numel(), tmp))
             return
         chunks = x.tensor_split(n)
         mine = chunks[i]
