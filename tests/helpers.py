@@ -11,7 +11,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from geotrain.config import TopologyConfig
 from geotrain.launch import free_port
+from geotrain.topology import Topology
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,3 +59,9 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 1
                 p.kill()
                 p.join()
     return [results[r] for r in range(world)]
+
+
+def uniform_topology(sites: int, workers: int) -> Topology:
+    """``sites`` sites named s0, s1, ... with ``workers`` ranks each."""
+    cfg = TopologyConfig.model_validate({"sites": [{"name": f"s{i}", "workers": workers} for i in range(sites)]})
+    return Topology.from_config(cfg)

@@ -16,9 +16,7 @@ import torch
 from geotrain.codecs import CODEC_NAMES, FP4, Int4, Int8, NonFiniteError, Residual, build_codec, relative_error, roundtrip
 from geotrain.codecs import reference as R
 from geotrain.codecs.powersgd import PowerSGD
-from geotrain.config import TopologyConfig
-from geotrain.topology import Topology
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, uniform_topology
 
 BYTE_CODECS = [n for n in CODEC_NAMES if n != "powersgd"]
 SIZES = [0, 1, 7, 64, 65, 4099, 100_003]
@@ -138,16 +136,11 @@ def test_residual_shape_checked() -> None:
 # --------------------------------------------------------------------------- over real groups
 
 
-def _topo(sites: int, workers: int) -> Topology:
-    cfg = TopologyConfig.model_validate({"sites": [{"name": f"s{i}", "workers": workers} for i in range(sites)]})
-    return Topology.from_config(cfg)
-
-
 def _coded_rank(rank: int, sites: int, workers: int) -> dict:
     from geotrain.collectives import Collectives
     from geotrain.groups import ProcessGroups
 
-    topo = _topo(sites, workers)
+    topo = uniform_topology(sites, workers)
     groups = ProcessGroups.build(topo, "gloo", timeout_s=60)
     out: dict = {}
     try:
@@ -175,7 +168,7 @@ def _coded_rank(rank: int, sites: int, workers: int) -> dict:
 @pytest.mark.parametrize("sites,workers", [(2, 2), (3, 1)])
 def test_coded_all_reduce_identical_everywhere_with_exact_bytes(sites: int, workers: int) -> None:
     results = run_ranks(sites * workers, _coded_rank, sites, workers)
-    topo = _topo(sites, workers)
+    topo = uniform_topology(sites, workers)
     for key, first in results[0].items():
         name, n = key
         for rank, res in enumerate(results):

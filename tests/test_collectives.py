@@ -6,23 +6,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from geotrain.config import TopologyConfig
-from geotrain.topology import Topology
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, uniform_topology
 
 SIZES = [1, 3, 7, 1000, 4099, 65537]
-
-
-def _topo(sites: int, workers: int) -> Topology:
-    cfg = TopologyConfig.model_validate({"sites": [{"name": f"s{i}", "workers": workers} for i in range(sites)]})
-    return Topology.from_config(cfg)
 
 
 def _collectives_rank(rank: int, sites: int, workers: int) -> dict:
     from geotrain.collectives import Collectives
     from geotrain.groups import ProcessGroups
 
-    topo = _topo(sites, workers)
+    topo = uniform_topology(sites, workers)
     groups = ProcessGroups.build(topo, "gloo", timeout_s=60)
     out: dict = {"errors": [], "bytes": {}}
     try:
