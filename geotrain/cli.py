@@ -239,6 +239,93 @@ def bench_codec_quality_cmd(
         console.print(f"wrote {plot_quality(result, plot / 'codec_quality.png')}")
 
 
+def _speeds(text: str, option: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        _fail(f"{option}: expected comma-separated bit rates such as 1e7,1e8 (got {text!r})")
+    if not values or any(not v > 0 for v in values):
+        _fail(f"{option}: every bandwidth must be > 0 bit/s (got {text!r})")
+    return values
+
+
+LatencyOpt = Annotated[float, typer.Option("--latency", min=0, max=10, help="One-way inter-site latency in seconds.")]
+
+
+@bench_app.command("link")
+def bench_link_cmd(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    speeds: Annotated[str, typer.Option(help="Link bandwidths in bit/s, comma-separated.")] = "1e7,1e8,1e9",
+    latency: LatencyOpt = 0.04,
+    reps: Annotated[int, typer.Option(min=1, max=50, help="Timed transfers per point (median).")] = 3,
+) -> None:
+    """Transfer time over an emulated link vs size/bandwidth + latency, in-process and kernel (root) modes."""
+    from geotrain.benchnet import bench_link, print_link
+
+    out = bench_link(_speeds(speeds, "--speeds"), latency, reps=reps)
+    print_link(out, console)
+    if json_out is not None:
+        _write_json(out, json_out)
+
+
+@bench_app.command("allreduce")
+def bench_allreduce_cmd(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    sizes_mib: Annotated[str, typer.Option("--sizes-mib", help="Message sizes in MiB, comma-separated.")] = "1,16,64,128",
+    bandwidth: Annotated[float, typer.Option("--bandwidth", min=1, help="Inter-site bandwidth in bit/s.")] = 1e9,
+    latency: LatencyOpt = 0.04,
+    reps: Annotated[int, typer.Option(min=1, max=50, help="Timed runs per point (median).")] = 3,
+    lanes: Annotated[int, typer.Option(min=1, max=64, help="Chunks in flight (sync.lanes).")] = 4,
+    chunk_mib: Annotated[float, typer.Option("--chunk-mib", min=0.01, max=1024, help="Chunk size (sync.chunk_bytes).")] = 4,
+) -> None:
+    """Hierarchical vs flat all-reduce on emulated links: busbw, link utilisation, α-β prediction."""
+    from geotrain.benchnet import bench_allreduce, print_allreduce
+
+    sizes = _speeds(sizes_mib, "--sizes-mib")
+    out = bench_allreduce(sizes, bandwidth, latency, reps=reps, lanes=lanes, chunk_bytes=int(chunk_mib * (1 << 20)))
+    print_allreduce(out, Console(soft_wrap=True, width=max(console.width, 140)))
+    if json_out is not None:
+        _write_json(out, json_out)
+
+
+@bench_app.command("wan")
+def bench_wan_cmd(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write wan.png and wan_timeline.png here (a directory).")] = None,
+    out: OutOpt = Path("runs/bench-wan"),
+    speeds: Annotated[str, typer.Option(help="Inter-site bandwidths in bit/s, comma-separated.")] = "1e7,1e8,1e9,1e10",
+    latency: LatencyOpt = 0.04,
+    steps: Annotated[int, typer.Option(min=10, help="Inner steps per run (ddp fewer on slow links).")] = 150,
+    timeline_bps: Annotated[float, typer.Option("--timeline-bps", min=1, help="Link of the timeline run.")] = 1e8,
+    set_: SetOpt = None,
+) -> None:
+    """Compute utilisation, inter-site bytes and loss of ddp, diloco and streaming across link speeds."""
+    from geotrain.benchnet import bench_wan, plot_timeline, plot_wan, print_wan
+    from geotrain.launch import LaunchError
+
+    _load(None, set_)  # bad overrides fail here, before any run starts
+    bws = _speeds(speeds, "--speeds")
+    try:
+        result = bench_wan(
+            out,
+            bws,
+            latency,
+            steps=steps,
+            extra=set_,
+            timeline_bps=timeline_bps,
+            progress=lambda m: console.print(f"[dim]{m}[/dim]"),
+        )
+    except LaunchError as exc:
+        _fail(f"a run failed: {exc}", 1)
+    print_wan(result, Console(soft_wrap=True, width=max(console.width, 140)))
+    if json_out is not None:
+        _write_json(result, json_out)
+    if plot is not None:
+        console.print(f"wrote {plot_wan(result, plot / 'wan.png')}")
+        if result["timeline_run"]:
+            console.print(f"wrote {plot_timeline(Path(result['timeline_run']), plot / 'wan_timeline.png')}")
+
+
 def main() -> None:
     app()
 

@@ -14,62 +14,166 @@ Hierarchical all-reduce (NeMo multi-DC, see shared/reference/003): reduce-scatte
 site, all-reduce each shard across sites among ranks with the same local rank (all shards in
 parallel, so every rank's wide-area path is busy), all-gather inside the site. Only S/G bytes
 per rank (G = workers per site) cross the slow links, twice (N-1)/N of it for N sites.
+
+Pipelining: an fp32 all-reduce is cut into chunks of ``chunk_bytes``; chunk k goes to lane
+k mod L. Each lane is a thread with its own process groups (:class:`geotrain.groups.Lane`) and
+runs the three phases on its chunks in order, so while one lane reduce-scatters inside a site
+another has its shard on the wide-area link and a third waits out the link's latency — the
+phases overlap and the slow link stays busy.
+
+Every point-to-point exchange goes through :meth:`Collectives._p2p`, where inter-site sends
+are paced and delayed by the link emulation (:mod:`geotrain.wan`) when one is configured.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from geotrain.codecs import Codec, Residual
-from geotrain.groups import ProcessGroups
+from geotrain.groups import Lane, ProcessGroups
+from geotrain.wan import WanEmulator
+
+_HEADER_TAG = 1  # arrival-time headers of the link emulation travel on their own tag
+TIMELINE_CAP = 200_000
+
+
+def _isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup, tag: int = 0) -> dist.Work:
+    work = dist.isend(t, dst, group=group, tag=tag)
+    assert work is not None, "isend to a rank outside the group"
+    return work
+
+
+def _irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup, tag: int = 0) -> dist.Work:
+    work = dist.irecv(t, src, group=group, tag=tag)
+    assert work is not None, "irecv from a rank outside the group"
+    return work
 
 
 @dataclass
 class CommStats:
-    """Payload bytes this rank sent, split by where the receiver lives, and time spent blocked."""
+    """Payload bytes this rank sent, split by where the receiver lives, and time spent.
+
+    ``comm_seconds`` is the time the training (main) thread was blocked on communication, and
+    ``wan_wait_seconds`` the part of it spent in collectives that cross sites (what compute
+    utilisation counts as lost); ``network_seconds`` is the time any thread spent in an
+    exchange that crossed sites.
+    """
 
     intra_bytes: int = 0
     inter_bytes: int = 0
     comm_seconds: float = 0.0
     inter_raw_bytes: int = 0  # what the same inter-site sends would have taken in fp32
+    network_seconds: float = 0.0
+    wan_wait_seconds: float = 0.0
+    # (start, end) monotonic seconds of every exchange that crossed sites, when recording
+    intervals: list[tuple[float, float]] | None = field(default=None, repr=False)
 
 
 class Collectives:
     """Ring collectives over the groups of one rank, with exact byte accounting.
 
     All methods operate in place on a 1-D contiguous tensor that has the same size on every
-    participating rank, and must be called by all ranks of the group in the same order.
+    participating rank, and must be called by all ranks of the group in the same order. The
+    all-reduces that may cross sites use the lane groups only, so one of them can run in a
+    background thread while the training thread averages gradients on ``groups.intra``.
+
+    Args:
+        chunk_bytes: fp32 all-reduces are pipelined in chunks of this size over the lanes.
+        wan: the link emulation (None: links run at loopback speed).
     """
 
-    def __init__(self, groups: ProcessGroups, stats: CommStats | None = None) -> None:
+    def __init__(
+        self,
+        groups: ProcessGroups,
+        stats: CommStats | None = None,
+        chunk_bytes: int = 4 << 20,
+        wan: WanEmulator | None = None,
+    ) -> None:
         self.groups = groups
         self.stats = stats if stats is not None else CommStats()
         self._my_site = groups.me.site_index
+        self.lanes: list[Lane] = groups.lanes
+        self.chunk_bytes = chunk_bytes
+        self.wan = wan
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(len(self.lanes), thread_name_prefix="lane") if len(self.lanes) > 1 else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     # ------------------------------------------------------------------ primitives
 
     def _count(self, dst: int, nbytes: int, raw: int | None = None) -> None:
-        if self.groups.topology.site_of(dst) == self._my_site:
-            self.stats.intra_bytes += nbytes
-        else:
-            self.stats.inter_bytes += nbytes
-            self.stats.inter_raw_bytes += nbytes if raw is None else raw
+        with self._lock:
+            if self.groups.topology.site_of(dst) == self._my_site:
+                self.stats.intra_bytes += nbytes
+            else:
+                self.stats.inter_bytes += nbytes
+                self.stats.inter_raw_bytes += nbytes if raw is None else raw
+
+    def _p2p(
+        self, sends: list[tuple[int, torch.Tensor, int | None]], recvs: list[tuple[int, torch.Tensor]], group: dist.ProcessGroup
+    ) -> None:
+        """Send ``(dst, buffer, fp32 bytes it stands for or None)`` and receive ``(src, buffer)``, all at
+        once (global ranks); empty buffers are skipped. Inter-site sends go through the link emulation."""
+        sends = [s for s in sends if s[1].numel()]
+        recvs = [r for r in recvs if r[1].numel()]
+        if not sends and not recvs:
+            return
+        site = self.groups.topology.site_of
+        t0 = time.monotonic()
+        recv_works = [_irecv(buf, src, group) for src, buf in recvs]
+        works = []
+        far_out: list[tuple[int, int]] = []
+        for dst, buf, raw in sends:
+            nbytes = buf.numel() * buf.element_size()
+            self._count(dst, nbytes, raw)
+            works.append(_isend(buf, dst, group))
+            if site(dst) != self._my_site:
+                far_out.append((dst, nbytes))
+        far_in = [src for src, _ in recvs if site(src) != self._my_site]
+        wan = self.wan
+        if wan is None or not (far_out or far_in):
+            for w in recv_works + works:
+                w.wait()
+        elif wan.paces_bandwidth:
+            headers_in = {src: torch.zeros(1, dtype=torch.float64) for src in far_in}
+            header_works = [_irecv(h, src, group, _HEADER_TAG) for src, h in headers_in.items()]
+            arrivals = wan.pace([(site(dst), n) for dst, n in far_out]) if far_out else []
+            headers_out = [torch.tensor([a], dtype=torch.float64) for a in arrivals]
+            header_works += [_isend(h, dst, group, _HEADER_TAG) for h, (dst, _) in zip(headers_out, far_out, strict=True)]
+            for w in recv_works + works + header_works:
+                w.wait()
+            wan.hold_until(max((float(h.item()) for h in headers_in.values()), default=0.0))
+        else:  # kernel mode: tc shapes the bandwidth; hold far data one latency after it arrived
+            hold = 0.0
+            for (src, _), w in zip(recvs, recv_works, strict=True):
+                w.wait()
+                if site(src) != self._my_site:
+                    hold = max(hold, time.monotonic() + wan.latency(site(src)))
+            for w in works:
+                w.wait()
+            wan.hold_until(hold)
+        if far_out or far_in:
+            t1 = time.monotonic()
+            with self._lock:
+                self.stats.network_seconds += t1 - t0
+                iv = self.stats.intervals
+                if iv is not None and len(iv) < TIMELINE_CAP:
+                    iv.append((t0, t1))
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
         """Send ``send`` to ``dst`` while receiving ``recv`` from ``src`` (global ranks)."""
-        ops = []
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, dst, group))
-            self._count(dst, send.numel() * send.element_size())
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, src, group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        self._p2p([(dst, send, None)], [(src, recv)], group)
 
     def _ring(self, ranks: list[int]) -> tuple[int, int, int, int]:
         """(ring size, my position, next rank, previous rank) for a ring over ``ranks``."""
@@ -101,10 +205,36 @@ class Collectives:
         for s in range(n - 1):
             self._exchange(chunks[(i - s) % n], nxt, chunks[(i - s - 1) % n], prv, group)
 
-    def _timed(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+    def _timed(self, fn, *args, wide: bool = True) -> None:  # type: ignore[no-untyped-def]
+        """Run ``fn``; time it as blocked communication when the training (main) thread called
+        (``wide``: a collective that crosses sites)."""
         t0 = time.perf_counter()
         fn(*args)
-        self.stats.comm_seconds += time.perf_counter() - t0
+        if threading.current_thread() is threading.main_thread():
+            self.add_wait(time.perf_counter() - t0, wide)
+
+    def add_wait(self, seconds: float, wide: bool = True) -> None:
+        """Account ``seconds`` the training thread spent blocked on communication."""
+        self.stats.comm_seconds += seconds
+        if wide:
+            self.stats.wan_wait_seconds += seconds
+
+    def _laned(self, x: torch.Tensor, per_chunk: Callable[[torch.Tensor, Lane], None]) -> None:
+        """Cut ``x`` into chunks of ``chunk_bytes``; chunk k runs ``per_chunk`` on lane k mod L, lanes in parallel."""
+        step = max(1, self.chunk_bytes // x.element_size())
+        chunks = list(x.split(step)) if x.numel() else [x]
+        lanes = min(len(self.lanes), len(chunks))
+        if lanes == 1 or self._pool is None:
+            for c in chunks:
+                per_chunk(c, self.lanes[0])
+            return
+
+        def run(i: int) -> None:
+            for c in chunks[i::lanes]:
+                per_chunk(c, self.lanes[i])
+
+        for f in [self._pool.submit(run, i) for i in range(lanes)]:
+            f.result()
 
     @staticmethod
     def _check(x: torch.Tensor) -> None:
@@ -115,14 +245,7 @@ class Collectives:
         self, sends: dict[int, tuple[torch.Tensor, int]], recvs: dict[int, torch.Tensor], group: dist.ProcessGroup
     ) -> None:
         """Send ``sends[dst] = (buffer, fp32 bytes it stands for)`` and receive ``recvs[src]``, all at once."""
-        ops = []
-        for dst, (buf, raw) in sends.items():
-            ops.append(dist.P2POp(dist.isend, buf, dst, group))
-            self._count(dst, buf.numel() * buf.element_size(), raw)
-        ops.extend(dist.P2POp(dist.irecv, buf, src, group) for src, buf in recvs.items())
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        self._p2p([(dst, buf, raw) for dst, (buf, raw) in sends.items()], list(recvs.items()), group)
 
     def _coded_all_reduce(
         self, x: torch.Tensor, codec: Codec, ranks: list[int], group: dist.ProcessGroup, ef: Residual | None
@@ -197,20 +320,58 @@ class Collectives:
         self._timed(run)
 
     def all_reduce_intra(self, x: torch.Tensor) -> None:
-        """Sum over the ranks of this rank's site."""
-        self.ring_all_reduce(x, self.groups.intra_ranks, self.groups.intra)
+        """Sum over the ranks of this rank's site (main site group, for the training thread)."""
+        self._check(x)
+        g = self.groups
+
+        def run() -> None:
+            self._ring_reduce_scatter(x, g.intra_ranks, g.intra)
+            self._ring_all_gather(x, g.intra_ranks, g.intra)
+
+        self._timed(run, wide=False)
 
     def all_reduce_flat(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
-        """Sum over all ranks with one ring in rank order (site-major): the topology-blind baseline."""
-        self.coded_all_reduce(x, codec, self.groups.topology.all_ranks(), self.groups.world, ef)
+        """Sum over all ranks with one ring in rank order (site-major): the topology-blind baseline.
 
-    def _across(self, shard: torch.Tensor, codec: Codec | None, ef: Residual | None) -> None:
+        fp32 is pipelined over the lanes like the hierarchical all-reduce, so the two compare fairly.
+        """
+        self._check(x)
+        ranks = self.groups.topology.all_ranks()
+        if codec is not None:
+            self._timed(self._coded_all_reduce, x, codec, ranks, self.lanes[0].world, ef)
+            return
+
+        def chunk(c: torch.Tensor, lane: Lane) -> None:
+            self._ring_reduce_scatter(c, ranks, lane.world)
+            self._ring_all_gather(c, ranks, lane.world)
+
+        self._timed(self._laned, x, chunk)
+
+    def _across(self, shard: torch.Tensor, lane: Lane, codec: Codec | None, ef: Residual | None) -> None:
         g = self.groups
         if codec is None:
-            self._ring_reduce_scatter(shard, g.inter_ranks, g.inter)
-            self._ring_all_gather(shard, g.inter_ranks, g.inter)
+            self._ring_reduce_scatter(shard, g.inter_ranks, lane.inter)
+            self._ring_all_gather(shard, g.inter_ranks, lane.inter)
         else:
-            self._coded_all_reduce(shard, codec, g.inter_ranks, g.inter, ef)
+            self._coded_all_reduce(shard, codec, g.inter_ranks, lane.inter, ef)
+
+    def _site_pipeline(self, x: torch.Tensor, codec: Codec | None, ef: Residual | None, reduce_in_site: bool) -> None:
+        """[Reduce-scatter in site] -> all-reduce of this rank's shard across sites -> all-gather in
+        site; fp32 chunked over the lanes, a codec on the whole tensor (its scales and error
+        feedback are per tensor) on lane 0."""
+        g = self.groups
+        G, me = len(g.intra_ranks), g.me.local_rank
+
+        def chunk(c: torch.Tensor, lane: Lane) -> None:
+            if reduce_in_site:
+                self._ring_reduce_scatter(c, g.intra_ranks, lane.intra)
+            self._across(c.tensor_split(G)[me], lane, codec, ef)
+            self._ring_all_gather(c, g.intra_ranks, lane.intra)
+
+        if codec is None:
+            self._laned(x, chunk)
+        else:
+            chunk(x, self.lanes[0])
 
     def all_reduce_hierarchical(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks: reduce-scatter in site, all-reduce shards across sites, all-gather in site.
@@ -218,20 +379,12 @@ class Collectives:
         Only the across-sites step is encoded with ``codec``; in-site traffic stays fp32.
         """
         self._check(x)
-        g = self.groups
-
-        def run() -> None:
-            self._ring_reduce_scatter(x, g.intra_ranks, g.intra)
-            shard = x.tensor_split(len(g.intra_ranks))[g.me.local_rank]
-            self._across(shard, codec, ef)
-            self._ring_all_gather(x, g.intra_ranks, g.intra)
-
-        self._timed(run)
+        self._timed(self._site_pipeline, x, codec, ef, True)
 
     def all_gather_intra(self, x: torch.Tensor, sizes: list[int]) -> None:
-        """In-site all-gather where local rank j owns ``x.split(sizes)[j]``."""
+        """In-site all-gather where local rank j owns ``x.split(sizes)[j]`` (on lane 0's site group)."""
         self._check(x)
-        self._timed(self._ring_all_gather, x, self.groups.intra_ranks, self.groups.intra, sizes)
+        self._timed(self._ring_all_gather, x, self.groups.intra_ranks, self.lanes[0].intra, sizes, wide=False)
 
     def all_reduce_across_sites(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over sites of a tensor that is already identical on every rank of a site.
@@ -241,14 +394,11 @@ class Collectives:
         reduce-scatter.
         """
         self._check(x)
-        g = self.groups
+        self._timed(self._site_pipeline, x, codec, ef, False)
 
-        def run() -> None:
-            shard = x.tensor_split(len(g.intra_ranks))[g.me.local_rank]
-            self._across(shard, codec, ef)
-            self._ring_all_gather(x, g.intra_ranks, g.intra)
-
-        self._timed(run)
+    def all_reduce_inter(self, x: torch.Tensor) -> None:
+        """Sum over this rank's cross-site group (its local rank in every site), fp32, lane 0."""
+        self.coded_all_reduce(x, None, self.groups.inter_ranks, self.lanes[0].inter)
 
     def all_reduce(self, x: torch.Tensor, how: str, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks, ``how`` = 'hierarchical' or 'flat'."""

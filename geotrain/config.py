@@ -40,22 +40,43 @@ class Section(BaseModel):
 class LinkConfig(Section):
     """A network link class: bandwidth in bits per second and one-way latency in seconds.
 
-    Validated and recorded with every run; emulating them (pacing and delay of the bytes sent)
-    is the WAN-emulation feature built on :mod:`geotrain.collectives`.
+    Inter-site links are emulated (see :mod:`geotrain.wan`): the bytes each rank sends to another
+    site are paced to the link's bandwidth (shared by all ranks of the site) and delayed by its
+    latency.
     """
 
     bandwidth_bps: float = Field(gt=0, description="Link bandwidth in bits per second (e.g. 1.0e+9 for 1 Gbit/s).")
     latency_s: float = Field(ge=0, le=10, description="One-way latency in seconds (0 to 10).")
 
 
+class PairLinkConfig(LinkConfig):
+    sites: list[str] = Field(description="The two sites this link joins (both directions get the same bandwidth and latency).")
+
+    @field_validator("sites")
+    @classmethod
+    def _two(cls, v: list[str]) -> list[str]:
+        if len(v) != 2 or v[0] == v[1]:
+            raise ValueError("must name two different sites")
+        return v
+
+
 class LinksConfig(Section):
+    emulate: Literal["off", "inprocess", "kernel"] = Field(
+        default="inprocess",
+        description="How inter-site links are emulated on one machine: 'inprocess' (pacing and delay inside geotrain, no root needed), "
+        "'kernel' (a network namespace per site, tc bandwidth limits, latency in-process; needs root and ip), 'off' (loopback speed).",
+    )
     intra: LinkConfig = Field(
         default_factory=lambda: LinkConfig(bandwidth_bps=100e9, latency_s=5e-6),
         description="Links between workers of the same site (scale-out fabric inside a datacenter).",
     )
     inter: LinkConfig = Field(
         default_factory=lambda: LinkConfig(bandwidth_bps=1e9, latency_s=0.02),
-        description="Links between sites (wide-area network).",
+        description="Links between sites (wide-area network), unless a 'between' entry names the pair.",
+    )
+    between: list[PairLinkConfig] = Field(
+        default_factory=list,
+        description="Per site-pair links overriding 'inter', e.g. [{sites: [A, B], bandwidth_bps: 1.0e+8, latency_s: 0.04}].",
     )
 
 
@@ -94,6 +115,20 @@ class TopologyConfig(Section):
                 f"(got {[s.workers for s in v]}); heterogeneous sites are planned"
             )
         return v
+
+    @model_validator(mode="after")
+    def _links_name_sites(self) -> TopologyConfig:
+        names = [s.name for s in self.sites]
+        seen: set[frozenset[str]] = set()
+        for i, link in enumerate(self.links.between):
+            for name in link.sites:
+                if name not in names:
+                    raise ValueError(f"links.between[{i}].sites: unknown site {name!r} (sites: {', '.join(names)})")
+            pair = frozenset(link.sites)
+            if pair in seen:
+                raise ValueError(f"links.between[{i}].sites: the link {link.sites[0]}-{link.sites[1]} is given twice")
+            seen.add(pair)
+        return self
 
 
 # --------------------------------------------------------------------------- model / data
@@ -160,6 +195,9 @@ class TrainConfig(Section):
         default=0, ge=0, le=1024, description="torch threads per rank; 0 = CPU cores / ranks on this machine (at least 1)."
     )
     save_final: bool = Field(default=True, description="Write the final global model to OUT/final_model.pt.")
+    timeline: bool = Field(
+        default=False, description="Record per-rank compute and network intervals to OUT/timeline/rank{r}.json (for plots)."
+    )
 
 
 class OptimConfig(Section):
@@ -221,6 +259,24 @@ class SyncConfig(Section):
     sigma_range: float = Field(default=6.0, gt=0, le=64, description="int8: buckets span mean ± sigma_range · std.")
     topk_fraction: float = Field(default=0.01, gt=0, le=1, description="topk: fraction of entries sent.")
     rank: int = Field(default=4, ge=1, le=4096, description="powersgd: approximation rank.")
+    chunk_bytes: int = Field(
+        default=4 << 20,
+        ge=4096,
+        le=1 << 34,
+        description="fp32 all-reduces are cut into chunks of this many bytes, pipelined over the lanes.",
+    )
+    lanes: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Chunks in flight at once (each lane has its own process groups), so one chunk's in-site phases "
+        "and latency overlap with another's wide-area transfer.",
+    )
+    eager: bool = Field(
+        default=False,
+        description="Streaming DiLoCo, eager variant: a fragment's all-reduce gets a whole round; its outer step uses the "
+        "fresh local pseudo-gradient plus the other sites' one-round-old ones (tau is not used).",
+    )
     error_feedback: bool | None = Field(
         default=None,
         description="Add what the codec left out to the next round's input; default: on for topk and powersgd, off otherwise.",
@@ -238,7 +294,9 @@ class SyncConfig(Section):
                 raise ValueError(f"bits: the {self.codec} codec sends {width} bits per value (allowed: {width}; got {self.bits})")
         if self.block_size % 2:
             raise ValueError(f"block_size: must be even, two 4-bit codes per byte (got {self.block_size})")
-        if self.algorithm == "streaming" and self.tau >= self.H:
+        if self.eager and self.weight_by_tokens:
+            raise ValueError("eager: the eager variant averages sites equally; it cannot be combined with weight_by_tokens")
+        if self.algorithm == "streaming" and not self.eager and self.tau >= self.H:
             raise ValueError(f"tau: must be below H={self.H}, a fragment merges before it syncs again (got {self.tau})")
         return self
 

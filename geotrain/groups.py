@@ -29,6 +29,16 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One set of groups for chunks in flight: its own site, cross-site and world groups, so
+    chunks on different lanes (threads) never share a group with each other or the main thread."""
+
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    world: dist.ProcessGroup
+
+
 @dataclass
 class ProcessGroups:
     """All groups one rank takes part in, cut from the topology.
@@ -40,6 +50,7 @@ class ProcessGroups:
         intra: this rank's site group.
         inter: this rank's cross-site group (its local rank in every site).
         backend: 'gloo' or 'nccl'.
+        lanes: groups for the pipelined collectives (see :class:`Lane`).
     """
 
     topology: Topology
@@ -48,6 +59,7 @@ class ProcessGroups:
     intra: dist.ProcessGroup
     inter: dist.ProcessGroup
     backend: str
+    lanes: list[Lane]
 
     @property
     def intra_ranks(self) -> list[int]:
@@ -64,9 +76,10 @@ class ProcessGroups:
         return torch.device("cpu")
 
     @classmethod
-    def build(cls, topology: Topology, backend: str = "auto", timeout_s: float = 300) -> ProcessGroups:
+    def build(cls, topology: Topology, backend: str = "auto", timeout_s: float = 300, lanes: int = 1) -> ProcessGroups:
         """Initialise torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-        MASTER_PORT, as set by geotrain's launcher or torchrun) and build every group.
+        MASTER_PORT, as set by geotrain's launcher or torchrun) and build every group, plus
+        ``lanes`` sets of groups for the pipelined collectives.
 
         Raises:
             RuntimeError: if WORLD_SIZE does not match the topology.
@@ -96,7 +109,23 @@ class ProcessGroups:
         assert intra is not None and inter is not None
         world = dist.group.WORLD
         assert world is not None
-        return cls(topology=topology, me=me, world=world, intra=intra, inter=inter, backend=backend)
+        lane_list = [cls._lane(topology, me) for _ in range(lanes)]
+        return cls(topology=topology, me=me, world=world, intra=intra, inter=inter, backend=backend, lanes=lane_list)
+
+    @staticmethod
+    def _lane(topology: Topology, me: RankInfo) -> Lane:
+        intra = inter = None
+        for s in range(topology.num_sites):
+            g = dist.new_group(topology.site_ranks(s))
+            if s == me.site_index:
+                intra = g
+        for local in range(topology.workers_per_site):
+            g = dist.new_group(topology.inter_ranks(local))
+            if local == me.local_rank:
+                inter = g
+        world = dist.new_group(topology.all_ranks())
+        assert intra is not None and inter is not None
+        return Lane(intra=intra, inter=inter, world=world)
 
     def destroy(self) -> None:
         if dist.is_initialized():

@@ -18,7 +18,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,10 @@ from typing import IO, Any
 
 import yaml
 
+from geotrain import netns
 from geotrain.config import Config
+from geotrain.netns import IFNAME, KernelLinks
+from geotrain.procs import free_port
 from geotrain.topology import Topology
 
 GRACE_SECONDS = 3.0
@@ -37,12 +39,6 @@ GRACE_SECONDS = 3.0
 
 class LaunchError(RuntimeError):
     """A rank failed; the message names its site and rank."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def die_with_parent() -> None:
@@ -94,6 +90,37 @@ def launch_local(
     summary_path = out / "summary.json"
     summary_path.unlink(missing_ok=True)
     port = free_port()
+    kernel = _kernel_links(cfg, topo)
+    try:
+        return _launch(cfg, topo, out, cfg_path, summary_path, port, kernel, console_print, on_poll)
+    finally:
+        if kernel is not None:
+            kernel.down()
+
+
+def _kernel_links(cfg: Config, topo: Topology) -> KernelLinks | None:
+    """The namespaces for kernel link emulation, set up; None for the other modes. Kernel mode
+    that cannot run here falls back to in-process emulation with a one-line notice."""
+    if cfg.topology.links.emulate != "kernel" or topo.num_sites == 1:
+        return None
+    why = netns.unavailable()
+    if why is not None:
+        print(f"geotrain: kernel link emulation unavailable ({why}); using in-process emulation", file=sys.stderr, flush=True)
+        return None
+    return KernelLinks(topo).up()
+
+
+def _launch(
+    cfg: Config,
+    topo: Topology,
+    out: Path,
+    cfg_path: Path,
+    summary_path: Path,
+    port: int,
+    kernel: KernelLinks | None,
+    console_print: Callable[[str], None] | None,
+    on_poll: Callable[[], None] | None,
+) -> dict[str, Any]:
     procs: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "GROUP_RANK"))}
@@ -111,9 +138,14 @@ def launch_local(
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
             "GEOTRAIN_PARENT_PID": str(os.getpid()),
+            "GEOTRAIN_WAN_MODE": "inprocess" if cfg.topology.links.emulate == "kernel" else cfg.topology.links.emulate,
         }
+        cmd = [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)]
+        if kernel is not None:  # the rank lives in its site's namespace; Gloo binds to its veth
+            env.update(MASTER_ADDR=kernel.address(0), GLOO_SOCKET_IFNAME=IFNAME, GEOTRAIN_WAN_MODE="kernel")
+            cmd = ["ip", "netns", "exec", kernel.namespaces[info.site_index], *cmd]
         p = subprocess.Popen(
-            [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)],
+            cmd,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

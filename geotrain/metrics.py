@@ -55,7 +55,16 @@ class MetricsSink:
     def step(self, record: dict[str, Any], step_line: bool = True) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
         step = int(record["step"])
-        for key in ("loss", "lr", "inter_site_bytes", "intra_site_bytes", "comm_seconds", "eval_loss"):
+        for key in (
+            "loss",
+            "lr",
+            "inter_site_bytes",
+            "intra_site_bytes",
+            "comm_seconds",
+            "wait_seconds",
+            "in_flight_bytes",
+            "eval_loss",
+        ):
             if key in record:
                 self._tb.add_scalar(f"train/{key}", float(record[key]), step)
         if "eval_loss" in record and self.print_steps and self.me.rank == 0:
@@ -66,7 +75,7 @@ class MetricsSink:
                 step,
                 f"loss {record['loss']:.4f} | dt {record['step_seconds'] * 1000:6.1f} ms | "
                 f"tok/s {record['tokens_per_second']:8.0f} | inter-site {record['inter_site_bytes'] / 1e6:9.3f} MB | "
-                f"net wait {record['comm_seconds']:.2f} s",
+                f"wan wait {record['wait_seconds'] * 1000:5.0f} ms | in flight {record['in_flight_bytes'] / 1e6:6.3f} MB",
             )
 
     def close(self) -> None:

@@ -66,7 +66,8 @@ def print_table(runs: list[dict[str, Any]], console: Console) -> None:
         ("intra-site bytes", lambda r: _mb(r["intra_site_bytes"])),
         ("wall time", lambda r: f"{r['wall_seconds']:.1f} s"),
         ("compute / rank", lambda r: f"{r['compute_seconds']:.1f} s"),
-        ("network wait / rank", lambda r: f"{r['comm_wait_seconds']:.2f} s"),
+        ("wide-area wait / rank", lambda r: f"{r.get('wan_wait_seconds', r['comm_wait_seconds']):.2f} s"),
+        ("compute utilisation (min rank)", lambda r: f"{r['utilization']:.1%}" if "utilization" in r else "-"),
         (
             "global models identical",
             lambda r: "yes" if len(set(r["global_param_hash"].values())) == 1 and r["hashes_agree_within_sites"] else "NO",

@@ -35,7 +35,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -138,9 +140,7 @@ class SiteReducer:
         stats = self.comm.stats
         raw0 = stats.inter_raw_bytes
         views = [v.view(shape) for v, shape in zip(flat.split([s.numel() for s in self.shapes]), self.shapes, strict=True)]
-        self.powersgd.all_reduce(
-            [views[i] for i in self.mine], lambda t: self.comm.coded_all_reduce(t, None, g.inter_ranks, g.inter)
-        )
+        self.powersgd.all_reduce([views[i] for i in self.mine], self.comm.all_reduce_inter)
         # reference for the compression ratio: an fp32 ring all-reduce of the same tensors
         n, mine = len(g.inter_ranks), sum(views[i].numel() for i in self.mine)
         stats.inter_raw_bytes = raw0 + round(2 * (n - 1) / n * 4 * mine)
@@ -201,6 +201,10 @@ class SyncAlgorithm:
 
     def global_hash(self) -> str:
         return params_hash(self.global_parameters())
+
+    def in_flight_bytes(self) -> int:
+        """Bytes handed to a background exchange that has not finished (0: all exchanges block)."""
+        return 0
 
     def state_dict(self) -> dict[str, Any]:
         """Sync state a checkpoint must carry beyond parameters and optimizers (codec state)."""
@@ -410,12 +414,19 @@ def strided_fragments(names: Sequence[str], sizes: Sequence[int], fragments: int
 class StreamingDiLoCo(_OuterSync):
     """Streaming DiLoCo: F fragments sync at staggered steps; each merges τ steps after its sync.
 
-    Fragment p syncs after inner step t when t ≡ p·H/F (mod H), t > 0. Its pseudo-gradient (Δ_p
-    at step t) is averaged across sites then; at step t + τ the outer optimizer applies it to the
-    global fragment and θ_local,p ← α·θ_local,p + (1 − α)·θ_global,p. Every fragment has its own
-    outer optimizer (the momentum of a fragment moves only when that fragment syncs). In this
-    implementation the exchange runs when the fragment syncs and the result is held for τ steps,
-    which is the same arithmetic as a background exchange that finishes within τ steps.
+    Fragment p syncs after inner step t when t ≡ p·H/F (mod H), t > 0: its pseudo-gradient Δ_p
+    is computed and handed to a background thread, which averages it across sites while the
+    inner steps go on. At step t + τ the training thread waits for the average (if it is not in
+    yet — that wait is the only time compute stalls on the network), the outer optimizer
+    applies it to the global fragment and θ_local,p ← α·θ_local,p + (1 − α)·θ_global,p. Every
+    fragment has its own outer optimizer.
+
+    Eager variant (``cfg.eager``, Kale et al. arXiv:2502.12996): a fragment's exchange gets a
+    whole round. At its sync the outer step is applied at once with the eager pseudo-gradient
+    Δ_local/M + (the previous round's average − the previous Δ_local/M): this site's fresh
+    pseudo-gradient stands in for its share, the other sites' one-round-old ones for theirs (in
+    the first round the local one stands in for all). Sites' global models differ by their own
+    fresh share until :meth:`finish` averages them.
     """
 
     name = "streaming"
@@ -434,6 +445,7 @@ class StreamingDiLoCo(_OuterSync):
         self.F = min(cfg.fragments, len(self.params))
         self.tau = cfg.tau
         self.alpha = cfg.alpha
+        self.eager = cfg.eager
         self.fragments = strided_fragments(names, [p.numel() for p in self.params], self.F)
         self.offsets = [(f * self.H) // self.F for f in range(self.F)]
         self.outer = [self._outer_optimizer([self.global_params[i] for i in frag]) for frag in self.fragments]
@@ -441,31 +453,52 @@ class StreamingDiLoCo(_OuterSync):
             SiteReducer(cfg, comm, [self.params[i].shape for i in frag], seed=f) for f, frag in enumerate(self.fragments)
         ]
         self.last_sync = [0] * self.F
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}  # fragment -> (merge at step, averaged Δ)
+        # fragment -> (merge at step, the exchange in flight, its averaged Δ when done)
+        self.pending: dict[int, tuple[int, Future[None], torch.Tensor]] = {}
+        self.previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (local Δ, its exchange result)
+        self._network = ThreadPoolExecutor(1, thread_name_prefix="wan-exchange")
 
     def after_step(self) -> None:
         super().after_step()
         t = self.local_steps
-        for f in [f for f, (at, _) in self.pending.items() if at <= t]:
-            self._merge(f)
+        if not self.eager:
+            for f in [f for f, (at, _, _) in self.pending.items() if at <= t]:
+                self._merge(f)
         for f in range(self.F):
-            if t % self.H == self.offsets[f] and t > 0 and f not in self.pending:
+            if t % self.H == self.offsets[f] and t > 0 and (self.eager or f not in self.pending):
                 self._sync(f, t)
+
+    def in_flight_bytes(self) -> int:
+        """fp32 bytes of pseudo-gradient fragments whose exchange has not finished."""
+        return sum(4 * d.numel() for _, fut, d in self.pending.values() if not fut.done())
+
+    def _start(self, f: int, delta: torch.Tensor, steps: int) -> Future[None]:
+        return self._network.submit(self._average_across_sites, delta, self.reducers[f], steps)
+
+    def _wait(self, fut: Future[None]) -> None:
+        """Block the training thread until ``fut`` is done; the time counts as waiting on the network."""
+        t0 = time.perf_counter()
+        fut.result()
+        self.comm.add_wait(time.perf_counter() - t0)
 
     @torch.no_grad()
     def _sync(self, f: int, t: int) -> None:
         frag = self.fragments[f]
         delta = pseudo_gradient([self.global_params[i] for i in frag], [self.params[i] for i in frag])
-        self._average_across_sites(delta, self.reducers[f], t - self.last_sync[f])
+        steps = t - self.last_sync[f]
         self.last_sync[f] = t
         self.rounds += 1  # for streaming, a round is one fragment's sync
-        self.pending[f] = (t + self.tau, delta)
+        if self.eager:
+            self._eager_step(f, delta, steps)
+            return
+        self.pending[f] = (t + self.tau, self._start(f, delta, steps), delta)
         if self.tau == 0:
             self._merge(f)
 
     @torch.no_grad()
     def _merge(self, f: int) -> None:
-        _, delta = self.pending.pop(f)
+        _, fut, delta = self.pending.pop(f)
+        self._wait(fut)
         frag = self.fragments[f]
         globals_ = [self.global_params[i] for i in frag]
         outer_step_(self.outer[f], globals_, delta)
@@ -473,16 +506,55 @@ class StreamingDiLoCo(_OuterSync):
             p = self.params[i]
             p.mul_(self.alpha).add_(g.to(p.dtype), alpha=1 - self.alpha)
 
+    @torch.no_grad()
+    def _eager_step(self, f: int, local: torch.Tensor, steps: int) -> None:
+        M = self.num_sites
+        if f in self.pending:  # last round's exchange of this fragment: it had a whole round
+            _, fut, _ = self.pending.pop(f)
+            self._wait(fut)
+        eager = local.clone()
+        if f in self.previous:
+            old_local, old_avg = self.previous[f]
+            eager.div_(M).add_(old_avg).sub_(old_local, alpha=1 / M)
+        outgoing = local.clone()
+        self.pending[f] = (0, self._start(f, outgoing, steps), outgoing)
+        self.previous[f] = (local, outgoing)  # ``outgoing`` becomes the average once the exchange is done
+        frag = self.fragments[f]
+        globals_ = [self.global_params[i] for i in frag]
+        outer_step_(self.outer[f], globals_, eager)
+        for g, i in zip(globals_, frag, strict=True):
+            self.params[i].copy_(g)
+
     def finish(self) -> None:
-        """Merge what is pending, then sync every fragment with unsynced steps so all sites end on one model."""
-        for f in list(self.pending):
-            self._merge(f)
-        t = self.local_steps
-        for f in range(self.F):
-            if self.last_sync[f] < t:
-                self._sync(f, t)
-                if f in self.pending:
-                    self._merge(f)
+        """Bring every site onto one model: wait for what is in flight, then (τ variant) merge it and
+        sync every fragment with unsynced steps, or (eager) average the sites' global models."""
+        if self.eager:
+            for f in list(self.pending):
+                self._wait(self.pending.pop(f)[1])
+            self._average_global_models()
+        else:
+            for f in list(self.pending):
+                self._merge(f)
+            t = self.local_steps
+            for f in range(self.F):
+                if self.last_sync[f] < t:
+                    self._sync(f, t)
+                    if f in self.pending:
+                        self._merge(f)
+        self._network.shutdown()
+
+    @torch.no_grad()
+    def _average_global_models(self) -> None:
+        flat = torch.cat([g.reshape(-1) for g in self.global_params])
+        self.comm.all_reduce_across_sites(flat)
+        flat.div_(self.num_sites)
+        for g, v, p in zip(self.global_params, views_like(flat, self.global_params), self.params, strict=True):
+            g.copy_(v)
+            p.copy_(g)
+
+    def close(self) -> None:
+        self._network.shutdown(wait=True)
+        super().close()
 
     def state_dict(self) -> dict[str, Any]:
         return {"reducers": [r.state_dict() for r in self.reducers]}

@@ -36,6 +36,8 @@ class Topology:
     regions: tuple[str | None, ...]
     intra_link: LinkConfig
     inter_link: LinkConfig
+    pair_links: tuple[tuple[frozenset[str], LinkConfig], ...] = ()
+    emulate: str = "off"
 
     @classmethod
     def from_config(cls, cfg: TopologyConfig) -> Topology:
@@ -45,7 +47,19 @@ class Topology:
             regions=tuple(s.region for s in cfg.sites),
             intra_link=cfg.links.intra,
             inter_link=cfg.links.inter,
+            pair_links=tuple(
+                (frozenset(b.sites), LinkConfig(bandwidth_bps=b.bandwidth_bps, latency_s=b.latency_s)) for b in cfg.links.between
+            ),
+            emulate=cfg.links.emulate,
         )
+
+    def link(self, a: int, b: int) -> LinkConfig:
+        """The link between sites ``a`` and ``b`` (indices): a 'between' entry if one names them, else 'inter'."""
+        pair = frozenset((self.site_names[a], self.site_names[b]))
+        for names, link in self.pair_links:
+            if names == pair:
+                return link
+        return self.inter_link
 
     @property
     def num_sites(self) -> int:

@@ -33,7 +33,8 @@ from geotrain.launch import die_with_parent
 from geotrain.metrics import MetricsSink, log
 from geotrain.model import build_model, count_params
 from geotrain.sync import SyncAlgorithm, build_sync
-from geotrain.topology import Topology
+from geotrain.topology import RankInfo, Topology
+from geotrain.wan import WanEmulator
 
 
 def rank_threads(requested: int) -> int:
@@ -94,9 +95,10 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
     topo = Topology.from_config(cfg.topology)
     threads = rank_threads(cfg.train.threads)
     torch.set_num_threads(threads)
-    groups = ProcessGroups.build(topo, cfg.run.backend, cfg.run.timeout_s)
+    groups = ProcessGroups.build(topo, cfg.run.backend, cfg.run.timeout_s, lanes=cfg.sync.lanes)
     me = groups.me
     out.mkdir(parents=True, exist_ok=True)
+    wan = build_wan(topo, me, cfg.topology.links.emulate)
     try:
         torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
         model = build_model(cfg.model).to(groups.device)
@@ -112,7 +114,9 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             cfg.train.seed,
         )
         optimizer, scheduler = build_optimizer(cfg, model)
-        comm = Collectives(groups)
+        comm = Collectives(groups, chunk_bytes=cfg.sync.chunk_bytes, wan=wan)
+        if cfg.train.timeline:
+            comm.stats.intervals = []
         tokens_per_rank_step = cfg.train.batch_size * cfg.model.block_size
         sync = build_sync(
             cfg.sync,
@@ -126,6 +130,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
             log(me, 0, f"{cfg.sync.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
+            log(me, 0, f"inter-site links: {describe_links(topo, wan)}")
         result = _loop(cfg, model, eval_model, data, optimizer, scheduler, sync, comm, groups, sink, tokens_per_rank_step)
         sink.close()
         summary = _summarise(cfg, result, sync, comm, groups, n_params, threads)
@@ -135,11 +140,56 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             if cfg.train.save_final:
                 load_parameters(eval_model, sync.global_parameters())
                 torch.save(eval_model.state_dict(), out / "final_model.pt")
+        if cfg.train.timeline:
+            _write_timeline(out, me.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
         dist.barrier(group=groups.world)
         sync.close()
+        comm.close()
         return summary
     finally:
+        if wan is not None:
+            wan.close(unlink=me.rank == 0)
         groups.destroy()
+
+
+def build_wan(topo: Topology, me: RankInfo, requested: str) -> WanEmulator | None:
+    """The link emulation for this rank. The launcher states the mode it set up in
+    GEOTRAIN_WAN_MODE (kernel mode needs its namespaces); without it, kernel mode falls back to
+    in-process pacing with a notice."""
+    mode = os.environ.get("GEOTRAIN_WAN_MODE", requested)
+    if mode == "kernel" and "GEOTRAIN_WAN_MODE" not in os.environ:
+        if me.rank == 0:
+            log(me, 0, "kernel link emulation needs geotrain's launcher (network namespaces); using in-process emulation")
+        mode = "inprocess"
+    if mode == "off" or topo.num_sites == 1:
+        return None
+    return WanEmulator(topo, me.site_index, os.environ.get("MASTER_PORT", "0"), mode)
+
+
+def describe_links(topo: Topology, wan: WanEmulator | None) -> str:
+    if wan is None:
+        return "not emulated (loopback speed)"
+    parts = []
+    for a in range(topo.num_sites):
+        for b in range(a + 1, topo.num_sites):
+            link = topo.link(a, b)
+            parts.append(
+                f"{topo.site_names[a]}-{topo.site_names[b]} {link.bandwidth_bps / 1e6:g} Mbit/s {link.latency_s * 1e3:g} ms"
+            )
+    return f"{wan.mode} emulation, " + ", ".join(parts)
+
+
+def _write_timeline(
+    out: Path, rank: int, compute: list[tuple[float, float]], network: list[tuple[float, float]], t0: float
+) -> None:
+    """Per-rank intervals (seconds since the first step) for the timeline plot."""
+    (out / "timeline").mkdir(exist_ok=True)
+    data = {
+        "rank": rank,
+        "compute": [(a - t0, b - t0) for a, b in compute],
+        "network": [(a - t0, b - t0) for a, b in network if b >= t0],
+    }
+    (out / "timeline" / f"rank{rank}.json").write_text(json.dumps(data))
 
 
 def _loop(
@@ -170,12 +220,16 @@ def _loop(
         return loss
 
     do_eval(0)
+    eval_at_start = eval_seconds
     model.train()
     start = time.perf_counter()
+    t_origin = time.monotonic()
+    compute_intervals: list[tuple[float, float]] = []
     peak_inter = 0
     for step in range(1, cfg.train.steps + 1):
         t0 = time.perf_counter()
-        comm0 = comm.stats.comm_seconds
+        m0 = time.monotonic()
+        wait0 = comm.stats.wan_wait_seconds
         inter0 = comm.stats.inter_bytes
         x, y = data.train.next()
         loss = model(x.to(device), y.to(device))
@@ -184,7 +238,10 @@ def _loop(
         optimizer.step()  # the sync algorithm's hooks average gradients / run the outer step
         scheduler.step()
         dt = time.perf_counter() - t0
-        compute += dt - (comm.stats.comm_seconds - comm0)
+        waited = comm.stats.wan_wait_seconds - wait0  # blocked on inter-site communication
+        compute += dt - waited
+        if cfg.train.timeline:
+            compute_intervals.append((m0, m0 + dt - waited))
         peak_inter = max(peak_inter, comm.stats.inter_bytes - inter0)
         record: dict[str, Any] = {
             "step": step,
@@ -195,6 +252,8 @@ def _loop(
             "inter_site_bytes": comm.stats.inter_bytes,
             "intra_site_bytes": comm.stats.intra_bytes,
             "comm_seconds": comm.stats.comm_seconds,
+            "wait_seconds": waited,
+            "in_flight_bytes": sync.in_flight_bytes(),
             "compute_seconds": compute,
             "step_seconds": dt,
             "tokens_per_second": tokens_per_rank_step / dt,
@@ -206,10 +265,11 @@ def _loop(
             model.train()
         sink.step(record)
     t_fin = time.perf_counter()
-    comm0 = comm.stats.comm_seconds
+    compute_steps, eval_at_fin = compute, eval_seconds
+    wait0 = comm.stats.wan_wait_seconds
     inter0 = comm.stats.inter_bytes
     sync.finish()
-    compute += (time.perf_counter() - t_fin) - (comm.stats.comm_seconds - comm0)
+    compute += (time.perf_counter() - t_fin) - (comm.stats.wan_wait_seconds - wait0)
     final_sync_inter = comm.stats.inter_bytes - inter0
     final = do_eval(cfg.train.steps)
     sink.step(
@@ -224,6 +284,10 @@ def _loop(
     )
     wall = time.perf_counter() - start
     return {
+        "compute_intervals": compute_intervals,
+        "t0": t_origin,
+        # compute time / wall time over the training steps (evaluations excluded from both)
+        "utilization": compute_steps / max(1e-9, t_fin - start - (eval_at_fin - eval_at_start)),
         "curve": curve,
         "final_eval_loss": final,
         "compute_seconds": compute,
@@ -255,7 +319,10 @@ def _summarise(
         "peak_inter_site_bytes_per_step": result["peak_inter_site_bytes_per_step"],
         "final_sync_inter_site_bytes": result["final_sync_inter_site_bytes"],
         "compute_seconds": result["compute_seconds"],
+        "utilization": result["utilization"],
+        "network_seconds": comm.stats.network_seconds,
         "comm_wait_seconds": comm.stats.comm_seconds,
+        "wan_wait_seconds": comm.stats.wan_wait_seconds,
         "eval_seconds": result["eval_seconds"],
         "wall_seconds": result["wall_seconds"],
         "global_param_hash": sync.global_hash(),
@@ -285,12 +352,15 @@ def _summarise(
         "final_eval_loss": result["final_eval_loss"],
         "inter_site_bytes": inter,
         "compression_ratio": raw / inter if inter else 1.0,
+        "utilization": min(r["utilization"] for r in ranks),
+        "link_emulation": comm.wan.mode if comm.wan is not None else "off",
         "peak_inter_site_bytes_per_step": sum(r["peak_inter_site_bytes_per_step"] for r in ranks),
         "final_sync_inter_site_bytes": sum(r["final_sync_inter_site_bytes"] for r in ranks),
         "intra_site_bytes": sum(r["intra_site_bytes"] for r in ranks),
         "wall_seconds": max(r["wall_seconds"] for r in ranks),
         "compute_seconds": sum(r["compute_seconds"] for r in ranks) / n,
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in ranks) / n,
+        "wan_wait_seconds": sum(r["wan_wait_seconds"] for r in ranks) / n,
         "eval_seconds": sum(r["eval_seconds"] for r in ranks) / n,
         "global_param_hash": hashes,
         "hashes_agree_within_sites": agree,

@@ -143,3 +143,40 @@ def test_codec_end_to_end(tmp_path: Path, codec: str, algorithm: str, low: float
     assert low <= s["compression_ratio"] <= high, s["compression_ratio"]
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+def _metrics(run: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_streaming_exchange_runs_in_the_background_on_a_slow_link(tmp_path: Path) -> None:
+    # 2 layers of n_embd 32: a fragment is ~10 KB per direction; at 1 Mbit/s + 50 ms it needs
+    # ~0.2 s to arrive, several steps of this tiny model, so it is still in flight after its sync step
+    slow = ["topology.links.inter.bandwidth_bps=1e6", "topology.links.inter.latency_s=0.05", "model.n_layer=2"]
+    s, _ = _run(
+        tmp_path, "bg", [*slow, "train.steps=16", "sync.H=8", "sync.fragments=2", "sync.tau=6", "sync.algorithm=streaming"]
+    )
+    rows = [r for r in _metrics(tmp_path / "bg") if "step_seconds" in r][:16]
+    in_flight = [r["step"] for r in rows if r["in_flight_bytes"] > 0]
+    assert in_flight, "no step saw an exchange in flight"
+    assert all(r["wait_seconds"] >= 0 for r in rows)
+    assert s["link_emulation"] == "inprocess" and 0 < s["utilization"] <= 1
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    # the same run with the exchange merged at once waits for the link at every sync instead
+    z, _ = _run(
+        tmp_path, "tau0", [*slow, "train.steps=16", "sync.H=8", "sync.fragments=2", "sync.tau=0", "sync.algorithm=streaming"]
+    )
+    assert z["wan_wait_seconds"] > s["wan_wait_seconds"]
+
+
+@pytest.mark.timeout(300)
+def test_eager_streaming_ends_on_one_model_and_learns(tmp_path: Path) -> None:
+    s, _ = _run(
+        tmp_path,
+        "eager",
+        ["train.steps=12", "sync.H=4", "sync.fragments=2", "sync.eager=true", "sync.algorithm=streaming", "model.n_layer=2"],
+    )
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+    assert s["final_sync_inter_site_bytes"] > 0  # the closing average of the sites' models

@@ -1,0 +1,103 @@
+"""Run a Python function as every rank of a small job: real processes, real Gloo groups.
+
+Used by the benchmarks and the tests. Each rank is a spawned process with the torch.distributed
+environment on 127.0.0.1 (or, in kernel link-emulation mode, on its site's namespace address:
+the child enters its network namespace first thing, before torch is imported, so every socket
+it opens lives there). Nothing here imports torch at module level, for that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+CLONE_NEWNET = 0x40000000
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling (single-threaded) process into network namespace ``name`` (needs root)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _entry(rank: int, env: dict[str, str], netns: str | None, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
+    try:
+        if netns:
+            enter_netns(netns)
+        os.environ.update(env)
+        import torch
+
+        torch.set_num_threads(1)
+        queue.put((rank, fn(rank, *args), None))
+    except Exception:  # report to the parent instead of hanging it
+        queue.put((rank, None, traceback.format_exc()))
+        sys.exit(1)
+
+
+def run_ranks(
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 120,
+    netns: Sequence[str | None] | None = None,
+    addrs: Sequence[str] | None = None,
+    ifname: Sequence[str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes; return the results by rank.
+
+    ``netns``/``addrs``/``ifname`` (per rank) put rank r in a network namespace, rendezvous at
+    ``addrs[0]`` and bind Gloo to ``ifname[r]``; by default everything is on loopback.
+    Every child is joined (killed if it hangs) before this returns or raises.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = {
+            "RANK": str(r),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": addrs[0] if addrs else "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": ifname[r] if ifname else "lo",
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+        ns = netns[r] if netns else None
+        procs.append(ctx.Process(target=_entry, args=(r, env, ns, fn, args, queue)))
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, value, err = queue.get(timeout=timeout)
+            if err:
+                raise RuntimeError(f"rank {rank} failed:\n{err}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.join()
+    return [results[r] for r in range(world)]

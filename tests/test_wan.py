@@ -1,0 +1,189 @@
+"""Link emulation: shared reservations across processes, pacing and latency of real sends, and
+the chunked, laned collectives with emulation on (against torch.distributed.all_reduce)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from geotrain.config import ConfigError, load_config
+from geotrain.wan import SharedLinks
+from tests.helpers import run_ranks, uniform_topology
+
+
+def test_reservations_queue_per_directed_link(tmp_path: Path) -> None:
+    links = SharedLinks(tmp_path / "links", 3)
+    assert links.reserve(0, 1, 1.0, earliest=100.0) == 101.0
+    assert links.reserve(0, 1, 0.5, earliest=100.0) == 101.5  # queued behind the first
+    assert links.reserve(1, 0, 1.0, earliest=100.0) == 101.0  # the other direction is free
+    assert links.reserve(0, 2, 2.0, earliest=100.0) == 102.0  # another link
+    assert links.reserve(0, 1, 1.0, earliest=200.0) == 201.0  # an idle link starts when asked
+    links.close(unlink=True)
+    assert not (tmp_path / "links").exists()
+
+
+def _reserve_many(path: str, n: int) -> None:
+    links = SharedLinks(Path(path), 2)
+    for _ in range(n):
+        links.reserve(0, 1, 1.0, earliest=0.0)
+    links.close()
+
+
+def test_reservations_are_atomic_across_processes(tmp_path: Path) -> None:
+    path = str(tmp_path / "links")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_reserve_many, args=(path, 200)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    links = SharedLinks(Path(path), 2)
+    # 600 one-second reservations from three processes: none lost, none overlapping
+    assert links.reserve(0, 1, 0.0, earliest=0.0) == 600.0
+    links.close(unlink=True)
+
+
+def _timed_across(rank: int, sites: int, workers: int, nbytes: int, bw: float, lat: float, lanes: int) -> float:
+    from geotrain.collectives import Collectives
+    from geotrain.config import TopologyConfig
+    from geotrain.groups import ProcessGroups
+    from geotrain.topology import Topology
+    from geotrain.wan import WanEmulator
+
+    topo = Topology.from_config(
+        TopologyConfig.model_validate(
+            {
+                "sites": [{"name": f"s{i}", "workers": workers} for i in range(sites)],
+                "links": {"inter": {"bandwidth_bps": bw, "latency_s": lat}},
+            }
+        )
+    )
+    groups = ProcessGroups.build(topo, "gloo", timeout_s=60, lanes=lanes)
+    import os
+
+    wan = WanEmulator(topo, groups.me.site_index, os.environ["MASTER_PORT"], "inprocess")
+    try:
+        comm = Collectives(groups, wan=wan)
+        x = torch.ones(nbytes // 4)
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.all_reduce_across_sites(x)
+        elapsed = time.perf_counter() - t0
+        assert torch.all(x == sites)
+        comm.close()
+        return elapsed
+    finally:
+        wan.close(unlink=groups.me.rank == 0)
+        groups.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_pacing_and_latency_of_real_sends() -> None:
+    # 2 sites x 1 rank, 8 Mbit/s = 1 MB/s, 40 ms: 400 KB over a 2-site ring is one 200 KB send
+    # per direction in reduce-scatter and one in all-gather: 2 x (0.2 s + 0.04 s)
+    times = run_ranks(2, _timed_across, 2, 1, 400_000, 8e6, 0.04, 1)
+    assert min(times) >= 0.44 and max(times) < 0.8, times
+
+
+@pytest.mark.timeout(120)
+def test_ranks_of_a_site_share_the_link() -> None:
+    # 2 sites x 2 ranks: each rank carries half the tensor, but both halves cross the same
+    # A->B link, so the time is that of the whole tensor: 2 x (0.2 s + 0.04 s) as above
+    times = run_ranks(4, _timed_across, 2, 2, 400_000, 8e6, 0.04, 1)
+    assert min(times) >= 0.44 and max(times) < 0.9, times
+
+
+def _laned_rank(rank: int, sites: int, workers: int) -> list:
+    import os
+
+    from geotrain.collectives import Collectives
+    from geotrain.groups import ProcessGroups
+    from geotrain.wan import WanEmulator
+
+    topo = uniform_topology(sites, workers)
+    groups = ProcessGroups.build(topo, "gloo", timeout_s=60, lanes=3)
+    wan = WanEmulator(topo, groups.me.site_index, os.environ["MASTER_PORT"], "inprocess")
+    errors = []
+    try:
+        comm = Collectives(groups, chunk_bytes=4096, wan=wan)
+        for how in ("hierarchical", "flat", "across"):
+            for n in (1, 7, 1000, 4099, 20011):
+                for dtype in (torch.float32, torch.float64):
+                    seed = 7919 * n + (topo.site_of(rank) if how == "across" else rank)
+                    x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+                    ref = x.clone()
+                    if how == "across":
+                        dist.all_reduce(ref, group=groups.inter)
+                        comm.all_reduce_across_sites(x)
+                    else:
+                        dist.all_reduce(ref)
+                        comm.all_reduce(x, how)
+                    if not torch.allclose(x, ref, rtol=1e-5, atol=1e-5):
+                        errors.append((how, n, str(dtype), float((x - ref).abs().max())))
+        comm.close()
+    finally:
+        wan.close(unlink=rank == 0)
+        groups.destroy()
+    return errors
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sites,workers", [(2, 2), (3, 2)])
+def test_chunked_laned_collectives_match_all_reduce(sites: int, workers: int) -> None:
+    for r, errors in enumerate(run_ranks(sites * workers, _laned_rank, sites, workers)):
+        assert errors == [], f"rank {r}: {errors}"
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("topology.links.inter.bandwidth_bps=0", "topology.links.inter.bandwidth_bps"),
+        ("topology.links.inter.bandwidth_bps=-5", "topology.links.inter.bandwidth_bps"),
+        ("topology.links.inter.latency_s=11", "topology.links.inter.latency_s"),
+        ("topology.links.emulate=netem", "topology.links.emulate"),
+        ("sync.lanes=0", "sync.lanes"),
+        ("sync.chunk_bytes=10", "sync.chunk_bytes"),
+    ],
+)
+def test_bad_link_settings_name_the_field(override: str, field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(field + ":"), str(e.value)
+
+
+def test_link_between_unknown_site_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("topology:\n  links:\n    between:\n      - {sites: [A, C], bandwidth_bps: 1.0e+8, latency_s: 0.04}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == "topology.links.between[0].sites: unknown site 'C' (sites: A, B)"
+    f.write_text("topology:\n  links:\n    between:\n      - {sites: [A, B], bandwidth_bps: 0, latency_s: 0.04}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value).startswith("topology.links.between[0].bandwidth_bps:")
+
+
+def test_pair_link_overrides_inter() -> None:
+    from geotrain.topology import Topology
+
+    cfg = load_config(
+        None,
+        [
+            "topology.sites.1.name=B",
+            "topology.links.inter.latency_s=0.01",
+        ],
+    )
+    data = cfg.model_dump()
+    data["topology"]["sites"].append({"name": "C", "workers": 2, "region": None})
+    data["topology"]["links"]["between"] = [{"sites": ["C", "A"], "bandwidth_bps": 1e7, "latency_s": 0.15}]
+    from geotrain.config import Config
+
+    topo = Topology.from_config(Config.model_validate(data).topology)
+    assert topo.link(0, 2).latency_s == topo.link(2, 0).latency_s == 0.15
+    assert topo.link(0, 1).latency_s == 0.01
