@@ -243,10 +243,13 @@ def _ddp_steps(cfg: Config, steps: int, budget_s: float) -> int:
 
 
 def wan_config(algorithm: str, bandwidth_bps: float, latency_s: float, steps: int, extra: list[str] | None = None) -> Config:
+    """The default config with ``algorithm`` ('streaming-eager': streaming with sync.eager) on the given link."""
+    eager = algorithm == "streaming-eager"
     return load_config(
         None,
         [
-            f"sync.algorithm={algorithm}",
+            f"sync.algorithm={'streaming' if eager else algorithm}",
+            f"sync.eager={str(eager).lower()}",
             "run.baseline=none",
             f"train.steps={steps}",
             "train.save_final=false",
@@ -261,7 +264,7 @@ def bench_wan(
     out: Path,
     speeds: list[float],
     latency_s: float = 0.04,
-    algorithms: tuple[str, ...] = ("ddp", "diloco", "streaming"),
+    algorithms: tuple[str, ...] = ("ddp", "diloco", "streaming", "streaming-eager"),
     steps: int = 150,
     ddp_budget_s: float = 60.0,
     extra: list[str] | None = None,
@@ -270,7 +273,8 @@ def bench_wan(
 ) -> dict[str, Any]:
     """Train every algorithm at every speed (equal steps; ddp fewer where the link is too slow to
     finish in ``ddp_budget_s``) and collect utilisation, bytes and loss; then one streaming run
-    with a timeline at ``timeline_bps``."""
+    with a timeline at ``timeline_bps``. ``extra`` overrides apply to every run (the CLI passes
+    ``sync.tau``)."""
     from geotrain.launch import launch_local
 
     points = []
@@ -325,9 +329,12 @@ def wan_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
     if slow and ("streaming", slow[-1]) in by and ("diloco", slow[-1]) in by:
         bw = slow[-1]  # the fastest link where ddp is at most 20% busy
         st, di = by[("streaming", bw)], by[("diloco", bw)]
+        eager = by.get(("streaming-eager", bw))
         out.update(
             {
                 "at_bps": bw,
+                "streaming_eager_utilization": None if eager is None else eager["utilization"],
+                "streaming_eager_loss_vs_diloco": None if eager is None else eager["final_eval_loss"] / di["final_eval_loss"] - 1,
                 "streaming_utilization": st["utilization"],
                 "diloco_utilization": di["utilization"],
                 "ddp_utilization": by[("ddp", bw)]["utilization"],
@@ -338,10 +345,16 @@ def wan_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
         )
     peaks = []
     for (alg, bw), p in by.items():
-        if alg == "streaming" and ("diloco", bw) in by:
+        if alg.startswith("streaming") and ("diloco", bw) in by:
             ratio = p["peak_inter_site_bytes_per_step"] / max(1, by[("diloco", bw)]["peak_inter_site_bytes_per_step"])
             peaks.append(
-                {"bandwidth_bps": bw, "ratio": ratio, "one_over_F": 1 / p["fragments"], "met": ratio <= 1 / p["fragments"]}
+                {
+                    "algorithm": alg,
+                    "bandwidth_bps": bw,
+                    "ratio": ratio,
+                    "one_over_F": 1 / p["fragments"],
+                    "met": ratio <= 1 / p["fragments"],
+                }
             )
     out["peak_bytes_streaming_over_diloco"] = peaks
     return out
@@ -481,9 +494,13 @@ def print_wan(result: dict[str, Any], console: Any) -> None:
             f"(target >= 95%: {'met' if tg['utilization_met'] else 'MISSED'}), diloco {tg['diloco_utilization']:.1%}; "
             f"streaming loss vs diloco {tg['streaming_loss_vs_diloco']:+.2%} (target within 2%: {'met' if tg['loss_met'] else 'MISSED'})"
         )
+        if tg["streaming_eager_utilization"] is not None:
+            console.print(
+                f"  eager variant: utilisation {tg['streaming_eager_utilization']:.1%}, loss vs diloco {tg['streaming_eager_loss_vs_diloco']:+.2%}"
+            )
     for p in tg["peak_bytes_streaming_over_diloco"]:
         console.print(
-            f"{_bps(p['bandwidth_bps'])}: streaming peak bytes/step = {p['ratio']:.3f} x diloco's "
+            f"{_bps(p['bandwidth_bps'])}: {p['algorithm']} peak bytes/step = {p['ratio']:.3f} x diloco's "
             f"(target <= 1/F = {p['one_over_F']:.3f}: {'met' if p['met'] else 'MISSED'})"
         )
     console.print(f"sweep took {result['seconds'] / 60:.1f} min")

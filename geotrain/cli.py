@@ -296,13 +296,15 @@ def bench_wan_cmd(
     speeds: Annotated[str, typer.Option(help="Inter-site bandwidths in bit/s, comma-separated.")] = "1e7,1e8,1e9,1e10",
     latency: LatencyOpt = 0.04,
     steps: Annotated[int, typer.Option(min=10, help="Inner steps per run (ddp fewer on slow links).")] = 150,
-    timeline_bps: Annotated[float, typer.Option("--timeline-bps", min=1, help="Link of the timeline run.")] = 1e8,
+    timeline_bps: Annotated[float, typer.Option("--timeline-bps", min=1, help="Link of the timeline run.")] = 1e7,
+    tau: Annotated[int, typer.Option(min=0, help="Streaming: steps a fragment's exchange may take (sync.tau).")] = 10,
     set_: SetOpt = None,
 ) -> None:
-    """Compute utilisation, inter-site bytes and loss of ddp, diloco and streaming across link speeds."""
+    """Compute utilisation, inter-site bytes and loss of ddp, diloco, streaming and eager streaming across link speeds."""
     from geotrain.benchnet import bench_wan, plot_timeline, plot_wan, print_wan
     from geotrain.launch import LaunchError
 
+    set_ = [f"sync.tau={tau}", *(set_ or [])]
     _load(None, set_)  # bad overrides fail here, before any run starts
     bws = _speeds(speeds, "--speeds")
     try:

@@ -66,6 +66,12 @@ class LinksConfig(Section):
         description="How inter-site links are emulated on one machine: 'inprocess' (pacing and delay inside geotrain, no root needed), "
         "'kernel' (a network namespace per site, tc bandwidth limits, latency in-process; needs root and ip), 'off' (loopback speed).",
     )
+
+    @field_validator("emulate", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
     intra: LinkConfig = Field(
         default_factory=lambda: LinkConfig(bandwidth_bps=100e9, latency_s=5e-6),
         description="Links between workers of the same site (scale-out fabric inside a datacenter).",

@@ -512,10 +512,10 @@ class StreamingDiLoCo(_OuterSync):
         if f in self.pending:  # last round's exchange of this fragment: it had a whole round
             _, fut, _ = self.pending.pop(f)
             self._wait(fut)
-        eager = local.clone()
+        eager = local / M
         if f in self.previous:
             old_local, old_avg = self.previous[f]
-            eager.div_(M).add_(old_avg).sub_(old_local, alpha=1 / M)
+            eager.add_(old_avg).sub_(old_local, alpha=1 / M)
         outgoing = local.clone()
         self.pending[f] = (0, self._start(f, outgoing, steps), outgoing)
         self.previous[f] = (local, outgoing)  # ``outgoing`` becomes the average once the exchange is done
@@ -527,11 +527,10 @@ class StreamingDiLoCo(_OuterSync):
 
     def finish(self) -> None:
         """Bring every site onto one model: wait for what is in flight, then (τ variant) merge it and
-        sync every fragment with unsynced steps, or (eager) average the sites' global models."""
+        sync every fragment with unsynced steps, or (eager) apply what is still owed and average
+        the sites' global models."""
         if self.eager:
-            for f in list(self.pending):
-                self._wait(self.pending.pop(f)[1])
-            self._average_global_models()
+            self._finish_eager()
         else:
             for f in list(self.pending):
                 self._merge(f)
@@ -542,6 +541,31 @@ class StreamingDiLoCo(_OuterSync):
                     if f in self.pending:
                         self._merge(f)
         self._network.shutdown()
+
+    @torch.no_grad()
+    def _finish_eager(self) -> None:
+        """Per fragment, one last outer step, blocking: the other sites' shares of the last eager
+        round (now arrived) plus, if the fragment trained since its last sync, the exact average of
+        the fresh pseudo-gradients; then the sites' global models are averaged."""
+        M, t = self.num_sites, self.local_steps
+        for f in range(self.F):
+            if f in self.pending:
+                self._wait(self.pending.pop(f)[1])
+            frag = self.fragments[f]
+            globals_ = [self.global_params[i] for i in frag]
+            step = torch.zeros(sum(g.numel() for g in globals_))
+            if f in self.previous:
+                old_local, old_avg = self.previous.pop(f)
+                step.add_(old_avg).sub_(old_local, alpha=1 / M)
+            if self.last_sync[f] < t:
+                delta = pseudo_gradient(globals_, [self.params[i] for i in frag])
+                fut = self._start(f, delta, t - self.last_sync[f])
+                self._wait(fut)
+                step.add_(delta)
+                self.last_sync[f] = t
+                self.rounds += 1
+            outer_step_(self.outer[f], globals_, step)
+        self._average_global_models()
 
     @torch.no_grad()
     def _average_global_models(self) -> None:

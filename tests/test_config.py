@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from geotrain.config import Config, ConfigError, load_config
+from tests.helpers import REPO
 
 
 def test_defaults_are_the_documented_main_job() -> None:
@@ -100,3 +102,8 @@ def test_config_reference_is_up_to_date() -> None:
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
     assert doc.read_text().strip() == markdown_reference().strip(), "run: geotrain config --markdown > docs/CONFIG.md"
+
+
+def test_shipped_default_config_is_the_default() -> None:
+    shipped = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    assert shipped == Config().model_dump()
