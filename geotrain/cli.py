@@ -263,7 +263,7 @@ def bench_link_cmd(
     from geotrain.benchnet import bench_link, print_link
 
     out = bench_link(_speeds(speeds, "--speeds"), latency, reps=reps)
-    print_link(out, console)
+    print_link(out, Console(soft_wrap=True, width=max(console.width, 140)))
     if json_out is not None:
         _write_json(out, json_out)
 
@@ -297,7 +297,7 @@ def bench_wan_cmd(
     latency: LatencyOpt = 0.04,
     steps: Annotated[int, typer.Option(min=10, help="Inner steps per run (ddp fewer on slow links).")] = 150,
     timeline_bps: Annotated[float, typer.Option("--timeline-bps", min=1, help="Link of the timeline run.")] = 1e7,
-    tau: Annotated[int, typer.Option(min=0, help="Streaming: steps a fragment's exchange may take (sync.tau).")] = 10,
+    tau: Annotated[int, typer.Option(min=0, help="Streaming: steps a fragment's exchange may take (sync.tau).")] = 20,
     set_: SetOpt = None,
 ) -> None:
     """Compute utilisation, inter-site bytes and loss of ddp, diloco, streaming and eager streaming across link speeds."""
