@@ -33,6 +33,7 @@ from geotrain.config import Config
 from geotrain.netns import IFNAME, KernelLinks
 from geotrain.procs import free_port
 from geotrain.topology import Topology
+from geotrain.wan import state_path
 
 GRACE_SECONDS = 3.0
 
@@ -96,6 +97,7 @@ def launch_local(
     finally:
         if kernel is not None:
             kernel.down()
+        state_path(str(port)).unlink(missing_ok=True)  # the link state, if a rank died before removing it
 
 
 def _kernel_links(cfg: Config, topo: Topology) -> KernelLinks | None:
