@@ -93,10 +93,11 @@ def test_pacing_and_latency_of_real_sends() -> None:
 
 @pytest.mark.timeout(120)
 def test_ranks_of_a_site_share_the_link() -> None:
-    # 2 sites x 2 ranks: each rank carries half the tensor, but both halves cross the same
-    # A->B link, so the time is that of the whole tensor: 2 x (0.2 s + 0.04 s) as above
+    # 2 sites x 2 ranks: each rank carries half the tensor, but both halves cross the same A->B
+    # link: 400 KB per direction at 1 MB/s is at least 0.4 s + one latency whatever the order
+    # (without sharing, two 100 KB steps per rank would take 2 x (0.1 + 0.04) = 0.28 s)
     times = run_ranks(4, _timed_across, 2, 2, 400_000, 8e6, 0.04, 1)
-    assert min(times) >= 0.44 and max(times) < 0.9, times
+    assert min(times) >= 0.42 and max(times) < 0.9, times
 
 
 def _laned_rank(rank: int, sites: int, workers: int) -> list:
