@@ -15,10 +15,11 @@ and ``bench wan``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +53,24 @@ def _in_namespaces(topo: Topology, mode: str, fn: Callable[..., Any], *args: Any
         return run_ranks(world, fn, *args, timeout=timeout, netns=netns, addrs=[k.address(0)], ifname=[IFNAME] * world)
 
 
-def _setup(topo: Topology, mode: str, lanes: int = 1, chunk_bytes: int = 4 * MIB) -> Any:
+@contextlib.contextmanager
+def rank_comm(topo: Topology, mode: str = "inprocess", lanes: int = 1, chunk_bytes: int = 4 * MIB) -> Iterator[Any]:
+    """In a rank started by ``run_ranks``: its groups and a :class:`Collectives` over links
+    emulated in ``mode`` ('off' for none); everything is closed on exit. Yields (groups, comm)."""
     from geotrain.collectives import Collectives
     from geotrain.groups import ProcessGroups
     from geotrain.wan import WanEmulator
 
     groups = ProcessGroups.build(topo, "gloo", timeout_s=600, lanes=lanes)
     wan = None if mode == "off" else WanEmulator(topo, groups.me.site_index, os.environ["MASTER_PORT"], mode)
-    return groups, Collectives(groups, chunk_bytes=chunk_bytes, wan=wan)
-
-
-def _teardown(groups: Any, comm: Any) -> None:
-    comm.close()
-    if comm.wan is not None:
-        comm.wan.close(unlink=groups.me.rank == 0)
-    groups.destroy()
+    comm = Collectives(groups, chunk_bytes=chunk_bytes, wan=wan)
+    try:
+        yield groups, comm
+    finally:
+        comm.close()
+        if wan is not None:
+            wan.close(unlink=groups.me.rank == 0)
+        groups.destroy()
 
 
 # --------------------------------------------------------------------------- link
@@ -123,8 +127,7 @@ def _timed_pair(rank: int, topo: Topology, mode: str, size: int, reps: int) -> l
     import torch
     import torch.distributed as dist
 
-    groups, comm = _setup(topo, mode)
-    try:
+    with rank_comm(topo, mode) as (groups, comm):
         lane = groups.lanes[0]
         buf = torch.ones(size // 4)
         stamps = []
@@ -140,8 +143,6 @@ def _timed_pair(rank: int, topo: Topology, mode: str, size: int, reps: int) -> l
             if i:
                 stamps.append(t)
         return stamps
-    finally:
-        _teardown(groups, comm)
 
 
 # --------------------------------------------------------------------------- all-reduce
@@ -162,9 +163,8 @@ def _allreduce_rank(rank: int, topo: Topology, sizes: list[int], reps: int, lane
     import torch
     import torch.distributed as dist
 
-    groups, comm = _setup(topo, "inprocess", lanes=lanes, chunk_bytes=chunk_bytes)
     rows = []
-    try:
+    with rank_comm(topo, "inprocess", lanes, chunk_bytes) as (groups, comm):
         for n in sizes:
             x = torch.ones(n // 4)
             for how in ("hierarchical", "flat"):
@@ -181,9 +181,7 @@ def _allreduce_rank(rank: int, topo: Topology, sizes: list[int], reps: int, lane
                         inter.append(comm.stats.inter_bytes - b0)
                     assert float(x[0]) == topo.world_size
                 rows.append({"algorithm": how, "bytes": n, "times": times, "inter_bytes": inter[0]})
-        return rows
-    finally:
-        _teardown(groups, comm)
+    return rows
 
 
 def bench_allreduce(

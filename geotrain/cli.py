@@ -9,8 +9,9 @@ Torch is imported only once the config is valid, so bad input is rejected fast.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 import yaml
@@ -22,6 +23,7 @@ from geotrain.config import Config, ConfigError, load_config
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train one model across several datacenters.")
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
+T = TypeVar("T")
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: KEY=VALUE, e.g. train.steps=200 (repeatable).")]
@@ -45,6 +47,19 @@ def _load(config: Path | None, overrides: list[str] | None) -> Config:
         return load_config(config, overrides or [])
     except ConfigError as exc:
         _fail(f"config error: {exc}")
+
+
+def _scenario_step(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``; a :class:`ConfigError` becomes a one-line 'scenario error' and exit code 2."""
+    try:
+        return fn(*args)
+    except ConfigError as exc:
+        _fail(f"scenario error: {exc}")
+
+
+def _wide(width: int) -> Console:
+    """A console at least ``width`` columns wide, for tables (wider than a pipe's 80 columns)."""
+    return Console(soft_wrap=True, width=max(console.width, width))
 
 
 def _last_step(path: Path) -> int:
@@ -143,18 +158,12 @@ def netsim(
     """Size a datacenter fabric and simulate synchronized training traffic (ECMP vs multipath)."""
     from geotrain.netsim.scenario import load_scenario
 
-    try:
-        sc = load_scenario(scenario, set_)
-    except ConfigError as exc:
-        _fail(f"scenario error: {exc}")
+    sc = _scenario_step(load_scenario, scenario, set_)
     from geotrain.netsim.report import print_report
     from geotrain.netsim.run import plot_fct_cdf, run_scenario, write_flows_csv
 
-    try:
-        out, flows = run_scenario(sc)
-    except ConfigError as exc:  # a limit only known once the fabric is built (max_entries)
-        _fail(f"scenario error: {exc}")
-    print_report(out, Console(soft_wrap=True, width=max(console.width, 132)))
+    out, flows = _scenario_step(run_scenario, sc)  # some limits are only known once the fabric is built
+    print_report(out, _wide(132))
     if json_out is not None:
         _write_json(out, json_out)
     if plot is not None:
@@ -177,17 +186,11 @@ def plan(
     """Plan a (multi-site) training run: facility, scaling law, memory, layout, step time, network, sync strategy."""
     from geotrain.plan.scenario import load_plan
 
-    try:
-        sc = load_plan(scenario, set_)
-    except ConfigError as exc:
-        _fail(f"scenario error: {exc}")
+    sc = _scenario_step(load_plan, scenario, set_)
     from geotrain.plan.run import plot_plan, print_plan, run_plan
 
-    try:
-        out = run_plan(sc)
-    except ConfigError as exc:  # inputs only the arithmetic can reject (e.g. a budget that buys no rack)
-        _fail(f"scenario error: {exc}")
-    print_plan(out, Console(soft_wrap=True, width=max(console.width, 132)))
+    out = _scenario_step(run_plan, sc)  # some inputs only the arithmetic can reject (a budget that buys no rack)
+    print_plan(out, _wide(132))
     if json_out is not None:
         _write_json(out, json_out)
     if plot is not None:
@@ -210,7 +213,7 @@ def bench_codecs_cmd(
     from geotrain.bench import bench_codecs, print_codecs
 
     out = bench_codecs(size_mib, reps, rank, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
-    print_codecs(out, Console(soft_wrap=True, width=max(console.width, 160)))
+    print_codecs(out, _wide(160))
     if json_out is not None:
         _write_json(out, json_out)
 
@@ -232,7 +235,7 @@ def bench_codec_quality_cmd(
         result = codec_quality(out, set_, streaming_h, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     except LaunchError as exc:
         _fail(f"a run failed: {exc}", 1)
-    print_quality(result, Console(soft_wrap=True, width=max(console.width, 140)))
+    print_quality(result, _wide(140))
     if json_out is not None:
         _write_json(result, json_out)
     if plot is not None:
@@ -263,7 +266,7 @@ def bench_link_cmd(
     from geotrain.benchnet import bench_link, print_link
 
     out = bench_link(_speeds(speeds, "--speeds"), latency, reps=reps)
-    print_link(out, Console(soft_wrap=True, width=max(console.width, 140)))
+    print_link(out, _wide(140))
     if json_out is not None:
         _write_json(out, json_out)
 
@@ -283,7 +286,7 @@ def bench_allreduce_cmd(
 
     sizes = _speeds(sizes_mib, "--sizes-mib")
     out = bench_allreduce(sizes, bandwidth, latency, reps=reps, lanes=lanes, chunk_bytes=int(chunk_mib * (1 << 20)))
-    print_allreduce(out, Console(soft_wrap=True, width=max(console.width, 140)))
+    print_allreduce(out, _wide(140))
     if json_out is not None:
         _write_json(out, json_out)
 
@@ -319,7 +322,7 @@ def bench_wan_cmd(
         )
     except LaunchError as exc:
         _fail(f"a run failed: {exc}", 1)
-    print_wan(result, Console(soft_wrap=True, width=max(console.width, 140)))
+    print_wan(result, _wide(140))
     if json_out is not None:
         _write_json(result, json_out)
     if plot is not None:

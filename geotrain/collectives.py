@@ -309,26 +309,19 @@ class Collectives:
         else:
             self._timed(self._coded_all_reduce, x, codec, ranks, group, ef)
 
-    def ring_all_reduce(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
-        """Sum ``x`` over ``ranks`` (global ranks, ring order) in place."""
+    def _ring_sum(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
+        """Ring all-reduce: reduce-scatter then all-gather (untimed building block)."""
+        self._ring_reduce_scatter(x, ranks, group)
+        self._ring_all_gather(x, ranks, group)
+
+    def ring_all_reduce(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup, wide: bool = True) -> None:
+        """Sum ``x`` over ``ranks`` (global ranks, ring order) in place (``wide``: the ring crosses sites)."""
         self._check(x)
-
-        def run() -> None:
-            self._ring_reduce_scatter(x, ranks, group)
-            self._ring_all_gather(x, ranks, group)
-
-        self._timed(run)
+        self._timed(self._ring_sum, x, ranks, group, wide=wide)
 
     def all_reduce_intra(self, x: torch.Tensor) -> None:
         """Sum over the ranks of this rank's site (main site group, for the training thread)."""
-        self._check(x)
-        g = self.groups
-
-        def run() -> None:
-            self._ring_reduce_scatter(x, g.intra_ranks, g.intra)
-            self._ring_all_gather(x, g.intra_ranks, g.intra)
-
-        self._timed(run, wide=False)
+        self.ring_all_reduce(x, self.groups.intra_ranks, self.groups.intra, wide=False)
 
     def all_reduce_flat(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks with one ring in rank order (site-major): the topology-blind baseline.
@@ -341,17 +334,12 @@ class Collectives:
             self._timed(self._coded_all_reduce, x, codec, ranks, self.lanes[0].world, ef)
             return
 
-        def chunk(c: torch.Tensor, lane: Lane) -> None:
-            self._ring_reduce_scatter(c, ranks, lane.world)
-            self._ring_all_gather(c, ranks, lane.world)
-
-        self._timed(self._laned, x, chunk)
+        self._timed(self._laned, x, lambda c, lane: self._ring_sum(c, ranks, lane.world))
 
     def _across(self, shard: torch.Tensor, lane: Lane, codec: Codec | None, ef: Residual | None) -> None:
         g = self.groups
         if codec is None:
-            self._ring_reduce_scatter(shard, g.inter_ranks, lane.inter)
-            self._ring_all_gather(shard, g.inter_ranks, lane.inter)
+            self._ring_sum(shard, g.inter_ranks, lane.inter)
         else:
             self._coded_all_reduce(shard, codec, g.inter_ranks, lane.inter, ef)
 

@@ -29,6 +29,22 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
+def _site_groups(topology: Topology, me: RankInfo) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Create every site group and every cross-site group (collectively, same order on all ranks);
+    return this rank's (site group, cross-site group)."""
+    intra = inter = None
+    for s in range(topology.num_sites):
+        g = dist.new_group(topology.site_ranks(s))
+        if s == me.site_index:
+            intra = g
+    for local in range(topology.workers_per_site):
+        g = dist.new_group(topology.inter_ranks(local))
+        if local == me.local_rank:
+            inter = g
+    assert intra is not None and inter is not None
+    return intra, inter
+
+
 @dataclass(frozen=True)
 class Lane:
     """One set of groups for chunks in flight: its own site, cross-site and world groups, so
@@ -97,35 +113,11 @@ class ProcessGroups:
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         me = topology.info(rank)
-        intra = inter = None
-        for s in range(topology.num_sites):
-            g = dist.new_group(topology.site_ranks(s))
-            if s == me.site_index:
-                intra = g
-        for local in range(topology.workers_per_site):
-            g = dist.new_group(topology.inter_ranks(local))
-            if local == me.local_rank:
-                inter = g
-        assert intra is not None and inter is not None
+        intra, inter = _site_groups(topology, me)
         world = dist.group.WORLD
         assert world is not None
-        lane_list = [cls._lane(topology, me) for _ in range(lanes)]
+        lane_list = [Lane(*_site_groups(topology, me), world=dist.new_group(topology.all_ranks())) for _ in range(lanes)]
         return cls(topology=topology, me=me, world=world, intra=intra, inter=inter, backend=backend, lanes=lane_list)
-
-    @staticmethod
-    def _lane(topology: Topology, me: RankInfo) -> Lane:
-        intra = inter = None
-        for s in range(topology.num_sites):
-            g = dist.new_group(topology.site_ranks(s))
-            if s == me.site_index:
-                intra = g
-        for local in range(topology.workers_per_site):
-            g = dist.new_group(topology.inter_ranks(local))
-            if local == me.local_rank:
-                inter = g
-        world = dist.new_group(topology.all_ranks())
-        assert intra is not None and inter is not None
-        return Lane(intra=intra, inter=inter, world=world)
 
     def destroy(self) -> None:
         if dist.is_initialized():

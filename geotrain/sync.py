@@ -425,8 +425,8 @@ class StreamingDiLoCo(_OuterSync):
     whole round. At its sync the outer step is applied at once with the eager pseudo-gradient
     Δ_local/M + (the previous round's average − the previous Δ_local/M): this site's fresh
     pseudo-gradient stands in for its share, the other sites' one-round-old ones for theirs (in
-    the first round the local one stands in for all). Sites' global models differ by their own
-    fresh share until :meth:`finish` averages them.
+    the first round there are none yet). Sites' global models differ by their own fresh share
+    until :meth:`finish` applies what is still owed and averages them.
     """
 
     name = "streaming"
@@ -481,10 +481,20 @@ class StreamingDiLoCo(_OuterSync):
         fut.result()
         self.comm.add_wait(time.perf_counter() - t0)
 
+    def _globals(self, f: int) -> list[torch.Tensor]:
+        return [self.global_params[i] for i in self.fragments[f]]
+
+    def _add_others_last_share(self, f: int, into: torch.Tensor) -> None:
+        """Eager: add the other sites' part of fragment ``f``'s last exchanged average (average − own
+        Δ/M) to ``into``; nothing before the fragment's first exchange."""
+        if f in self.previous:
+            old_local, old_avg = self.previous[f]
+            into.add_(old_avg).sub_(old_local, alpha=1 / self.num_sites)
+
     @torch.no_grad()
     def _sync(self, f: int, t: int) -> None:
         frag = self.fragments[f]
-        delta = pseudo_gradient([self.global_params[i] for i in frag], [self.params[i] for i in frag])
+        delta = pseudo_gradient(self._globals(f), [self.params[i] for i in frag])
         steps = t - self.last_sync[f]
         self.last_sync[f] = t
         self.rounds += 1  # for streaming, a round is one fragment's sync
@@ -499,30 +509,24 @@ class StreamingDiLoCo(_OuterSync):
     def _merge(self, f: int) -> None:
         _, fut, delta = self.pending.pop(f)
         self._wait(fut)
-        frag = self.fragments[f]
-        globals_ = [self.global_params[i] for i in frag]
+        globals_ = self._globals(f)
         outer_step_(self.outer[f], globals_, delta)
-        for g, i in zip(globals_, frag, strict=True):
+        for g, i in zip(globals_, self.fragments[f], strict=True):
             p = self.params[i]
             p.mul_(self.alpha).add_(g.to(p.dtype), alpha=1 - self.alpha)
 
     @torch.no_grad()
     def _eager_step(self, f: int, local: torch.Tensor, steps: int) -> None:
-        M = self.num_sites
         if f in self.pending:  # last round's exchange of this fragment: it had a whole round
-            _, fut, _ = self.pending.pop(f)
-            self._wait(fut)
-        eager = local / M
-        if f in self.previous:
-            old_local, old_avg = self.previous[f]
-            eager.add_(old_avg).sub_(old_local, alpha=1 / M)
+            self._wait(self.pending.pop(f)[1])
+        eager = local / self.num_sites
+        self._add_others_last_share(f, eager)
         outgoing = local.clone()
         self.pending[f] = (0, self._start(f, outgoing, steps), outgoing)
         self.previous[f] = (local, outgoing)  # ``outgoing`` becomes the average once the exchange is done
-        frag = self.fragments[f]
-        globals_ = [self.global_params[i] for i in frag]
+        globals_ = self._globals(f)
         outer_step_(self.outer[f], globals_, eager)
-        for g, i in zip(globals_, frag, strict=True):
+        for g, i in zip(globals_, self.fragments[f], strict=True):
             self.params[i].copy_(g)
 
     def finish(self) -> None:
@@ -547,18 +551,15 @@ class StreamingDiLoCo(_OuterSync):
         """Per fragment, one last outer step, blocking: the other sites' shares of the last eager
         round (now arrived) plus, if the fragment trained since its last sync, the exact average of
         the fresh pseudo-gradients; then the sites' global models are averaged."""
-        M, t = self.num_sites, self.local_steps
+        t = self.local_steps
         for f in range(self.F):
             if f in self.pending:
                 self._wait(self.pending.pop(f)[1])
-            frag = self.fragments[f]
-            globals_ = [self.global_params[i] for i in frag]
+            globals_ = self._globals(f)
             step = torch.zeros(sum(g.numel() for g in globals_))
-            if f in self.previous:
-                old_local, old_avg = self.previous.pop(f)
-                step.add_(old_avg).sub_(old_local, alpha=1 / M)
+            self._add_others_last_share(f, step)
             if self.last_sync[f] < t:
-                delta = pseudo_gradient(globals_, [self.params[i] for i in frag])
+                delta = pseudo_gradient(globals_, [self.params[i] for i in self.fragments[f]])
                 fut = self._start(f, delta, t - self.last_sync[f])
                 self._wait(fut)
                 step.add_(delta)

@@ -3,17 +3,54 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from geotrain.config import TopologyConfig
 from geotrain.procs import run_ranks
 from geotrain.topology import Topology
 
-__all__ = ["REPO", "run_ranks", "uniform_topology"]
+__all__ = ["REPO", "TINY", "run_ranks", "sum_mismatch", "uniform_topology"]
 
 REPO = Path(__file__).resolve().parent.parent
+
+# a model small enough for end-to-end runs in tests
+TINY = [
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "train.batch_size=4",
+    "train.eval_batches=4",
+    "train.log_every=1000",
+    "optim.warmup_steps=0",
+]
 
 
 def uniform_topology(sites: int, workers: int) -> Topology:
     """``sites`` sites named s0, s1, ... with ``workers`` ranks each."""
     cfg = TopologyConfig.model_validate({"sites": [{"name": f"s{i}", "workers": workers} for i in range(sites)]})
     return Topology.from_config(cfg)
+
+
+def sum_mismatch(comm: Any, how: str, n: int, dtype: Any, seed: int) -> tuple[str, int, str, float] | None:
+    """Sum ``randn(n)`` (seeded) with ``comm`` — 'hierarchical', 'flat', 'intra' (site) or 'across'
+    (sites, input identical within a site) — and with ``dist.all_reduce`` on the matching group;
+    ``(how, n, dtype, max error)`` if they differ, else None."""
+    import torch
+    import torch.distributed as dist
+
+    g = comm.groups
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    ref = x.clone()
+    if how == "intra":
+        dist.all_reduce(ref, group=g.intra)
+        comm.all_reduce_intra(x)
+    elif how == "across":
+        dist.all_reduce(ref, group=g.inter)
+        comm.all_reduce_across_sites(x)
+    else:
+        dist.all_reduce(ref)
+        comm.all_reduce(x, how)
+    if torch.allclose(x, ref, rtol=1e-5, atol=1e-5):
+        return None
+    return (how, n, str(dtype), float((x - ref).abs().max()))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.helpers import run_ranks, uniform_topology
+from tests.helpers import run_ranks, sum_mismatch, uniform_topology
 
 SIZES = [1, 3, 7, 1000, 4099, 65537]
 
@@ -23,23 +22,10 @@ def _collectives_rank(rank: int, sites: int, workers: int) -> dict:
             comm = Collectives(groups)
             for n in SIZES:
                 for dtype in (torch.float32, torch.float64):
-                    gen = torch.Generator().manual_seed(1000 * n + rank)
-                    x = torch.randn(n, generator=gen, dtype=dtype)
-                    if how == "across":  # identical inside a site by contract
-                        gen = torch.Generator().manual_seed(1000 * n + topo.site_of(rank))
-                        x = torch.randn(n, generator=gen, dtype=dtype)
-                    ref = x.clone()
-                    if how == "intra":
-                        dist.all_reduce(ref, group=groups.intra)
-                        comm.all_reduce_intra(x)
-                    elif how == "across":
-                        dist.all_reduce(ref, group=groups.inter)
-                        comm.all_reduce_across_sites(x)
-                    else:
-                        dist.all_reduce(ref)
-                        comm.all_reduce(x, how)
-                    if not torch.allclose(x, ref, rtol=1e-5, atol=1e-5):
-                        out["errors"].append((how, n, str(dtype), float((x - ref).abs().max())))
+                    # 'across' takes input identical inside a site by contract
+                    seed = 1000 * n + (topo.site_of(rank) if how == "across" else rank)
+                    if bad := sum_mismatch(comm, how, n, dtype, seed):
+                        out["errors"].append(bad)
             out["bytes"][how] = (comm.stats.intra_bytes, comm.stats.inter_bytes)
         # 2-D input is refused with a clear error
         try:

@@ -15,9 +15,10 @@ import pytest
 from geotrain import netns
 from geotrain.config import load_config
 from geotrain.launch import launch_local
-from tests.helpers import REPO, uniform_topology
+from tests.helpers import REPO, TINY, uniform_topology
 
-needs_root = pytest.mark.skipif(netns.unavailable() is not None, reason=f"kernel emulation unavailable: {netns.unavailable()}")
+_WHY = netns.unavailable()
+needs_root = pytest.mark.skipif(_WHY is not None, reason=f"kernel emulation unavailable: {_WHY}")
 
 
 def _ours(run_id: int) -> list[str]:
@@ -77,16 +78,6 @@ def test_stale_namespaces_of_dead_runs_are_removed() -> None:
         assert name not in netns.list_namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-TINY = [
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.block_size=16",
-    "train.batch_size=4",
-    "train.eval_batches=4",
-]
 
 
 @needs_root

@@ -10,17 +10,8 @@ import torch
 
 from geotrain.config import load_config
 from geotrain.launch import launch_local
+from tests.helpers import TINY
 
-TINY = [
-    "model.n_layer=1",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.block_size=16",
-    "train.batch_size=4",
-    "train.eval_batches=4",
-    "train.log_every=1000",
-    "optim.warmup_steps=0",
-]
 SGD = [
     "optim.name=sgd",
     "optim.momentum=0.0",

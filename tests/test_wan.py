@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from geotrain.config import ConfigError, load_config
 from geotrain.wan import SharedLinks
-from tests.helpers import run_ranks, uniform_topology
+from tests.helpers import run_ranks, sum_mismatch, uniform_topology
 
 
 def test_reservations_queue_per_directed_link(tmp_path: Path) -> None:
@@ -50,37 +50,16 @@ def test_reservations_are_atomic_across_processes(tmp_path: Path) -> None:
 
 
 def _timed_across(rank: int, sites: int, workers: int, nbytes: int, bw: float, lat: float, lanes: int) -> float:
-    from geotrain.collectives import Collectives
-    from geotrain.config import TopologyConfig
-    from geotrain.groups import ProcessGroups
-    from geotrain.topology import Topology
-    from geotrain.wan import WanEmulator
+    from geotrain.benchnet import link_topology, rank_comm
 
-    topo = Topology.from_config(
-        TopologyConfig.model_validate(
-            {
-                "sites": [{"name": f"s{i}", "workers": workers} for i in range(sites)],
-                "links": {"inter": {"bandwidth_bps": bw, "latency_s": lat}},
-            }
-        )
-    )
-    groups = ProcessGroups.build(topo, "gloo", timeout_s=60, lanes=lanes)
-    import os
-
-    wan = WanEmulator(topo, groups.me.site_index, os.environ["MASTER_PORT"], "inprocess")
-    try:
-        comm = Collectives(groups, wan=wan)
+    with rank_comm(link_topology(sites, workers, bw, lat), "inprocess", lanes) as (_, comm):
         x = torch.ones(nbytes // 4)
         dist.barrier()
         t0 = time.perf_counter()
         comm.all_reduce_across_sites(x)
         elapsed = time.perf_counter() - t0
         assert torch.all(x == sites)
-        comm.close()
         return elapsed
-    finally:
-        wan.close(unlink=groups.me.rank == 0)
-        groups.destroy()
 
 
 @pytest.mark.timeout(120)
@@ -101,36 +80,17 @@ def test_ranks_of_a_site_share_the_link() -> None:
 
 
 def _laned_rank(rank: int, sites: int, workers: int) -> list:
-    import os
-
-    from geotrain.collectives import Collectives
-    from geotrain.groups import ProcessGroups
-    from geotrain.wan import WanEmulator
+    from geotrain.benchnet import rank_comm
 
     topo = uniform_topology(sites, workers)
-    groups = ProcessGroups.build(topo, "gloo", timeout_s=60, lanes=3)
-    wan = WanEmulator(topo, groups.me.site_index, os.environ["MASTER_PORT"], "inprocess")
     errors = []
-    try:
-        comm = Collectives(groups, chunk_bytes=4096, wan=wan)
+    with rank_comm(topo, "inprocess", lanes=3, chunk_bytes=4096) as (_, comm):
         for how in ("hierarchical", "flat", "across"):
             for n in (1, 7, 1000, 4099, 20011):
                 for dtype in (torch.float32, torch.float64):
                     seed = 7919 * n + (topo.site_of(rank) if how == "across" else rank)
-                    x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-                    ref = x.clone()
-                    if how == "across":
-                        dist.all_reduce(ref, group=groups.inter)
-                        comm.all_reduce_across_sites(x)
-                    else:
-                        dist.all_reduce(ref)
-                        comm.all_reduce(x, how)
-                    if not torch.allclose(x, ref, rtol=1e-5, atol=1e-5):
-                        errors.append((how, n, str(dtype), float((x - ref).abs().max())))
-        comm.close()
-    finally:
-        wan.close(unlink=rank == 0)
-        groups.destroy()
+                    if bad := sum_mismatch(comm, how, n, dtype, seed):
+                        errors.append(bad)
     return errors
 
 
