@@ -90,6 +90,18 @@ class SiteConfig(Section):
     name: str = Field(min_length=1, max_length=64, description="Site (datacenter) name, unique; letters, digits, '-', '_'.")
     workers: int = Field(ge=1, le=1024, description="Number of workers (ranks) in this site.")
     region: str | None = Field(default=None, description="Optional region for multi-tier sync (site -> region -> continent).")
+    corpus: str | None = Field(
+        default=None,
+        description="This site's private training data (file or directory): its workers read only this; "
+        "unset: the site's share of data.corpus.",
+    )
+
+    @field_validator("corpus")
+    @classmethod
+    def _site_corpus_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).expanduser().exists():
+            raise ValueError(f"file or directory not found: {v}")
+        return None if v is None else str(Path(v).expanduser().resolve())
 
     @field_validator("name")
     @classmethod
@@ -313,6 +325,78 @@ class SyncConfig(Section):
         return self.codec in ("topk", "powersgd")
 
 
+class DPConfig(Section):
+    unit: Literal["none", "site", "example"] = Field(
+        default="none",
+        description="Differential privacy unit: none; site (each site clips its pseudo-gradient and adds its share of "
+        "Gaussian noise, meaningful with many sites); example (DP-SGD on the inner steps: per-example clipping and noise).",
+    )
+    epsilon: float | None = Field(
+        default=None,
+        gt=0,
+        description="Privacy budget ε: training stops before a step would exceed it. With noise_multiplier unset, the noise "
+        "is calibrated so the planned run spends exactly this.",
+    )
+    delta: float = Field(default=1e-5, gt=0, lt=1, description="δ of (ε, δ)-DP (0 < δ < 1; well below 1/records).")
+    clip_norm: float = Field(
+        default=1.0, gt=0, description="L2 bound of one unit's contribution: a site's pseudo-gradient, or one example's gradient."
+    )
+    noise_multiplier: float | None = Field(
+        default=None, ge=0, description="Noise std / clip_norm; unset: calibrated from epsilon (one of the two is needed)."
+    )
+    accountant: Literal["rdp", "prv"] = Field(default="rdp", description="Opacus privacy accountant.")
+
+
+class PrivacyConfig(Section):
+    secure_aggregation: bool = Field(
+        default=False,
+        description="Sum pseudo-gradients across sites with secure aggregation (pairwise masks; no site sees another's update).",
+    )
+    threshold: int | None = Field(
+        default=None,
+        ge=2,
+        description="Shamir threshold t: shares needed to remove a dropped site's masks; a round needs t survivors. "
+        "Default: a majority of each sharing set.",
+    )
+    graph: Literal["complete", "sparse"] = Field(
+        default="complete", description="Masking graph: complete (Bonawitz et al.) or sparse (SecAgg+, O(log n) neighbours)."
+    )
+    update_bound: float = Field(
+        default=100.0,
+        gt=0,
+        le=1e6,
+        description="L2 bound a pseudo-gradient is clipped to before fixed-point encoding (with dp.unit=site: dp.clip_norm).",
+    )
+    dp: DPConfig = Field(default_factory=DPConfig, description="Differential privacy.")
+    inject: list[str] = Field(
+        default_factory=list,
+        description="Failure injection for tests: 'SITE@ROUND:drop' withdraws the site's update after key agreement, "
+        "'SITE@ROUND:malformed' sends a malformed masked update.",
+    )
+
+    @field_validator("inject")
+    @classmethod
+    def _inject_form(cls, v: list[str]) -> list[str]:
+        for i, item in enumerate(v):
+            if not re.fullmatch(r"[A-Za-z0-9_-]+@\d+:(drop|malformed)", item):
+                raise ValueError(f"inject[{i}]: expected SITE@ROUND:drop or SITE@ROUND:malformed (got {item!r})")
+        return v
+
+    @model_validator(mode="after")
+    def _dp_ok(self) -> PrivacyConfig:
+        if self.dp.unit != "none" and self.dp.epsilon is None and self.dp.noise_multiplier is None:
+            raise ValueError("dp.noise_multiplier: set it or dp.epsilon (to calibrate the noise) when dp.unit is not none")
+        return self
+
+    def injections(self) -> dict[tuple[str, int], str]:
+        out = {}
+        for item in self.inject:
+            site, rest = item.split("@")
+            rnd, kind = rest.split(":")
+            out[(site, int(rnd))] = kind
+        return out
+
+
 class RunConfig(Section):
     baseline: Literal["ddp", "diloco", "streaming", "none"] = Field(
         default="ddp", description="Also train this algorithm on the same tokens and compare; 'none' to skip."
@@ -331,12 +415,46 @@ class Config(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="Cross-organisation mode: secure aggregation, DP.")
+
+    @model_validator(mode="after")
+    def _privacy_fits(self) -> Config:
+        p, n = self.privacy, len(self.topology.sites)
+        if p.threshold is not None and p.threshold > n:
+            raise ValueError(f"privacy.threshold: {p.threshold} is larger than the number of sites ({n})")
+        if p.secure_aggregation and self.sync.algorithm == "ddp":
+            raise ValueError("privacy.secure_aggregation: works on pseudo-gradients; use sync.algorithm=diloco or streaming")
+        if p.dp.unit == "site" and self.sync.algorithm == "ddp":
+            raise ValueError("privacy.dp.unit: 'site' protects pseudo-gradients; use sync.algorithm=diloco or streaming")
+        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.codec != "none":
+            raise ValueError("sync.codec: secure aggregation and site-level DP send fixed-point/fp32 values; set sync.codec=none")
+        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.weight_by_tokens:
+            raise ValueError("sync.weight_by_tokens: would reveal each site's token count; not with privacy")
+        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.eager:
+            raise ValueError("sync.eager: the eager variant uses each site's own share of the average; not with privacy")
+        if p.secure_aggregation and p.threshold is not None and p.graph == "sparse":
+            from geotrain.secagg import sparse_degree
+
+            k = sparse_degree(n)
+            if p.threshold > k + 1:
+                raise ValueError(
+                    f"privacy.threshold: {p.threshold} is more than a site and its {k} neighbours can hold (graph=sparse)"
+                )
+        names = [s.name for s in self.topology.sites]
+        for (site, _), _kind in p.injections().items():
+            if site not in names:
+                raise ValueError(f"privacy.inject: unknown site {site!r} (sites: {', '.join(names)})")
+        return self
 
     def with_algorithm(self, algorithm: str) -> Config:
         """A copy of this config that trains with ``algorithm`` and no baseline."""
         data = self.model_dump()
         data["sync"]["algorithm"] = algorithm
         data["run"]["baseline"] = "none"
+        if algorithm == "ddp":  # a DDP baseline exchanges gradients: no pseudo-gradient privacy to apply
+            data["privacy"]["secure_aggregation"] = False
+            if data["privacy"]["dp"]["unit"] == "site":
+                data["privacy"]["dp"]["unit"] = "none"
         return Config.model_validate(data)
 
     @property

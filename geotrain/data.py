@@ -133,23 +133,55 @@ class RankData:
     eval: list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def site_shard(site_corpus: str, local_rank: int, workers: int, eval_fraction: float) -> torch.Tensor:
+    """A worker's training tokens from its site's private corpus (its held-out blocks are not used)."""
+    blocks = split_corpus(_read_corpus(site_corpus), eval_fraction).train_blocks
+    mine = blocks[local_rank::workers]
+    if not mine:
+        raise ValueError(f"topology.sites[].corpus: {site_corpus} is too small for {workers} workers")
+    return torch.cat(mine)
+
+
 def build_rank_data(
-    cfg: DataConfig, rank: int, world: int, num_sites: int, block_size: int, batch_size: int, eval_batches_n: int, seed: int
+    cfg: DataConfig,
+    rank: int,
+    world: int,
+    num_sites: int,
+    block_size: int,
+    batch_size: int,
+    eval_batches_n: int,
+    seed: int,
+    site_corpus: str | None = None,
 ) -> RankData:
+    """A rank's sampler and the shared evaluation batches. With ``site_corpus`` the rank trains only
+    on that (site-private) corpus; evaluation stays on the shared held-out split of ``data.corpus``."""
     splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
-    shard = shard_for_rank(splits, rank, world, num_sites, cfg.non_iid)
+    if site_corpus is not None:
+        per_site = world // num_sites
+        shard = site_shard(site_corpus, rank % per_site, per_site, cfg.eval_fraction)
+    else:
+        shard = shard_for_rank(splits, rank, world, num_sites, cfg.non_iid)
     return RankData(
         train=BatchSampler(shard, block_size, batch_size, seed * 1_000_033 + rank),
         eval=eval_batches(splits.eval_tokens, block_size, batch_size, eval_batches_n, seed),
     )
 
 
-def check_data(cfg: DataConfig, world: int, num_sites: int, block_size: int) -> None:
+def check_data(
+    cfg: DataConfig, world: int, num_sites: int, block_size: int, site_corpora: list[str | None] | None = None
+) -> None:
     """Fail early (in the launcher) if the corpus cannot feed every rank."""
     splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
     if splits.eval_tokens.numel() <= block_size + 1:
         raise ValueError(f"data.corpus: held-out split too small for model.block_size={block_size}")
+    per_site = world // num_sites
     for r in range(world):
+        own = (site_corpora or [None] * num_sites)[r // per_site]
+        if own is not None:
+            shard = site_shard(own, r % per_site, per_site, cfg.eval_fraction)
+            if shard.numel() <= block_size + 1:
+                raise ValueError(f"topology.sites[{r // per_site}].corpus: too small for model.block_size={block_size}")
+            continue
         shard = shard_for_rank(splits, r, world, num_sites, cfg.non_iid)
         if shard.numel() <= block_size + 1:
             raise ValueError(f"data.corpus: too small for {world} ranks at model.block_size={block_size}")

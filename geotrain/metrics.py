@@ -64,6 +64,7 @@ class MetricsSink:
             "wait_seconds",
             "in_flight_bytes",
             "eval_loss",
+            "epsilon",
         ):
             if key in record:
                 self._tb.add_scalar(f"train/{key}", float(record[key]), step)
@@ -75,7 +76,8 @@ class MetricsSink:
                 step,
                 f"loss {record['loss']:.4f} | dt {record['step_seconds'] * 1000:6.1f} ms | "
                 f"tok/s {record['tokens_per_second']:8.0f} | inter-site {record['inter_site_bytes'] / 1e6:9.3f} MB | "
-                f"wan wait {record['wait_seconds'] * 1000:5.0f} ms | in flight {record['in_flight_bytes'] / 1e6:6.3f} MB",
+                f"wan wait {record['wait_seconds'] * 1000:5.0f} ms | in flight {record['in_flight_bytes'] / 1e6:6.3f} MB"
+                + (f" | ε {record['epsilon']:.3f}" if "epsilon" in record else ""),
             )
 
     def close(self) -> None:

@@ -61,6 +61,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, VOCAB_SIZE, bias=False)
         self.head.weight = self.wte.weight  # weight tying
+        # per-example gradients (DP-SGD) need the position lookup batched too; same values either way
+        self.batched_positions = False
         self.apply(self._init)
         # GPT-2 scaled init of residual projections
         for name, p in self.named_parameters():
@@ -80,6 +82,8 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy of ``targets`` given ``idx`` (both ``[batch, time]``)."""
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
+        if self.batched_positions:
+            pos = pos.expand(idx.shape[0], t)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

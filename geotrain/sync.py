@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -48,6 +48,10 @@ from geotrain.codecs import Codec, Residual, build_codec
 from geotrain.codecs.powersgd import PowerSGD
 from geotrain.collectives import Collectives
 from geotrain.config import SyncConfig
+from geotrain.secagg import SecAggAborted
+
+if TYPE_CHECKING:
+    from geotrain.privacy import ExampleDP, PrivateAggregation
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
@@ -167,6 +171,8 @@ class SyncAlgorithm:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.local_steps = 0
         self.rounds = 0
+        self.rounds_rolled_back = 0
+        self.example_dp: ExampleDP | None = None  # DP-SGD on the inner steps (privacy.dp.unit=example)
         self._handles = [
             optimizer.register_step_pre_hook(lambda *_: self.sync_gradients()),
             optimizer.register_step_post_hook(lambda *_: self.after_step()),
@@ -177,7 +183,15 @@ class SyncAlgorithm:
         raise NotImplementedError
 
     def _average_gradients(self, members: int, reduce_sum: Callable[[torch.Tensor], None]) -> None:
-        """Sum gradients with ``reduce_sum`` over ``members`` ranks, divide, clip the average."""
+        """Sum gradients with ``reduce_sum`` over ``members`` ranks, divide, clip the average.
+        With DP-SGD, what is summed is each rank's clipped, noised per-example gradient sum."""
+        if self.example_dp is not None:
+            flat = self.example_dp.privatize()
+            if members > 1:
+                reduce_sum(flat)
+                flat.div_(members)
+            write_grads(self.params, flat)
+            return
         if members == 1:  # nothing to exchange; keep the single-worker path as cheap as plain PyTorch
             if self.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
@@ -194,6 +208,11 @@ class SyncAlgorithm:
 
     def finish(self) -> None:
         """Bring the run to a consistent end (e.g. a last outer sync). Call once after the loop."""
+
+    def budget_exhausted(self) -> bool:
+        """True when the next step would start a round the privacy budget cannot pay for (then the
+        training loop stops; the answer is the same on every rank)."""
+        return False
 
     def global_parameters(self) -> list[torch.Tensor]:
         """The parameters every site agrees on (the model to evaluate and save)."""
@@ -296,6 +315,8 @@ class _OuterSync(SyncAlgorithm):
         self.workers_per_site = topo.workers_per_site
         # fp32 outer state, whatever the model's dtype
         self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
+        self.rollback_reasons = []
+        self.private: PrivateAggregation | None = None  # clipping, site DP, secure aggregation
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
@@ -304,8 +325,12 @@ class _OuterSync(SyncAlgorithm):
     def sync_gradients(self) -> None:
         self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
 
-    def _average_across_sites(self, delta: torch.Tensor, reducer: SiteReducer, steps: int) -> None:
-        """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``."""
+    def _average_across_sites(self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int = 0) -> None:
+        """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``;
+        with privacy, clipped/noised and summed by :class:`PrivateAggregation` (may raise SecAggAborted)."""
+        if self.private is not None:
+            self.private.average(delta, round_id)
+            return
         if self.num_sites == 1:
             return
         if self.weight_by_tokens:
@@ -320,6 +345,19 @@ class _OuterSync(SyncAlgorithm):
 
     def global_parameters(self) -> list[torch.Tensor]:
         return self.global_params
+
+    @torch.no_grad()
+    def _roll_back(self, indices: Sequence[int], why: str) -> None:
+        """A failed round: nothing of it is applied; the parameters ``indices`` go back to the global ones."""
+        for i in indices:
+            self.params[i].copy_(self.global_params[i])
+        self.rounds_rolled_back += 1
+        self.rollback_reasons.append(why)
+
+    rollback_reasons: list[str]
+
+    def _privacy_allows_round(self) -> bool:
+        return self.private is None or self.private.can_afford()
 
 
 class DiLoCo(_OuterSync):
@@ -353,7 +391,14 @@ class DiLoCo(_OuterSync):
 
     def finish(self) -> None:
         if self._steps_in_round:  # a last, shorter round so every site ends on the global model
-            self.outer_step()
+            if self._privacy_allows_round():
+                self.outer_step()
+            else:
+                self._roll_back(range(len(self.params)), "privacy budget: the last partial round is not released")
+                self._steps_in_round = 0
+
+    def budget_exhausted(self) -> bool:
+        return self._steps_in_round == 0 and not self._privacy_allows_round()
 
     @torch.no_grad()
     def outer_step(self) -> None:
@@ -361,7 +406,13 @@ class DiLoCo(_OuterSync):
         # 2. pseudo-gradient, fp32
         delta = pseudo_gradient(self.global_params, self.params)
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
-        self._average_across_sites(delta, self.reducer, self._steps_in_round)
+        try:
+            self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
+        except SecAggAborted as exc:
+            self._roll_back(range(len(self.params)), str(exc))
+            self._steps_in_round = 0
+            self.rounds += 1
+            return
         # 4. outer optimizer step with Δ as the gradient
         outer_step_(self.outer_optimizer, self.global_params, delta)
         # 5. local ← global
@@ -468,12 +519,17 @@ class StreamingDiLoCo(_OuterSync):
             if t % self.H == self.offsets[f] and t > 0 and (self.eager or f not in self.pending):
                 self._sync(f, t)
 
+    def budget_exhausted(self) -> bool:
+        t = self.local_steps + 1
+        due = any(t % self.H == self.offsets[f] for f in range(self.F))
+        return due and not self._privacy_allows_round()
+
     def in_flight_bytes(self) -> int:
         """fp32 bytes of pseudo-gradient fragments whose exchange has not finished."""
         return sum(4 * d.numel() for _, fut, d in self.pending.values() if not fut.done())
 
     def _start(self, f: int, delta: torch.Tensor, steps: int) -> Future[None]:
-        return self._network.submit(self._average_across_sites, delta, self.reducers[f], steps)
+        return self._network.submit(self._average_across_sites, delta, self.reducers[f], steps, self.rounds)
 
     def _wait(self, fut: Future[None]) -> None:
         """Block the training thread until ``fut`` is done; the time counts as waiting on the network."""
@@ -497,18 +553,26 @@ class StreamingDiLoCo(_OuterSync):
         delta = pseudo_gradient(self._globals(f), [self.params[i] for i in frag])
         steps = t - self.last_sync[f]
         self.last_sync[f] = t
-        self.rounds += 1  # for streaming, a round is one fragment's sync
         if self.eager:
+            self.rounds += 1  # for streaming, a round is one fragment's sync
             self._eager_step(f, delta, steps)
             return
-        self.pending[f] = (t + self.tau, self._start(f, delta, steps), delta)
+        if self.private is not None:
+            self.private.reserve()
+        fut = self._start(f, delta, steps)
+        self.rounds += 1
+        self.pending[f] = (t + self.tau, fut, delta)
         if self.tau == 0:
             self._merge(f)
 
     @torch.no_grad()
     def _merge(self, f: int) -> None:
         _, fut, delta = self.pending.pop(f)
-        self._wait(fut)
+        try:
+            self._wait(fut)
+        except SecAggAborted as exc:
+            self._roll_back(self.fragments[f], str(exc))
+            return
         globals_ = self._globals(f)
         outer_step_(self.outer[f], globals_, delta)
         for g, i in zip(globals_, self.fragments[f], strict=True):
@@ -540,7 +604,10 @@ class StreamingDiLoCo(_OuterSync):
                 self._merge(f)
             t = self.local_steps
             for f in range(self.F):
-                if self.last_sync[f] < t:
+                if self.last_sync[f] < t and not self._privacy_allows_round():
+                    self._roll_back(self.fragments[f], "privacy budget: the last partial round is not released")
+                    self.last_sync[f] = t
+                elif self.last_sync[f] < t:
                     self._sync(f, t)
                     if f in self.pending:
                         self._merge(f)

@@ -32,6 +32,7 @@ from geotrain.groups import ProcessGroups
 from geotrain.launch import die_with_parent
 from geotrain.metrics import MetricsSink, log
 from geotrain.model import build_model, count_params
+from geotrain.privacy import Privacy, setup_privacy
 from geotrain.sync import SyncAlgorithm, build_sync
 from geotrain.topology import RankInfo, Topology
 from geotrain.wan import WanEmulator
@@ -112,6 +113,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             cfg.train.batch_size,
             cfg.train.eval_batches,
             cfg.train.seed,
+            site_corpus=cfg.topology.sites[me.site_index].corpus,
         )
         optimizer, scheduler = build_optimizer(cfg, model)
         comm = Collectives(groups, chunk_bytes=cfg.sync.chunk_bytes, wan=wan)
@@ -126,14 +128,17 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             grad_clip=cfg.optim.grad_clip,
             tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
         )
+        privacy = setup_privacy(cfg, model, sync, comm, groups, data, out)
         n_params = count_params(model)
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
             log(me, 0, f"{cfg.sync.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
             log(me, 0, f"inter-site links: {describe_links(topo, wan)}")
-        result = _loop(cfg, model, eval_model, data, optimizer, scheduler, sync, comm, groups, sink, tokens_per_rank_step)
+        result = _loop(
+            cfg, model, eval_model, data, optimizer, scheduler, sync, comm, groups, sink, tokens_per_rank_step, privacy
+        )
         sink.close()
-        summary = _summarise(cfg, result, sync, comm, groups, n_params, threads)
+        summary = _summarise(cfg, result, sync, comm, groups, n_params, threads, privacy)
         if me.rank == 0:
             assert summary is not None
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -204,6 +209,7 @@ def _loop(
     groups: ProcessGroups,
     sink: MetricsSink,
     tokens_per_rank_step: int,
+    privacy: Privacy,
 ) -> dict[str, Any]:
     world = groups.topology.world_size
     eval_every = cfg.eval_every
@@ -226,7 +232,14 @@ def _loop(
     t_origin = time.monotonic()
     compute_intervals: list[tuple[float, float]] = []
     peak_inter = 0
+    record: dict[str, Any] = {"step": 0, "tokens": 0}
+    last = cfg.train.steps
     for step in range(1, cfg.train.steps + 1):
+        if privacy.active and (step > privacy.max_steps or sync.budget_exhausted()):
+            last = privacy.stopped_at = step - 1  # same decision on every rank
+            if groups.me.rank == 0:
+                log(groups.me, step, f"privacy budget ε={cfg.privacy.dp.epsilon} reached: stopping after step {last}")
+            break
         t0 = time.perf_counter()
         m0 = time.monotonic()
         wait0 = comm.stats.wan_wait_seconds
@@ -243,7 +256,7 @@ def _loop(
         if cfg.train.timeline:
             compute_intervals.append((m0, m0 + dt - waited))
         peak_inter = max(peak_inter, comm.stats.inter_bytes - inter0)
-        record: dict[str, Any] = {
+        record = {
             "step": step,
             "loss": loss.item(),
             "lr": scheduler.get_last_lr()[0],
@@ -258,9 +271,12 @@ def _loop(
             "step_seconds": dt,
             "tokens_per_second": tokens_per_rank_step / dt,
         }
+        eps = privacy.epsilon()
+        if eps is not None:
+            record["epsilon"] = eps
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"loss is {record['loss']} at step {step}")
-        if step % eval_every == 0 and step != cfg.train.steps:
+        if step % eval_every == 0 and step != last:
             record["eval_loss"] = do_eval(step)
             model.train()
         sink.step(record)
@@ -271,10 +287,12 @@ def _loop(
     sync.finish()
     compute += (time.perf_counter() - t_fin) - (comm.stats.wan_wait_seconds - wait0)
     final_sync_inter = comm.stats.inter_bytes - inter0
-    final = do_eval(cfg.train.steps)
+    final = do_eval(last)
+    eps = privacy.epsilon()
     sink.step(
         {
             **record,
+            **({"epsilon": eps} if eps is not None else {}),
             "eval_loss": final,
             "inter_site_bytes": comm.stats.inter_bytes,
             "intra_site_bytes": comm.stats.intra_bytes,
@@ -295,6 +313,7 @@ def _loop(
         "wall_seconds": wall,
         "peak_inter_site_bytes_per_step": peak_inter,
         "final_sync_inter_site_bytes": final_sync_inter,
+        "steps_done": last,
     }
 
 
@@ -306,6 +325,7 @@ def _summarise(
     groups: ProcessGroups,
     n_params: int,
     threads: int,
+    privacy: Privacy,
 ) -> dict[str, Any] | None:
     """Gather per-rank numbers on the world group (control plane) and build the summary on rank 0."""
     me, topo = groups.me, groups.topology
@@ -342,10 +362,11 @@ def _summarise(
         "sites": list(topo.site_names),
         "workers_per_site": topo.workers_per_site,
         "world_size": topo.world_size,
-        "steps": cfg.train.steps,
+        "steps": result["steps_done"],
         "H": cfg.sync.H if cfg.sync.algorithm != "ddp" else 1,
         "fragments": getattr(sync, "F", 1),
         "rounds": sync.rounds,
+        "rounds_rolled_back": sync.rounds_rolled_back,
         "codec": cfg.sync.codec,
         "tokens": result["curve"][-1]["tokens"],
         "params": n_params,
@@ -364,6 +385,7 @@ def _summarise(
         "eval_seconds": sum(r["eval_seconds"] for r in ranks) / n,
         "global_param_hash": hashes,
         "hashes_agree_within_sites": agree,
+        **(privacy.summary() if privacy.active else {"secagg": False}),
         "eval_curve": result["curve"],
         "per_rank": ranks,
         "threads_per_rank": threads,

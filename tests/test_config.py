@@ -53,7 +53,7 @@ def test_errors_name_the_field(overrides: list[str], field: str) -> None:
 
 BAD = [
     # (yaml text or None, overrides, text the one-line message must contain)
-    ("trian:\n  steps: 3\n", [], "trian: unknown key; allowed keys: data, model, optim, run, sync, topology, train"),
+    ("trian:\n  steps: 3\n", [], "trian: unknown key; allowed keys: data, model, optim, privacy, run, sync, topology, train"),
     (None, ["train.stpes=3"], "train.stpes: unknown key"),
     (None, ["topology.sites.0.workers=-2"], "topology.sites[0].workers: Input should be greater than or equal to 1"),
     ("topology:\n  sites: []\n", [], "topology.sites: at least one site is required"),
@@ -74,6 +74,17 @@ BAD = [
     ("- just\n- a list\n", [], "must hold a mapping"),
     (None, ["optim.betas=[0.9]"], "optim.betas"),
     (None, ["train.steps"], "--set: expected KEY=VALUE"),
+    (None, ["privacy.dp.epsilon=0"], "privacy.dp.epsilon: Input should be greater than 0"),
+    (None, ["privacy.dp.delta=1"], "privacy.dp.delta: Input should be less than 1"),
+    (None, ["privacy.dp.clip_norm=-1"], "privacy.dp.clip_norm: Input should be greater than 0"),
+    (
+        None,
+        ["privacy.secure_aggregation=true", "privacy.threshold=3"],
+        "privacy.threshold: 3 is larger than the number of sites (2)",
+    ),
+    (None, ["privacy.dp.unit=site"], "privacy.dp.noise_multiplier: set it or dp.epsilon"),
+    (None, ["privacy.inject=[A@x:drop]"], "privacy.inject[0]: expected SITE@ROUND:drop"),
+    (None, ["privacy.secure_aggregation=true", "sync.algorithm=ddp"], "privacy.secure_aggregation: works on pseudo-gradients"),
 ]
 
 

@@ -1,0 +1,481 @@
+"""Secure aggregation of pseudo-gradients across sites (Bonawitz et al. 2017; SecAgg+ graph of
+Bell et al. 2020), over geotrain's own inter-site transport.
+
+What it guarantees: the sum over the surviving sites of their (clipped, fixed-point encoded)
+vectors is what every site ends up with; no participant — including the one that adds up a
+chunk — sees any single site's vector, only values masked by one-time pads that cancel in the
+sum. Masks of sites that drop out after key agreement are removed with Shamir shares held by
+the survivors, so the round completes with the survivors; below the threshold it fails cleanly
+(:class:`SecAggAborted`) and the caller rolls the round back.
+
+Threat model: honest-but-curious sites (they follow the protocol but may look at what they
+receive), at most ``threshold - 1`` of them colluding. Not covered: a malicious site that lies
+about who dropped (needs the signed variant of the paper), or traffic analysis. Tensors on the
+wire are masked; key shares are encrypted (AES-GCM) between the two sites that hold them.
+
+One round, per local rank ``i`` (every local rank runs it on its 1/G shard of the vector with
+local rank ``i`` of the other sites; N participants, neighbours from :func:`neighbours`):
+
+0. *advertise keys*: two fresh X25519 key pairs (c for encrypting shares, s for masks); the
+   public keys go to every participant.
+1. *share keys*: a fresh 32-byte self-mask seed b_u and the mask private key s_u are each
+   Shamir-shared (threshold t, prime field 2^521 - 1) among u and its neighbours; each share is
+   encrypted for its holder with AES-GCM under HKDF(X25519(c_u, c_v)).
+2. *masked input*: y_u = q(x_u) + PRG(b_u) + Σ_{v∈nb(u)} ±PRG(HKDF(X25519(s_u, s_v))) mod 2^32,
+   where q is fixed point with ``frac_bits`` fractional bits; PRG is AES-256-CTR. y_u is cut into
+   N chunks and chunk j goes to participant j in a framed message (magic, round, length, ring
+   bits, flags); a frame that does not match is *malformed* and its sender is excluded.
+3. *consistency*: every participant tells every other whose chunk it accepted; the survivors U
+   are the senders everyone accepted. |U| < t: abort.
+4. *unmasking*: each survivor reveals, for every u ∈ U it holds a share of, the share of b_u, and
+   for every dropped v, the share of s_v (never both for one site). Everyone reconstructs and
+   each chunk owner removes Σ_U PRG(b_u) and the dropped sites' pair masks from its chunk.
+5. *all-gather* the unmasked chunks; decode.
+
+Bytes: the masked vectors travel like a reduce-scatter + all-gather of 4-byte values — the same
+as geotrain's fp32 ring — plus keys, encrypted shares and frame headers (a few hundred bytes
+per peer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+import struct
+import time
+from dataclasses import dataclass, field
+
+import torch
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from geotrain.collectives import Collectives
+
+PRIME = (1 << 521) - 1  # Mersenne prime; secrets are 32 bytes < 2^256
+SHARE_BYTES = 66  # a field element, big-endian
+RING_BITS = 32
+MAGIC = 0x47534131  # "GSA1"
+HEADER = 4  # int32 words of a masked-chunk frame: magic, round, length, ring bits | flags << 8
+FLAG_DROPPED = 1
+_RAW = serialization.Encoding.Raw
+_PUB = serialization.PublicFormat.Raw
+
+
+class SecAggAborted(RuntimeError):
+    """The round cannot complete (too few survivors or shares); nothing of it was applied."""
+
+
+# --------------------------------------------------------------------------- primitives
+
+
+def hkdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+def prg(seed: bytes, start: int, n: int) -> torch.Tensor:
+    """Elements ``start .. start+n`` of the uint32 stream AES-256-CTR(seed) (as int32 bit patterns):
+    any chunk of a mask can be expanded on its own."""
+    first, skip = divmod(start, 4)  # four 32-bit words per AES block
+    blocks = -(-(skip + n) // 4)
+    enc = Cipher(algorithms.AES(seed), modes.CTR(first.to_bytes(16, "big"))).encryptor()
+    stream = enc.update(bytes(16 * blocks)) + enc.finalize()
+    return torch.frombuffer(bytearray(stream), dtype=torch.int32)[skip : skip + n]
+
+
+def ring_add_(acc: torch.Tensor, x: torch.Tensor, sign: int = 1) -> torch.Tensor:
+    """acc ← acc + sign·x mod 2^32 on int32 bit patterns (exact: the sum is formed in int64)."""
+    s = acc.to(torch.int64) + (x.to(torch.int64) if sign > 0 else -x.to(torch.int64))
+    s.add_(1 << 31).remainder_(1 << 32).sub_(1 << 31)
+    acc.copy_(s.to(torch.int32))
+    return acc
+
+
+def frac_bits_for(num_sites: int, bound: float) -> int:
+    """Fractional bits of the fixed point such that a sum of ``num_sites`` values of magnitude at
+    most ``bound`` cannot wrap around the signed 32-bit ring."""
+    return max(0, math.floor(math.log2((2**31 - 1) / (num_sites * bound))) - 1)
+
+
+def encode_fixed(x: torch.Tensor, frac_bits: int, bound: float) -> torch.Tensor:
+    """Round-to-nearest fixed point in int32 (values clamped to ±bound first)."""
+    return torch.round(x.to(torch.float64).clamp(-bound, bound) * (1 << frac_bits)).to(torch.int32)
+
+
+def decode_fixed(q: torch.Tensor, frac_bits: int) -> torch.Tensor:
+    return (q.to(torch.float64) / (1 << frac_bits)).to(torch.float32)
+
+
+def error_bound(num_summed: int, frac_bits: int) -> float:
+    """Largest per-element error of a decoded sum of ``num_summed`` encoded values."""
+    return num_summed * 0.5 / (1 << frac_bits) + 1e-7 * num_summed  # + fp32 rounding of the decode
+
+
+def shamir_share(secret: bytes, t: int, xs: list[int], rng: random.SystemRandom) -> dict[int, int]:
+    """Shares f(x) for x in ``xs`` of a degree t-1 polynomial with f(0) = secret."""
+    coeffs = [int.from_bytes(secret, "big")] + [rng.randrange(PRIME) for _ in range(t - 1)]
+    out = {}
+    for x in xs:
+        y = 0
+        for c in reversed(coeffs):
+            y = (y * x + c) % PRIME
+        out[x] = y
+    return out
+
+
+def shamir_reconstruct(points: dict[int, int], nbytes: int = 32) -> bytes:
+    """f(0) by Lagrange interpolation from ``points`` {x: f(x)} (exactly t of them are used)."""
+    xs = list(points)
+    secret = 0
+    for i in xs:
+        num, den = 1, 1
+        for j in xs:
+            if j != i:
+                num = num * (-j) % PRIME
+                den = den * (i - j) % PRIME
+        secret = (secret + points[i] * num * pow(den, -1, PRIME)) % PRIME
+    return secret.to_bytes(nbytes, "big")
+
+
+def neighbours(n: int, graph: str, degree: int, round_seed: bytes) -> list[list[int]]:
+    """Who masks with whom. 'complete': everyone. 'sparse' (SecAgg+): a Harary graph of even
+    ``degree`` over a permutation of the participants that every site derives from the public
+    ``round_seed``, so it changes every round and no site chooses its neighbours."""
+    if graph == "complete" or degree >= n - 1:
+        return [[v for v in range(n) if v != u] for u in range(n)]
+    order = list(range(n))
+    random.Random(round_seed).shuffle(order)
+    pos = {u: i for i, u in enumerate(order)}
+    half = degree // 2
+    out = []
+    for u in range(n):
+        i = pos[u]
+        out.append(sorted({order[(i + d) % n] for d in range(-half, half + 1) if d}))
+    return out
+
+
+def sparse_degree(n: int) -> int:
+    """SecAgg+ neighbourhood size: O(log n), even, at most n - 1."""
+    return min(n - 1, 2 * math.ceil(math.log2(max(2, n))))
+
+
+def default_threshold(n: int, graph: str) -> int:
+    """A strict majority of the sharing set (a site and its neighbours)."""
+    k = n - 1 if graph == "complete" else sparse_degree(n)
+    return max(2, (k + 1) // 2 + 1) if n > 1 else 1
+
+
+# --------------------------------------------------------------------------- one participant
+
+
+@dataclass
+class RoundReport:
+    """What happened in one round (for the audit log)."""
+
+    round: int
+    participants: list[int]
+    survivors: list[int]
+    dropped: list[int]
+    malformed: list[int]
+    masks_recovered: list[int]  # dropped sites whose pair masks were removed via shares
+    threshold: int
+    graph: str
+    degree: int
+    frac_bits: int
+    key_agreement_seconds: float = 0.0
+    masking_seconds: float = 0.0
+    unmasking_seconds: float = 0.0
+    extra_bytes: int = 0  # keys, shares, headers, flags
+    notes: list[str] = field(default_factory=list)
+
+
+class Participant:
+    """The cryptographic state of one site's participant in one round (no I/O): the tests and the
+    key-agreement benchmark drive it directly, :class:`SecureAggregator` moves its messages."""
+
+    def __init__(self, me: int, n: int, round_id: int, nbrs: list[list[int]], threshold: int, context: bytes) -> None:
+        self.me, self.n, self.round, self.t = me, n, round_id, threshold
+        self.nbrs = nbrs
+        self.context = context + struct.pack(">q", round_id)
+        self.c_key = X25519PrivateKey.generate()
+        self.s_key = X25519PrivateKey.generate()
+        self.self_seed = os.urandom(32)
+        self.c_pub: dict[int, bytes] = {}
+        self.s_pub: dict[int, bytes] = {}
+        self.shares_b: dict[int, int] = {}  # owner -> my share of their self-mask seed
+        self.shares_s: dict[int, int] = {}  # owner -> my share of their mask key
+        self._pair_seeds: dict[int, bytes] = {}
+
+    # step 0
+    def public_keys(self) -> bytes:
+        return self.c_key.public_key().public_bytes(_RAW, _PUB) + self.s_key.public_key().public_bytes(_RAW, _PUB)
+
+    def receive_keys(self, u: int, blob: bytes) -> None:
+        self.c_pub[u], self.s_pub[u] = blob[:32], blob[32:64]
+
+    # step 1
+    def sharing_set(self, u: int) -> list[int]:
+        return sorted([u, *self.nbrs[u]])
+
+    def _channel(self, v: int) -> AESGCM:
+        shared = self.c_key.exchange(X25519PublicKey.from_public_bytes(self.c_pub[v]))
+        lo, hi = sorted((self.me, v))
+        return AESGCM(hkdf(shared, b"geotrain-secagg-channel" + self.context + struct.pack(">ii", lo, hi)))
+
+    def _aad(self, src: int, dst: int) -> bytes:
+        return self.context + struct.pack(">ii", src, dst)
+
+    def make_shares(self) -> dict[int, bytes]:
+        """Encrypted share messages for each neighbour; keeps its own shares."""
+        rng = random.SystemRandom()
+        xs = [v + 1 for v in self.sharing_set(self.me)]
+        sb = shamir_share(self.self_seed, self.t, xs, rng)
+        ss = shamir_share(self.s_key.private_bytes_raw(), self.t, xs, rng)
+        self.shares_b[self.me], self.shares_s[self.me] = sb[self.me + 1], ss[self.me + 1]
+        out = {}
+        for v in self.nbrs[self.me]:
+            plain = sb[v + 1].to_bytes(SHARE_BYTES, "big") + ss[v + 1].to_bytes(SHARE_BYTES, "big")
+            nonce = os.urandom(12)
+            out[v] = nonce + self._channel(v).encrypt(nonce, plain, self._aad(self.me, v))
+        return out
+
+    def receive_shares(self, u: int, blob: bytes) -> None:
+        plain = self._channel(u).decrypt(blob[:12], blob[12:], self._aad(u, self.me))  # raises on tampering
+        self.shares_b[u] = int.from_bytes(plain[:SHARE_BYTES], "big")
+        self.shares_s[u] = int.from_bytes(plain[SHARE_BYTES:], "big")
+
+    @staticmethod
+    def share_message_bytes() -> int:
+        return 12 + 2 * SHARE_BYTES + 16
+
+    # step 2
+    def pair_seed(self, v: int) -> bytes:
+        if v not in self._pair_seeds:
+            shared = self.s_key.exchange(X25519PublicKey.from_public_bytes(self.s_pub[v]))
+            lo, hi = sorted((self.me, v))
+            self._pair_seeds[v] = hkdf(shared, b"geotrain-secagg-mask" + self.context + struct.pack(">ii", lo, hi))
+        return self._pair_seeds[v]
+
+    def mask(self, q: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """y = q + PRG(b) + Σ_v ±PRG(s_uv) mod 2^32 over elements ``start .. start+len(q)``."""
+        y = q.clone()
+        ring_add_(y, prg(self.self_seed, start, q.numel()))
+        for v in self.nbrs[self.me]:
+            ring_add_(y, prg(self.pair_seed(v), start, q.numel()), 1 if self.me < v else -1)
+        return y
+
+    # step 4
+    def reveal(self, survivors: list[int], dropped: list[int]) -> dict[int, int]:
+        """Shares to reveal: of b_u for survivors, of s_v for dropped sites; never both for one site."""
+        assert not set(survivors) & set(dropped)
+        out = {u: self.shares_b[u] for u in survivors if u in self.shares_b}
+        out.update({v: self.shares_s[v] for v in dropped if v in self.shares_s})
+        return out
+
+
+def unmask_chunk(
+    chunk: torch.Tensor,
+    start: int,
+    survivors: list[int],
+    dropped: list[int],
+    nbrs: list[list[int]],
+    self_seeds: dict[int, bytes],
+    dropped_keys: dict[int, bytes],
+    s_pub: dict[int, bytes],
+    context: bytes,
+) -> None:
+    """Remove the survivors' self masks and the pair masks between survivors and dropped sites from
+    ``chunk`` (the mod 2^32 sum of the survivors' masked vectors over ``start .. start+len``)."""
+    n = chunk.numel()
+    for u in survivors:
+        ring_add_(chunk, prg(self_seeds[u], start, n), -1)
+    for v in dropped:
+        key = X25519PrivateKey.from_private_bytes(dropped_keys[v])
+        for u in nbrs[v]:
+            if u not in survivors:
+                continue
+            shared = key.exchange(X25519PublicKey.from_public_bytes(s_pub[u]))
+            lo, hi = sorted((u, v))
+            seed = hkdf(shared, b"geotrain-secagg-mask" + context + struct.pack(">ii", lo, hi))
+            # y_u carried +PRG if u < v, -PRG otherwise: take it back out
+            ring_add_(chunk, prg(seed, start, n), -1 if u < v else 1)
+
+
+def round_seed(run_seed: int, round_id: int) -> bytes:
+    return hashlib.sha256(b"geotrain-secagg-graph" + struct.pack(">qq", run_seed, round_id)).digest()
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+# --------------------------------------------------------------------------- over the transport
+
+
+class SecureAggregator:
+    """Runs the protocol for one rank over its cross-site group (lane 0), on its shard of a vector.
+
+    Args:
+        comm: this rank's collectives (bytes are counted and links emulated as for any exchange).
+        graph: 'complete' or 'sparse' (SecAgg+).
+        threshold: shares needed to reconstruct a secret (None: a majority of each sharing set).
+        bound: every encoded value is clamped to ±bound (the caller clips the vector's norm to it).
+        run_seed: public seed of the run (the sparse graph of a round derives from it).
+    """
+
+    def __init__(
+        self, comm: Collectives, graph: str = "complete", threshold: int | None = None, bound: float = 100.0, run_seed: int = 0
+    ) -> None:
+        g = comm.groups
+        self.comm = comm
+        self.ranks = list(g.inter_ranks)
+        self.me = self.ranks.index(g.me.rank)
+        self.n = len(self.ranks)
+        self.group = comm.lanes[0].inter
+        self.graph = graph
+        self.degree = self.n - 1 if graph == "complete" else sparse_degree(self.n)
+        self.t = threshold if threshold is not None else default_threshold(self.n, graph)
+        if self.t > self.degree + 1:
+            raise ValueError(
+                f"privacy.threshold: {self.t} is more than a site and its {self.degree} neighbours can hold "
+                f"(at most {self.degree + 1} with graph={graph} and {self.n} sites)"
+            )
+        self.set_range(bound)
+        self.run_seed = run_seed
+        self.context = b"geotrain-secagg" + struct.pack(">q", run_seed)
+
+    def set_range(self, bound: float) -> None:
+        """Values are clamped to ±``bound``; the fixed point keeps the sum of n of them in the ring."""
+        self.bound = bound
+        self.frac_bits = frac_bits_for(self.n, bound)
+
+    # -- messages: fixed-size byte strings between participants (indices, not ranks)
+    def _exchange(self, out: dict[int, bytes], sizes: dict[int, int], raw: bool = False) -> dict[int, bytes]:
+        sends = {self.ranks[v]: (torch.frombuffer(bytearray(b), dtype=torch.uint8), len(b) if raw else 0) for v, b in out.items()}
+        recvs = {self.ranks[v]: torch.empty(n, dtype=torch.uint8) for v, n in sizes.items()}
+        self.comm._peer_exchange(sends, recvs, self.group)
+        return {v: recvs[self.ranks[v]].numpy().tobytes() for v in sizes}
+
+    def _tensors(self, out: dict[int, torch.Tensor], recv: dict[int, torch.Tensor]) -> None:
+        sends = {self.ranks[v]: (t, 4 * max(0, t.numel() - HEADER)) for v, t in out.items()}
+        self.comm._peer_exchange(sends, {self.ranks[v]: t for v, t in recv.items()}, self.group)
+
+    def aggregate(self, x: torch.Tensor, round_id: int, inject: str | None = None) -> tuple[torch.Tensor, RoundReport]:
+        """The sum over surviving sites of ``x`` (this rank's fp32 shard; same length everywhere).
+
+        ``inject`` tests failure handling on this site: 'drop' withdraws its input after key
+        agreement, 'malformed' sends frames with the wrong ring size. Raises SecAggAborted when
+        fewer than ``threshold`` sites survive.
+        """
+        n, me = self.n, self.me
+        others = [v for v in range(n) if v != me]
+        nb = neighbours(n, self.graph, self.degree, round_seed(self.run_seed, round_id))
+        rep = RoundReport(round_id, list(range(n)), [], [], [], [], self.t, self.graph, len(nb[me]), self.frac_bits)
+        t0 = now()
+        p = Participant(me, n, round_id, nb, self.t, self.context)
+        commit = hashlib.sha256(p.self_seed).digest()
+        # 0. public keys and a commitment to the self-mask seed, to everyone
+        mine = p.public_keys() + commit
+        keys = self._exchange({v: mine for v in others}, {v: 96 for v in others})
+        keys[me] = mine
+        for v, blob in keys.items():
+            p.receive_keys(v, blob)
+        commits = {v: blob[64:] for v, blob in keys.items()}
+        # 1. encrypted Shamir shares, to neighbours
+        size = Participant.share_message_bytes()
+        for v, blob in self._exchange(p.make_shares(), {v: size for v in nb[me]}).items():
+            p.receive_shares(v, blob)
+        rep.extra_bytes += 96 * len(others) + size * len(nb[me])
+        rep.key_agreement_seconds = now() - t0
+        # 2. masked input, chunk j framed to participant j
+        t1 = now()
+        y = p.mask(encode_fixed(x, self.frac_bits, self.bound))
+        chunks = list(y.tensor_split(n))
+        starts = [0]
+        for c in chunks[:-1]:
+            starts.append(starts[-1] + c.numel())
+        flags = FLAG_DROPPED if inject == "drop" else 0
+        ring = 64 if inject == "malformed" else RING_BITS
+        frames = {}
+        for j in range(n):
+            f = torch.empty(HEADER + chunks[j].numel(), dtype=torch.int32)
+            f[:HEADER] = torch.tensor([MAGIC, round_id, chunks[j].numel(), ring | (flags << 8)], dtype=torch.int32)
+            f[HEADER:] = 0 if flags else chunks[j]
+            frames[j] = f
+        got = {v: torch.empty(HEADER + chunks[me].numel(), dtype=torch.int32) for v in others}
+        self._tensors({v: frames[v] for v in others}, got)
+        got[me] = frames[me]
+        rep.extra_bytes += 4 * HEADER * len(others)
+        accepted = [False] * n
+        acc = torch.zeros(chunks[me].numel(), dtype=torch.int32)
+        reasons: dict[int, str] = {}
+        for v in range(n):
+            h = got[v][:HEADER].tolist()
+            if h[3] >> 8 & FLAG_DROPPED:
+                reasons[v] = "dropped"
+            elif h[0] != MAGIC or h[1] != round_id or h[2] != chunks[me].numel() or h[3] & 0xFF != RING_BITS:
+                reasons[v] = f"malformed frame (magic {h[0]:#x}, round {h[1]}, length {h[2]}, ring bits {h[3] & 0xFF})"
+            else:
+                accepted[v] = True
+                ring_add_(acc, got[v][HEADER:])
+        rep.masking_seconds = now() - t1
+        # 3. who was accepted by everyone
+        flag_blob = bytes(accepted)
+        views = self._exchange({v: flag_blob for v in others}, {v: n for v in others})
+        views[me] = flag_blob
+        rep.extra_bytes += n * len(others)
+        survivors = [u for u in range(n) if all(views[w][u] for w in range(n))]
+        dropped = [u for u in range(n) if u not in survivors]
+        rep.survivors, rep.dropped = survivors, dropped
+        rep.malformed = [u for u in dropped if reasons.get(u, "").startswith("malformed")]
+        rep.notes = [f"site {u}: {r}" for u, r in sorted(reasons.items())]
+        if len(survivors) < self.t:
+            raise SecAggAborted(f"round {round_id}: {len(survivors)} of {n} sites survived, threshold is {self.t}")
+        # 4. reveal shares; reconstruct the survivors' self seeds and the dropped sites' mask keys
+        t2 = now()
+        revealed = p.reveal(survivors, dropped) if me in survivors else {}
+        blob = b"".join(
+            (b"\x01" + revealed[u].to_bytes(SHARE_BYTES, "big")) if u in revealed else bytes(1 + SHARE_BYTES) for u in range(n)
+        )
+        shares = self._exchange({v: blob for v in others}, {v: len(blob) for v in others})
+        shares[me] = blob
+        rep.extra_bytes += len(blob) * len(others)
+        seeds: dict[int, bytes] = {}
+        keys_of_dropped: dict[int, bytes] = {}
+        for u in range(n):
+            points = {}
+            for w in survivors:
+                rec = shares[w][u * (1 + SHARE_BYTES) : (u + 1) * (1 + SHARE_BYTES)]
+                if rec[0]:
+                    points[w + 1] = int.from_bytes(rec[1:], "big")
+            if u in survivors or (u in dropped and any(u in nb[s] for s in survivors)):
+                if len(points) < self.t:
+                    raise SecAggAborted(f"round {round_id}: only {len(points)} shares for site {u}, threshold is {self.t}")
+                secret = shamir_reconstruct(dict(list(points.items())[: self.t]))
+                if u in survivors:
+                    if hashlib.sha256(secret).digest() != commits[u]:
+                        raise SecAggAborted(
+                            f"round {round_id}: the reconstructed self-mask seed of site {u} fails its commitment"
+                        )
+                    seeds[u] = secret
+                else:
+                    pub = X25519PrivateKey.from_private_bytes(secret).public_key().public_bytes(_RAW, _PUB)
+                    if pub != p.s_pub[u]:
+                        raise SecAggAborted(
+                            f"round {round_id}: the reconstructed mask key of site {u} does not match its public key"
+                        )
+                    keys_of_dropped[u] = secret
+        rep.masks_recovered = sorted(keys_of_dropped)
+        unmask_chunk(acc, starts[me], survivors, sorted(keys_of_dropped), nb, seeds, keys_of_dropped, p.s_pub, p.context)
+        rep.unmasking_seconds = now() - t2
+        # 5. all-gather the unmasked chunks
+        out = torch.empty(y.numel(), dtype=torch.int32)
+        parts = list(out.tensor_split(n))
+        parts[me].copy_(acc)
+        sends = {self.ranks[v]: (acc, 4 * acc.numel()) for v in others}
+        self.comm._peer_exchange(sends, {self.ranks[v]: parts[v] for v in others}, self.group)
+        return decode_fixed(out, self.frac_bits), rep

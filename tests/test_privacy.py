@@ -1,0 +1,174 @@
+"""Differential privacy (accountant, DP-SGD, site-level noise), private aggregation over Gloo,
+site-private data, and end-to-end private training runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from geotrain.config import DataConfig, ModelConfig
+from geotrain.data import build_rank_data
+from geotrain.model import build_model
+from geotrain.privacy import Accountant, ExampleDP, calibrate_noise
+from tests.helpers import TINY, run_ranks, uniform_topology
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_calibrated_noise_spends_the_budget_and_max_steps_respects_it() -> None:
+    sigma = calibrate_noise(4.0, 1e-5, 0.01, 500, "rdp")
+    acc = Accountant("rdp", 1e-5, 4.0)
+    assert acc.max_steps(sigma, 0.01, 10_000) >= 500
+    for _ in range(500):
+        acc.step(sigma, 0.01)
+    assert 3.5 < acc.epsilon() <= 4.0
+    assert not acc.fits(sigma, 0.01, 200)  # far past the calibrated length
+    assert Accountant("prv", 1e-5, None).fits(0.0, 1.0)  # no budget: anything goes
+
+
+def test_dp_sgd_clips_each_example_and_adds_noise() -> None:
+    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)
+    x = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    plain = build_model(cfg)
+    plain(x, y).backward()
+    ref = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    # a huge clip bound and no noise: DP-SGD's gradient is the ordinary mean gradient
+    dp = ExampleDP(model, clip_norm=1e9, noise_multiplier=0.0, workers_per_site=1)
+    model(x, y).backward()
+    got = dp.privatize()
+    assert torch.allclose(got, ref, atol=1e-6, rtol=1e-4)
+    # a tiny bound: every example contributes at most clip_norm, so the mean is at most that
+    dp.clip_norm = 1e-3
+    model.zero_grad()
+    model(x, y).backward()
+    assert float(dp.privatize().norm()) <= 1e-3 * 1.0001
+    # noise: std sigma*C/batch per coordinate
+    dp.clip_norm, dp.noise_multiplier = 1e-3, 50.0
+    model.zero_grad()
+    model(x, y).backward()
+    noisy = dp.privatize()
+    assert float(noisy.std()) == pytest.approx(50.0 * 1e-3 / 6, rel=0.05)
+
+
+def test_site_private_corpus_is_the_only_training_data(tmp_path: Path) -> None:
+    private = tmp_path / "hospital.txt"
+    private.write_bytes(b"\x01\x02\x03" * 20_000)
+    d = build_rank_data(DataConfig(), 1, 4, 2, 16, 4, 2, 0, site_corpus=str(private))
+    for _ in range(5):
+        x, _ = d.train.next()
+        assert set(x.unique().tolist()) <= {1, 2, 3}
+    shared = build_rank_data(DataConfig(), 1, 4, 2, 16, 4, 2, 0)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(d.eval, shared.eval, strict=True))  # same public eval set
+
+
+def _private_average_rank(rank: int, secure: bool, noise: float | None):
+    from geotrain.benchnet import rank_comm
+    from geotrain.config import PrivacyConfig
+    from geotrain.privacy import PrivateAggregation
+
+    topo = uniform_topology(2, 2)
+    dp = {"unit": "site", "noise_multiplier": noise, "clip_norm": 50.0} if noise is not None else {}
+    cfg = PrivacyConfig.model_validate({"secure_aggregation": secure, "dp": dp})
+    with rank_comm(topo, "off") as (groups, comm):
+        agg = PrivateAggregation(cfg, comm, seed=3, rounds_planned=2, audit=None)
+        x = torch.randn(5001, generator=torch.Generator().manual_seed(groups.me.site_index))
+        n = agg.average(x, round_id=0)
+        return n, x.tolist(), agg.accountant.epsilon() if agg.accountant else None
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_private_average_equals_mean_and_is_identical_on_every_rank(secure: bool) -> None:
+    res = run_ranks(4, _private_average_rank, secure, None, timeout=120)
+    want = (
+        torch.randn(5001, generator=torch.Generator().manual_seed(0))
+        + torch.randn(5001, generator=torch.Generator().manual_seed(1))
+    ) / 2
+    for n, got, eps in res:
+        assert n == 2 and eps is None
+        assert torch.allclose(torch.tensor(got), want, atol=1e-5)
+    assert all(r[1] == res[0][1] for r in res)  # bit-identical on all four ranks
+
+
+def test_site_level_noise_is_calibrated_and_accounted() -> None:
+    res = run_ranks(4, _private_average_rank, True, 0.4, timeout=120)
+    mean = (
+        torch.randn(5001, generator=torch.Generator().manual_seed(0))
+        + torch.randn(5001, generator=torch.Generator().manual_seed(1))
+    ) / 2
+    n, got, eps = res[0]
+    err = torch.tensor(got) - mean
+    # the sum carries N(0, (sigma*C)^2) per coordinate; the average over 2 sites half of it
+    assert float(err.std()) == pytest.approx(0.4 * 50.0 / 2, rel=0.06)
+    assert eps is not None and eps > 0
+    assert all(r[1] == got for r in res)
+
+
+def _train(tmp_path: Path, *overrides: str, topology: str | None = None) -> tuple[subprocess.CompletedProcess[str], dict]:
+    args = [sys.executable, "-m", "geotrain", "train", "--out", str(tmp_path), "--set", "run.baseline=none"]
+    if topology:
+        cfg = tmp_path.parent / f"{tmp_path.name}.yaml"
+        cfg.write_text(topology)
+        args += ["--config", str(cfg)]
+    for o in [*TINY, *overrides]:
+        args += ["--set", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((tmp_path / "summary.json").read_text())
+
+
+FOUR = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
+
+
+def test_four_sites_secure_aggregation_with_site_dp_dropout_and_rollback(tmp_path: Path) -> None:
+    _, s = _train(
+        tmp_path,
+        "train.steps=24",
+        "sync.H=4",
+        "privacy.secure_aggregation=true",
+        "privacy.dp.unit=site",
+        "privacy.dp.noise_multiplier=0.05",
+        "privacy.dp.clip_norm=2.0",
+        'privacy.inject=["B@1:drop", "C@2:malformed", "A@3:drop", "D@3:drop"]',
+        topology=FOUR,
+    )
+    assert s["secagg"] is True and s["threshold"] == 3 and s["dp_unit"] == "site"
+    assert s["noise_multiplier"] == 0.05 and s["clip_norm"] == 2.0 and s["delta"] == 1e-5
+    assert s["epsilon"] > 0 and s["rounds"] == 6
+    assert s["dropouts"] == 2 and s["rounds_rolled_back"] == 1  # round 3 lost 2 of 4 sites (< t = 3)
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert s["final_eval_loss"] < s["runs"][0]["eval_curve"][0]["eval_loss"]
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [a["status"] for a in audit] == ["committed"] * 3 + ["rolled_back"] + ["committed"] * 2
+    assert audit[1]["dropped"] == ["B"] and audit[1]["masks_recovered"] == ["B"]
+    assert audit[2]["malformed"] == ["C"]
+    assert all(a["noise_multiplier"] == 0.05 and a["clip_norm"] == 2.0 for a in audit)
+    assert audit[-1]["epsilon"] == pytest.approx(s["epsilon"])
+    assert (tmp_path / "audit-B.jsonl").exists()  # every organisation keeps its own record
+
+
+def test_epsilon_budget_stops_training_cleanly(tmp_path: Path) -> None:
+    proc, s = _train(
+        tmp_path,
+        "train.steps=40",
+        "sync.H=4",
+        "privacy.dp.unit=example",
+        "privacy.dp.epsilon=1.55",
+        "privacy.dp.noise_multiplier=0.5",
+        "privacy.dp.clip_norm=1.0",
+    )
+    stop = s["privacy_stopped_at_step"]
+    assert stop is not None and 0 < stop < 40 and s["steps"] == stop
+    assert s["epsilon"] <= 1.55
+    assert "privacy budget" in proc.stdout
+    assert len(set(s["global_param_hash"].values())) == 1  # every site ends on the same model
+    steps = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert all("epsilon" in r for r in steps) and steps[-1]["epsilon"] == pytest.approx(s["epsilon"])
