@@ -242,6 +242,48 @@ def bench_codec_quality_cmd(
         console.print(f"wrote {plot_quality(result, plot / 'codec_quality.png')}")
 
 
+@bench_app.command("privacy")
+def bench_privacy_cmd(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    out: OutOpt = Path("runs/privacy"),
+    parts: Annotated[str, typer.Option("--parts", help="Comma-separated: overhead, keys, quality.")] = "overhead,keys,quality",
+    sizes: Annotated[str, typer.Option("--sizes", help="Site counts for the key-agreement table.")] = "4,8,16",
+    reps: Annotated[int, typer.Option(min=1, max=50, help="Timed aggregation rounds per mode.")] = 5,
+    eps: Annotated[str, typer.Option("--eps", help="The two ε values of the quality table (low,high).")] = "2,8",
+    set_: SetOpt = None,
+) -> None:
+    """Secure aggregation overhead (bytes, time) vs plain, key-agreement cost by site count, eval loss with and without privacy."""
+    from geotrain.benchprivacy import bench_key_agreement, bench_overhead, bench_quality, print_privacy
+    from geotrain.launch import LaunchError
+
+    chosen = {p.strip() for p in parts.split(",") if p.strip()}
+    if not chosen or chosen - {"overhead", "keys", "quality"}:
+        _fail(f"--parts: choose from overhead, keys, quality (got {parts!r})")
+    try:
+        site_counts = tuple(int(v) for v in sizes.split(","))
+        eps_low, eps_high = (float(v) for v in eps.split(","))
+    except ValueError:
+        _fail(f"--sizes/--eps: expected comma-separated numbers (got {sizes!r}, {eps!r})")
+    if any(n < 2 or n > 64 for n in site_counts) or not 0 < eps_low < eps_high:
+        _fail("--sizes: site counts between 2 and 64; --eps: 0 < low < high")
+    _load(None, set_)
+    result: dict[str, Any] = {}
+    if "overhead" in chosen:
+        console.print("[dim]overhead: secure vs plain aggregation over Gloo[/dim]")
+        result["overhead"] = bench_overhead(reps=reps)
+    if "keys" in chosen:
+        console.print("[dim]key agreement and masking cost[/dim]")
+        result["key_agreement"] = bench_key_agreement(site_counts)
+    if "quality" in chosen:
+        try:
+            result["quality"] = bench_quality(out, set_, eps_low, eps_high, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+        except LaunchError as exc:
+            _fail(f"a run failed: {exc}", 1)
+    print_privacy(result, _wide(150))
+    if json_out is not None:
+        _write_json(result, json_out)
+
+
 def _speeds(text: str, option: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]

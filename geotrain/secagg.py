@@ -87,11 +87,16 @@ def prg(seed: bytes, start: int, n: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(stream), dtype=torch.int32)[skip : skip + n]
 
 
+def wrap(acc: torch.Tensor) -> torch.Tensor:
+    """int64 values -> their residues mod 2^32 as int32 bit patterns."""
+    return acc.add(1 << 31).remainder_(1 << 32).sub_(1 << 31).to(torch.int32)
+
+
 def ring_add_(acc: torch.Tensor, x: torch.Tensor, sign: int = 1) -> torch.Tensor:
     """acc ← acc + sign·x mod 2^32 on int32 bit patterns (exact: the sum is formed in int64)."""
-    s = acc.to(torch.int64) + (x.to(torch.int64) if sign > 0 else -x.to(torch.int64))
-    s.add_(1 << 31).remainder_(1 << 32).sub_(1 << 31)
-    acc.copy_(s.to(torch.int32))
+    s = acc.to(torch.int64)
+    s.add_(x.to(torch.int64), alpha=sign)
+    acc.copy_(wrap(s))
     return acc
 
 
@@ -262,11 +267,11 @@ class Participant:
 
     def mask(self, q: torch.Tensor, start: int = 0) -> torch.Tensor:
         """y = q + PRG(b) + Σ_v ±PRG(s_uv) mod 2^32 over elements ``start .. start+len(q)``."""
-        y = q.clone()
-        ring_add_(y, prg(self.self_seed, start, q.numel()))
+        acc = q.to(torch.int64)  # at most 2^31 per term, a few thousand terms: no int64 overflow
+        acc.add_(prg(self.self_seed, start, q.numel()))
         for v in self.nbrs[self.me]:
-            ring_add_(y, prg(self.pair_seed(v), start, q.numel()), 1 if self.me < v else -1)
-        return y
+            acc.add_(prg(self.pair_seed(v), start, q.numel()), alpha=1 if self.me < v else -1)
+        return wrap(acc)
 
     # step 4
     def reveal(self, survivors: list[int], dropped: list[int]) -> dict[int, int]:
@@ -291,8 +296,9 @@ def unmask_chunk(
     """Remove the survivors' self masks and the pair masks between survivors and dropped sites from
     ``chunk`` (the mod 2^32 sum of the survivors' masked vectors over ``start .. start+len``)."""
     n = chunk.numel()
+    acc = chunk.to(torch.int64)
     for u in survivors:
-        ring_add_(chunk, prg(self_seeds[u], start, n), -1)
+        acc.sub_(prg(self_seeds[u], start, n))
     for v in dropped:
         key = X25519PrivateKey.from_private_bytes(dropped_keys[v])
         for u in nbrs[v]:
@@ -302,7 +308,8 @@ def unmask_chunk(
             lo, hi = sorted((u, v))
             seed = hkdf(shared, b"geotrain-secagg-mask" + context + struct.pack(">ii", lo, hi))
             # y_u carried +PRG if u < v, -PRG otherwise: take it back out
-            ring_add_(chunk, prg(seed, start, n), -1 if u < v else 1)
+            acc.add_(prg(seed, start, n), alpha=-1 if u < v else 1)
+    chunk.copy_(wrap(acc))
 
 
 def round_seed(run_seed: int, round_id: int) -> bytes:

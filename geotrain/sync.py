@@ -315,7 +315,7 @@ class _OuterSync(SyncAlgorithm):
         self.workers_per_site = topo.workers_per_site
         # fp32 outer state, whatever the model's dtype
         self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
-        self.rollback_reasons = []
+        self.rollback_reasons: list[str] = []
         self.private: PrivateAggregation | None = None  # clipping, site DP, secure aggregation
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -353,8 +353,6 @@ class _OuterSync(SyncAlgorithm):
             self.params[i].copy_(self.global_params[i])
         self.rounds_rolled_back += 1
         self.rollback_reasons.append(why)
-
-    rollback_reasons: list[str]
 
     def _privacy_allows_round(self) -> bool:
         return self.private is None or self.private.can_afford()

@@ -385,7 +385,7 @@ def _summarise(
         "eval_seconds": sum(r["eval_seconds"] for r in ranks) / n,
         "global_param_hash": hashes,
         "hashes_agree_within_sites": agree,
-        **(privacy.summary() if privacy.active else {"secagg": False}),
+        **privacy.summary(),
         "eval_curve": result["curve"],
         "per_rank": ranks,
         "threads_per_rank": threads,
