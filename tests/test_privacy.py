@@ -172,3 +172,21 @@ def test_epsilon_budget_stops_training_cleanly(tmp_path: Path) -> None:
     assert len(set(s["global_param_hash"].values())) == 1  # every site ends on the same model
     steps = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
     assert all("epsilon" in r for r in steps) and steps[-1]["epsilon"] == pytest.approx(s["epsilon"])
+
+
+def test_streaming_with_secure_aggregation_rolls_back_a_failed_fragment(tmp_path: Path) -> None:
+    _, s = _train(
+        tmp_path,
+        "train.steps=16",
+        "sync.algorithm=streaming",
+        "sync.H=4",
+        "sync.fragments=2",
+        "sync.tau=1",
+        "privacy.secure_aggregation=true",
+        'privacy.inject=["A@1:drop"]',  # 2 sites, t = 2: one withdrawal fails that fragment's round
+        "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
+    )
+    assert s["secagg"] and s["rounds_rolled_back"] == 1 and s["dropouts"] == 0
+    assert len(set(s["global_param_hash"].values())) == 1
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [a["status"] for a in audit].count("rolled_back") == 1 and audit[1]["status"] == "rolled_back"
