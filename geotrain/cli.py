@@ -101,7 +101,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
 
     topo = Topology.from_config(cfg.topology)
     try:
-        check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size)
+        check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites])
     except ValueError as exc:
         _fail(f"config error: {exc}")
     from geotrain.groups import choose_backend

@@ -138,7 +138,7 @@ def site_shard(site_corpus: str, local_rank: int, workers: int, eval_fraction: f
     blocks = split_corpus(_read_corpus(site_corpus), eval_fraction).train_blocks
     mine = blocks[local_rank::workers]
     if not mine:
-        raise ValueError(f"topology.sites[].corpus: {site_corpus} is too small for {workers} workers")
+        raise ValueError(f"{site_corpus} is too small for {workers} workers")
     return torch.cat(mine)
 
 
@@ -178,9 +178,13 @@ def check_data(
     for r in range(world):
         own = (site_corpora or [None] * num_sites)[r // per_site]
         if own is not None:
-            shard = site_shard(own, r % per_site, per_site, cfg.eval_fraction)
+            where = f"topology.sites[{r // per_site}].corpus"
+            try:
+                shard = site_shard(own, r % per_site, per_site, cfg.eval_fraction)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
             if shard.numel() <= block_size + 1:
-                raise ValueError(f"topology.sites[{r // per_site}].corpus: too small for model.block_size={block_size}")
+                raise ValueError(f"{where}: too small for model.block_size={block_size}")
             continue
         shard = shard_for_rank(splits, r, world, num_sites, cfg.non_iid)
         if shard.numel() <= block_size + 1:

@@ -190,3 +190,17 @@ def test_streaming_with_secure_aggregation_rolls_back_a_failed_fragment(tmp_path
     assert len(set(s["global_param_hash"].values())) == 1
     audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert [a["status"] for a in audit].count("rolled_back") == 1 and audit[1]["status"] == "rolled_back"
+
+
+def test_too_small_site_corpus_is_a_config_error(tmp_path: Path) -> None:
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"x" * 10)
+    topo = f"topology:\n  sites: [{{name: A, workers: 1, corpus: {tiny}}}, {{name: B, workers: 1}}]\n"
+    (tmp_path / "t.yaml").write_text(topo)
+    proc = subprocess.run(
+        [sys.executable, "-m", "geotrain", "train", "--config", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "topology.sites[0].corpus" in proc.stderr and "Traceback" not in proc.stderr
