@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -361,8 +362,9 @@ class SecureAggregator:
         self.frac_bits = frac_bits_for(self.n, bound)
 
     # -- messages: fixed-size byte strings between participants (indices, not ranks)
-    def _exchange(self, out: dict[int, bytes], sizes: dict[int, int], raw: bool = False) -> dict[int, bytes]:
-        sends = {self.ranks[v]: (torch.frombuffer(bytearray(b), dtype=torch.uint8), len(b) if raw else 0) for v, b in out.items()}
+    def _exchange(self, out: dict[int, bytes], sizes: dict[int, int]) -> dict[int, bytes]:
+        # protocol messages stand for no fp32 payload: they count as bytes, not as raw bytes
+        sends = {self.ranks[v]: (torch.frombuffer(bytearray(b), dtype=torch.uint8), 0) for v, b in out.items()}
         recvs = {self.ranks[v]: torch.empty(n, dtype=torch.uint8) for v, n in sizes.items()}
         self.comm._peer_exchange(sends, recvs, self.group)
         return {v: recvs[self.ranks[v]].numpy().tobytes() for v in sizes}
@@ -394,8 +396,12 @@ class SecureAggregator:
         commits = {v: blob[64:] for v, blob in keys.items()}
         # 1. encrypted Shamir shares, to neighbours
         size = Participant.share_message_bytes()
+        reasons: dict[int, str] = {}
         for v, blob in self._exchange(p.make_shares(), {v: size for v in nb[me]}).items():
-            p.receive_shares(v, blob)
+            try:
+                p.receive_shares(v, blob)
+            except InvalidTag:  # excluded like a malformed update, through the agreed flags below
+                reasons[v] = "malformed: its key share failed authentication"
         rep.extra_bytes += 96 * len(others) + size * len(nb[me])
         rep.key_agreement_seconds = now() - t0
         # 2. masked input, chunk j framed to participant j
@@ -419,10 +425,11 @@ class SecureAggregator:
         rep.extra_bytes += 4 * HEADER * len(others)
         accepted = [False] * n
         acc = torch.zeros(chunks[me].numel(), dtype=torch.int32)
-        reasons: dict[int, str] = {}
         for v in range(n):
             h = got[v][:HEADER].tolist()
-            if h[3] >> 8 & FLAG_DROPPED:
+            if v in reasons:
+                pass
+            elif h[3] >> 8 & FLAG_DROPPED:
                 reasons[v] = "dropped"
             elif h[0] != MAGIC or h[1] != round_id or h[2] != chunks[me].numel() or h[3] & 0xFF != RING_BITS:
                 reasons[v] = f"malformed frame (magic {h[0]:#x}, round {h[1]}, length {h[2]}, ring bits {h[3] & 0xFF})"
