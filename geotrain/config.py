@@ -379,7 +379,7 @@ class PrivacyConfig(Section):
     def _inject_form(cls, v: list[str]) -> list[str]:
         for i, item in enumerate(v):
             if not re.fullmatch(r"[A-Za-z0-9_-]+@\d+:(drop|malformed)", item):
-                raise ValueError(f"inject[{i}]: expected SITE@ROUND:drop or SITE@ROUND:malformed (got {item!r})")
+                raise ValueError(f"item {i} ({item!r}): expected SITE@ROUND:drop or SITE@ROUND:malformed")
         return v
 
     @model_validator(mode="after")

@@ -83,7 +83,7 @@ BAD = [
         "privacy.threshold: 3 is larger than the number of sites (2)",
     ),
     (None, ["privacy.dp.unit=site"], "privacy.dp.noise_multiplier: set it or dp.epsilon"),
-    (None, ["privacy.inject=[A@x:drop]"], "privacy.inject[0]: expected SITE@ROUND:drop"),
+    (None, ["privacy.inject=[A@x:drop]"], "privacy.inject: item 0 ('A@x:drop'): expected SITE@ROUND:drop"),
     (None, ["privacy.secure_aggregation=true", "sync.algorithm=ddp"], "privacy.secure_aggregation: works on pseudo-gradients"),
 ]
 

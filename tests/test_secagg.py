@@ -99,7 +99,7 @@ def test_any_n_minus_t_dropouts_after_key_agreement_still_sum_the_survivors() ->
         for dropped in itertools.combinations(range(n), k):
             got, survivors = _secure_sum(ps, nb, t, xs, list(dropped), fb, 2.0)
             plain = sum(xs[u] for u in survivors)
-            assert float((torch.tensor(got) - plain).abs().max()) <= error_bound(len(survivors), fb) + 1e-6, dropped
+            assert float((got - plain).abs().max()) <= error_bound(len(survivors), fb) + 1e-6, dropped
     with pytest.raises(SecAggAborted):  # n - t + 1 dropouts: too few shares
         _secure_sum(ps, nb, t, xs, [0, 1, 2], fb, 2.0)
 
