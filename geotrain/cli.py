@@ -104,6 +104,13 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
         check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites])
     except ValueError as exc:
         _fail(f"config error: {exc}")
+    if cfg.checkpoint.resume not in (None, "auto"):
+        from geotrain.checkpoint import CheckpointError, verify
+
+        try:
+            verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size)
+        except CheckpointError as exc:
+            _fail(f"checkpoint.resume: refused: {exc}")
     from geotrain.groups import choose_backend
 
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":

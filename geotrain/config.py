@@ -397,6 +397,17 @@ class PrivacyConfig(Section):
         return out
 
 
+class CheckpointConfig(Section):
+    every: int = Field(default=0, ge=0, description="Write a checkpoint every N inner steps (0: never).")
+    dir: str | None = Field(default=None, description="Where checkpoints go; default OUT/checkpoints.")
+    keep: int = Field(default=3, ge=1, le=1000, description="Keep the newest N checkpoints.")
+    resume: str | None = Field(
+        default=None,
+        description="Resume from 'auto' (the newest valid checkpoint under dir) or from this checkpoint "
+        "(a step-N directory); a truncated or tampered one is refused.",
+    )
+
+
 class RunConfig(Section):
     baseline: Literal["ddp", "diloco", "streaming", "none"] = Field(
         default="ddp", description="Also train this algorithm on the same tokens and compare; 'none' to skip."
@@ -416,6 +427,9 @@ class Config(Section):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="Cross-organisation mode: secure aggregation, DP.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Atomic, hashed checkpoints and exact resume."
+    )
 
     @model_validator(mode="after")
     def _privacy_fits(self) -> Config:
@@ -440,6 +454,11 @@ class Config(Section):
                 raise ValueError(
                     f"privacy.threshold: {p.threshold} is more than a site and its {k} neighbours can hold (graph=sparse)"
                 )
+        c = self.checkpoint
+        if c.resume not in (None, "auto") and self.run.baseline not in ("none", self.sync.algorithm):
+            raise ValueError("checkpoint.resume: a checkpoint path resumes one run; set run.baseline=none (or resume=auto)")
+        if (c.every or c.resume) and self.sync.eager:
+            raise ValueError("checkpoint.every: checkpoints of the eager streaming variant are not supported")
         names = [s.name for s in self.topology.sites]
         for (site, _), _kind in p.injections().items():
             if site not in names:
@@ -455,6 +474,8 @@ class Config(Section):
             data["privacy"]["secure_aggregation"] = False
             if data["privacy"]["dp"]["unit"] == "site":
                 data["privacy"]["dp"]["unit"] = "none"
+        if data["checkpoint"]["dir"] is not None and self.run.baseline not in ("none", self.sync.algorithm):
+            data["checkpoint"]["dir"] = str(Path(data["checkpoint"]["dir"]) / algorithm)  # one directory per run
         return Config.model_validate(data)
 
     @property

@@ -336,6 +336,16 @@ class Privacy:
         acc = self.accountant()
         return acc.epsilon() if acc is not None else None
 
+    def accountant_state(self) -> dict[str, Any] | None:
+        acc = self.accountant()
+        return None if acc is None else {"history": [list(h) for h in acc._acc.history], "steps": acc.steps}
+
+    def load_accountant_state(self, state: dict[str, Any] | None) -> None:
+        acc = self.accountant()
+        if acc is not None and state is not None:
+            acc._acc.history = [tuple(h) for h in state["history"]]
+            acc.steps = state["steps"]
+
     def summary(self) -> dict[str, Any]:
         d = self.cfg.dp
         out: dict[str, Any] = {

@@ -157,6 +157,12 @@ class SiteReducer:
             "powersgd": None if self.powersgd is None else self.powersgd.state_dict(),
         }
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.residual is not None:
+            self.residual.tensor = state["residual"]
+        if self.powersgd is not None and state["powersgd"] is not None:
+            self.powersgd.load_state_dict(state["powersgd"])
+
 
 class SyncAlgorithm:
     """Base class: owns the optimizer hooks. Use as a context manager or call :meth:`close`."""
@@ -229,6 +235,20 @@ class SyncAlgorithm:
         """Sync state a checkpoint must carry beyond parameters and optimizers (codec state)."""
         return {}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this algorithm needs to continue exactly (waits for exchanges in flight)."""
+        return {
+            "local_steps": self.local_steps,
+            "rounds": self.rounds,
+            "rolled_back": self.rounds_rolled_back,
+            **self.state_dict(),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.local_steps = state["local_steps"]
+        self.rounds = state["rounds"]
+        self.rounds_rolled_back = state["rolled_back"]
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
@@ -285,6 +305,11 @@ class DDP(SyncAlgorithm):
 
     def state_dict(self) -> dict[str, Any]:
         return {"reducer": None if self.reducer is None else self.reducer.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        if self.reducer is not None:
+            self.reducer.load_state_dict(state["reducer"])
 
 
 class _OuterSync(SyncAlgorithm):
@@ -357,6 +382,15 @@ class _OuterSync(SyncAlgorithm):
     def _privacy_allows_round(self) -> bool:
         return self.private is None or self.private.can_afford()
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {**super().checkpoint_state(), "global_params": [g.clone() for g in self.global_params]}
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        for g, saved in zip(self.global_params, state["global_params"], strict=True):
+            g.copy_(saved)
+
 
 class DiLoCo(_OuterSync):
     """DiLoCo across sites, synchronous data parallel inside a site.
@@ -421,6 +455,15 @@ class DiLoCo(_OuterSync):
 
     def state_dict(self) -> dict[str, Any]:
         return {"reducer": self.reducer.state_dict()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {**super().checkpoint_state(), "outer": self.outer_optimizer.state_dict(), "in_round": self._steps_in_round}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self._steps_in_round = state["in_round"]
+        self.reducer.load_state_dict(state["reducer"])
 
 
 def pseudo_gradient(global_params: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -648,6 +691,40 @@ class StreamingDiLoCo(_OuterSync):
 
     def state_dict(self) -> dict[str, Any]:
         return {"reducers": [r.state_dict() for r in self.reducers]}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Exchanges in flight are waited for: their averaged Δ and merge step are saved."""
+        if self.eager:
+            raise ValueError("checkpoints of the eager streaming variant are not supported")
+        pending = {}
+        for f, (at, fut, delta) in self.pending.items():
+            try:
+                self._wait(fut)
+                pending[f] = (at, delta.clone(), True)
+            except SecAggAborted:
+                pending[f] = (at, delta.clone(), False)  # merging it will roll the fragment back
+        return {
+            **super().checkpoint_state(),
+            "outer": [o.state_dict() for o in self.outer],
+            "last_sync": list(self.last_sync),
+            "pending": pending,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        for o, saved in zip(self.outer, state["outer"], strict=True):
+            o.load_state_dict(saved)
+        self.last_sync = list(state["last_sync"])
+        for r, saved in zip(self.reducers, state["reducers"], strict=True):
+            r.load_state_dict(saved)
+        self.pending = {}
+        for f, (at, delta, ok) in state["pending"].items():
+            fut: Future[None] = Future()
+            if ok:
+                fut.set_result(None)
+            else:
+                fut.set_exception(SecAggAborted("the exchange failed before the checkpoint"))
+            self.pending[int(f)] = (at, fut, delta)
 
 
 def build_sync(

@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from geotrain import checkpoint as ckpt
 from geotrain.collectives import Collectives
 from geotrain.config import Config, ConfigError, load_config
 from geotrain.data import build_rank_data
@@ -129,13 +131,37 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
         )
         privacy = setup_privacy(cfg, model, sync, comm, groups, data, out)
+        ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
+        start = 0
+        if cfg.checkpoint.resume:
+            start = _resume(cfg.checkpoint.resume, ckpt_root, model, optimizer, scheduler, sync, data, comm, privacy, groups)
         n_params = count_params(model)
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
             log(me, 0, f"{cfg.sync.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
             log(me, 0, f"inter-site links: {describe_links(topo, wan)}")
+
+        def checkpoint(step: int) -> None:
+            state = _rank_state(step, model, optimizer, scheduler, sync, data, comm, privacy)
+            d = ckpt.save(ckpt_root, step, state, me.rank, topo.world_size, groups.world, cfg.checkpoint.keep)
+            if me.rank == 0:
+                log(me, step, f"checkpoint {d}")
+
         result = _loop(
-            cfg, model, eval_model, data, optimizer, scheduler, sync, comm, groups, sink, tokens_per_rank_step, privacy
+            cfg,
+            model,
+            eval_model,
+            data,
+            optimizer,
+            scheduler,
+            sync,
+            comm,
+            groups,
+            sink,
+            tokens_per_rank_step,
+            privacy,
+            start,
+            checkpoint if cfg.checkpoint.every else None,
         )
         sink.close()
         summary = _summarise(cfg, result, sync, comm, groups, n_params, threads, privacy)
@@ -210,6 +236,8 @@ def _loop(
     sink: MetricsSink,
     tokens_per_rank_step: int,
     privacy: Privacy,
+    resumed_at: int = 0,
+    checkpoint: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     world = groups.topology.world_size
     eval_every = cfg.eval_every
@@ -225,7 +253,7 @@ def _loop(
         curve.append({"step": step, "tokens": step * world * tokens_per_rank_step, "eval_loss": loss})
         return loss
 
-    do_eval(0)
+    do_eval(resumed_at)
     eval_at_start = eval_seconds
     model.train()
     start = time.perf_counter()
@@ -234,7 +262,7 @@ def _loop(
     peak_inter = 0
     record: dict[str, Any] = {"step": 0, "tokens": 0}
     last = cfg.train.steps
-    for step in range(1, cfg.train.steps + 1):
+    for step in range(resumed_at + 1, cfg.train.steps + 1):
         if privacy.active and (step > privacy.max_steps or sync.budget_exhausted()):
             last = privacy.stopped_at = step - 1  # same decision on every rank
             if groups.me.rank == 0:
@@ -280,6 +308,8 @@ def _loop(
             record["eval_loss"] = do_eval(step)
             model.train()
         sink.step(record)
+        if checkpoint is not None and step % cfg.checkpoint.every == 0:
+            checkpoint(step)
     t_fin = time.perf_counter()
     compute_steps, eval_at_fin = compute, eval_seconds
     wait0 = comm.stats.wan_wait_seconds
@@ -315,6 +345,68 @@ def _loop(
         "final_sync_inter_site_bytes": final_sync_inter,
         "steps_done": last,
     }
+
+
+def _rank_state(
+    step: int,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    sync: SyncAlgorithm,
+    data: Any,
+    comm: Collectives,
+    privacy: Privacy,
+) -> dict[str, Any]:
+    """Everything this rank needs to continue exactly after ``step``."""
+    st = comm.stats
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "sync": sync.checkpoint_state(),
+        "data": data.train.state(),
+        "rng": torch.get_rng_state(),
+        "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes],
+        "accountant": privacy.accountant_state(),
+    }
+
+
+def _resume(
+    spec: str,
+    root: Path,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    sync: SyncAlgorithm,
+    data: Any,
+    comm: Collectives,
+    privacy: Privacy,
+    groups: ProcessGroups,
+) -> int:
+    """Load the checkpoint ``spec`` ('auto' or a path) into this rank's objects; the step it was
+    taken after (0 when 'auto' finds none). Every rank verifies every file, so all choose alike."""
+    me = groups.me
+
+    def warn(msg: str) -> None:
+        if me.rank == 0:
+            log(me, 0, msg)
+
+    d = ckpt.find(spec, root, groups.topology.world_size, warn)
+    if d is None:
+        warn(f"no valid checkpoint under {root}: starting from step 0")
+        return 0
+    state = ckpt.load(d, me.rank)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    sync.load_checkpoint_state(state["sync"])
+    data.train.set_state(state["data"])
+    torch.set_rng_state(state["rng"])
+    comm.stats.intra_bytes, comm.stats.inter_bytes, comm.stats.inter_raw_bytes = state["bytes"]
+    privacy.load_accountant_state(state["accountant"])
+    warn(f"resumed from {d} (after step {state['step']})")
+    return int(state["step"])
 
 
 def _summarise(
