@@ -397,6 +397,32 @@ class PrivacyConfig(Section):
         return out
 
 
+class GuardConfig(Section):
+    enabled: bool = Field(default=True, description="Leave non-finite or outlier pseudo-gradients out of the average.")
+    norm_factor: float = Field(
+        default=10.0, gt=1, le=1e6, description="Exclude a site whose update norm exceeds this many times the running median."
+    )
+    window: int = Field(default=20, ge=1, le=10_000, description="Accepted norms the running median is taken over.")
+    warmup: int = Field(default=3, ge=1, le=10_000, description="Accepted norms needed before the outlier test applies.")
+
+
+class FaultConfig(Section):
+    nan: list[str] = Field(
+        default_factory=list, description="Failure injection: 'SITE@ROUND' makes that site's pseudo-gradient NaN in that round."
+    )
+
+    @field_validator("nan")
+    @classmethod
+    def _site_at_round(cls, v: list[str]) -> list[str]:
+        for i, item in enumerate(v):
+            if not re.fullmatch(r"[A-Za-z0-9_-]+@\d+", item):
+                raise ValueError(f"item {i} ({item!r}): expected SITE@ROUND")
+        return v
+
+    def nan_at(self) -> set[tuple[str, int]]:
+        return {(s, int(r)) for s, r in (item.split("@") for item in self.nan)}
+
+
 class CheckpointConfig(Section):
     every: int = Field(default=0, ge=0, description="Write a checkpoint every N inner steps (0: never).")
     dir: str | None = Field(default=None, description="Where checkpoints go; default OUT/checkpoints.")
@@ -427,6 +453,8 @@ class Config(Section):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="Cross-organisation mode: secure aggregation, DP.")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="Guarded updates.")
+    fault: FaultConfig = Field(default_factory=FaultConfig, description="Failure injection (tests, chaos).")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Atomic, hashed checkpoints and exact resume."
     )
@@ -463,6 +491,9 @@ class Config(Section):
         for (site, _), _kind in p.injections().items():
             if site not in names:
                 raise ValueError(f"privacy.inject: unknown site {site!r} (sites: {', '.join(names)})")
+        for site, _ in self.fault.nan_at():
+            if site not in names:
+                raise ValueError(f"fault.nan: unknown site {site!r} (sites: {', '.join(names)})")
         return self
 
     def with_algorithm(self, algorithm: str) -> Config:

@@ -175,7 +175,11 @@ class PrivateAggregation:
 
     @torch.no_grad()
     def average(self, delta: torch.Tensor, round_id: int) -> int:
-        """Replace ``delta`` by the average over surviving sites; returns how many survived."""
+        """Replace ``delta`` by the average over surviving sites; returns how many survived.
+        A non-finite update is withdrawn (secure aggregation) or left out (plain), never summed."""
+        finite = bool(torch.isfinite(delta).all())
+        if not finite:
+            delta.zero_()
         norm = float(delta.norm())
         if norm > self.bound:
             delta.mul_(self.bound / (norm + 1e-12))
@@ -185,6 +189,8 @@ class PrivateAggregation:
         if self.noise_std > 0:
             shard.add_(_noise(self.gen, shard, self.noise_std))
         inject = self.injections.get((self.site_names[self.site], round_id))
+        if not finite:
+            inject = "drop"
         report: RoundReport | None = None
         if self.secagg is not None:
             try:
@@ -199,8 +205,16 @@ class PrivateAggregation:
             self.comm.all_gather_intra(delta, [s.numel() for s in delta.tensor_split(G)])
             survivors = len(report.survivors)
         else:
+            flags = torch.zeros(self.num_sites, dtype=torch.float64)
+            flags[self.site] = 1.0 if finite else 0.0
+            self.comm.all_reduce_across_sites(flags)
+            survivors = int(flags.sum().item())
+            if survivors == 0:
+                with self._lock:
+                    self.failed += 1
+                    self._pending = max(0, self._pending - 1)
+                raise SecAggAborted(f"round {round_id}: no site had a finite update")
             self.comm.all_reduce_across_sites(delta)
-            survivors = self.num_sites
         delta.div_(survivors)
         with self._lock:
             self._pending = max(0, self._pending - 1)

@@ -56,6 +56,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from geotrain.collectives import Collectives
+from geotrain.guard import RoundFailed
 
 PRIME = (1 << 521) - 1  # Mersenne prime; secrets are 32 bytes < 2^256
 SHARE_BYTES = 66  # a field element, big-endian
@@ -67,7 +68,7 @@ _RAW = serialization.Encoding.Raw
 _PUB = serialization.PublicFormat.Raw
 
 
-class SecAggAborted(RuntimeError):
+class SecAggAborted(RoundFailed):
     """The round cannot complete (too few survivors or shares); nothing of it was applied."""
 
 

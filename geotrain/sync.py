@@ -48,7 +48,7 @@ from geotrain.codecs import Codec, Residual, build_codec
 from geotrain.codecs.powersgd import PowerSGD
 from geotrain.collectives import Collectives
 from geotrain.config import SyncConfig
-from geotrain.secagg import SecAggAborted
+from geotrain.guard import RoundFailed, UpdateGuard
 
 if TYPE_CHECKING:
     from geotrain.privacy import ExampleDP, PrivateAggregation
@@ -179,6 +179,8 @@ class SyncAlgorithm:
         self.rounds = 0
         self.rounds_rolled_back = 0
         self.example_dp: ExampleDP | None = None  # DP-SGD on the inner steps (privacy.dp.unit=example)
+        self.guard: UpdateGuard | None = None  # leaves non-finite / outlier pseudo-gradients out (DiLoCo, streaming)
+        self.nan_at: set[tuple[str, int]] = set()  # failure injection: (site, round) whose update is NaN
         self._handles = [
             optimizer.register_step_pre_hook(lambda *_: self.sync_gradients()),
             optimizer.register_step_post_hook(lambda *_: self.after_step()),
@@ -350,23 +352,35 @@ class _OuterSync(SyncAlgorithm):
     def sync_gradients(self) -> None:
         self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
 
-    def _average_across_sites(self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int = 0) -> None:
+    def _average_across_sites(
+        self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int = 0, key: int = 0
+    ) -> None:
         """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``;
-        with privacy, clipped/noised and summed by :class:`PrivateAggregation` (may raise SecAggAborted)."""
+        with privacy, clipped/noised and summed by :class:`PrivateAggregation` (may raise RoundFailed)."""
+        site = self.comm.groups.topology.site_names[self.comm.groups.me.site_index]
+        if (site, round_id) in self.nan_at:  # failure injection: this site's update is NaN
+            delta.fill_(float("nan"))
         if self.private is not None:
             self.private.average(delta, round_id)
             return
         if self.num_sites == 1:
             return
+        included = [True] * self.num_sites
+        if self.guard is not None:
+            included = self.guard.include(delta, key, round_id)
+            if not any(included):
+                raise RoundFailed(f"round {round_id}: every site's update was rejected by the guard")
+            if not included[self.comm.groups.me.site_index]:
+                delta.zero_()
         if self.weight_by_tokens:
-            mine = float(steps * self.tokens_per_step)
+            mine = float(steps * self.tokens_per_step) if included[self.comm.groups.me.site_index] else 0.0
             total = torch.tensor([mine], dtype=torch.float64)
             self.comm.all_reduce_across_sites(total)
             delta.mul_(mine / float(total.item()))
             reducer(delta)
         else:
             reducer(delta)
-            delta.div_(self.num_sites)
+            delta.div_(sum(included))
 
     def global_parameters(self) -> list[torch.Tensor]:
         return self.global_params
@@ -383,13 +397,19 @@ class _OuterSync(SyncAlgorithm):
         return self.private is None or self.private.can_afford()
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), "global_params": [g.clone() for g in self.global_params]}
+        return {
+            **super().checkpoint_state(),
+            "global_params": [g.clone() for g in self.global_params],
+            "guard": None if self.guard is None else self.guard.state_dict(),
+        }
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         for g, saved in zip(self.global_params, state["global_params"], strict=True):
             g.copy_(saved)
+        if self.guard is not None and state["guard"] is not None:
+            self.guard.load_state_dict(state["guard"])
 
 
 class DiLoCo(_OuterSync):
@@ -440,7 +460,7 @@ class DiLoCo(_OuterSync):
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
         try:
             self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
-        except SecAggAborted as exc:
+        except RoundFailed as exc:
             self._roll_back(range(len(self.params)), str(exc))
             self._steps_in_round = 0
             self.rounds += 1
@@ -570,7 +590,7 @@ class StreamingDiLoCo(_OuterSync):
         return sum(4 * d.numel() for _, fut, d in self.pending.values() if not fut.done())
 
     def _start(self, f: int, delta: torch.Tensor, steps: int) -> Future[None]:
-        return self._network.submit(self._average_across_sites, delta, self.reducers[f], steps, self.rounds)
+        return self._network.submit(self._average_across_sites, delta, self.reducers[f], steps, self.rounds, f)
 
     def _wait(self, fut: Future[None]) -> None:
         """Block the training thread until ``fut`` is done; the time counts as waiting on the network."""
@@ -611,7 +631,7 @@ class StreamingDiLoCo(_OuterSync):
         _, fut, delta = self.pending.pop(f)
         try:
             self._wait(fut)
-        except SecAggAborted as exc:
+        except RoundFailed as exc:
             self._roll_back(self.fragments[f], str(exc))
             return
         globals_ = self._globals(f)
@@ -701,7 +721,7 @@ class StreamingDiLoCo(_OuterSync):
             try:
                 self._wait(fut)
                 pending[f] = (at, delta.clone(), True)
-            except SecAggAborted:
+            except RoundFailed:
                 pending[f] = (at, delta.clone(), False)  # merging it will roll the fragment back
         return {
             **super().checkpoint_state(),
@@ -723,7 +743,7 @@ class StreamingDiLoCo(_OuterSync):
             if ok:
                 fut.set_result(None)
             else:
-                fut.set_exception(SecAggAborted("the exchange failed before the checkpoint"))
+                fut.set_exception(RoundFailed("the exchange failed before the checkpoint"))
             self.pending[int(f)] = (at, fut, delta)
 
 

@@ -31,6 +31,7 @@ from geotrain.collectives import Collectives
 from geotrain.config import Config, ConfigError, load_config
 from geotrain.data import build_rank_data
 from geotrain.groups import ProcessGroups
+from geotrain.guard import UpdateGuard
 from geotrain.launch import die_with_parent
 from geotrain.metrics import MetricsSink, log
 from geotrain.model import build_model, count_params
@@ -131,6 +132,10 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
         )
         privacy = setup_privacy(cfg, model, sync, comm, groups, data, out)
+        if cfg.sync.algorithm != "ddp":  # guarded updates act on pseudo-gradients
+            sync.nan_at = cfg.fault.nan_at()
+            if cfg.guard.enabled and topo.num_sites > 1:
+                sync.guard = UpdateGuard(cfg.guard, comm)
         ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
         start = 0
         if cfg.checkpoint.resume:
@@ -459,6 +464,8 @@ def _summarise(
         "fragments": getattr(sync, "F", 1),
         "rounds": sync.rounds,
         "rounds_rolled_back": sync.rounds_rolled_back,
+        "guard_rejections": dict(sync.guard.rejected) if sync.guard is not None else {},
+        "guard_events": list(sync.guard.events) if sync.guard is not None else [],
         "codec": cfg.sync.codec,
         "tokens": result["curve"][-1]["tokens"],
         "params": n_params,

@@ -1,0 +1,80 @@
+"""Guarded updates: a site's pseudo-gradient that is non-finite, or whose norm is far outside the
+running distribution, is left out of the round's average instead of poisoning the global model.
+
+Before each plain aggregation the sites exchange one number each — the L2 norm of their
+pseudo-gradient (a tiny all-reduce across sites) — so every rank applies the same rule to the
+same numbers and reaches the same decision without a coordinator:
+
+* excluded if the norm is NaN or infinite;
+* excluded if, once ``warmup`` accepted norms are known for this fragment, it exceeds
+  ``norm_factor`` × the median of the last ``window`` accepted ones.
+
+An excluded site contributes zeros and the average divides by the sites included; if none is
+left the round fails and is rolled back. This protects against faulty sites (a bug, bad
+hardware, a diverging replica), not against a malicious one that lies about its norm. With
+secure aggregation no norm is revealed: a site checks only its own update for non-finite values
+and withdraws it (the protocol then handles it like a dropout).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from typing import Any
+
+import torch
+
+from geotrain.collectives import Collectives
+from geotrain.config import GuardConfig
+
+
+class RoundFailed(RuntimeError):
+    """The round cannot be applied consistently on every site; the caller rolls it back."""
+
+
+class UpdateGuard:
+    """The per-run state of the rule above (identical on every rank)."""
+
+    def __init__(self, cfg: GuardConfig, comm: Collectives) -> None:
+        self.cfg = cfg
+        self.comm = comm
+        topo = comm.groups.topology
+        self.site = comm.groups.me.site_index
+        self.site_names = list(topo.site_names)
+        self.history: dict[int, list[float]] = {}
+        self.rejected = dict.fromkeys(self.site_names, 0)
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def include(self, delta: torch.Tensor, key: int, round_id: int) -> list[bool]:
+        """Exchange norms; which sites' ``delta`` go into this round's average."""
+        n = len(self.site_names)
+        norms = torch.zeros(n, dtype=torch.float64)
+        norms[self.site] = float(delta.to(torch.float64).norm())
+        self.comm.all_reduce_across_sites(norms)
+        with self._lock:
+            hist = self.history.setdefault(key, [])
+            ref = statistics.median(hist[-self.cfg.window :]) if len(hist) >= self.cfg.warmup else None
+            ok = []
+            for i, v in enumerate(norms.tolist()):
+                if not math.isfinite(v):
+                    why = f"non-finite norm {v}"
+                elif ref is not None and v > self.cfg.norm_factor * ref:
+                    why = f"norm {v:.4g} > {self.cfg.norm_factor:g} x median {ref:.4g}"
+                else:
+                    ok.append(True)
+                    continue
+                ok.append(False)
+                self.rejected[self.site_names[i]] += 1
+                self.events.append({"round": round_id, "fragment": key, "site": self.site_names[i], "why": why})
+            hist.extend(v for v, good in zip(norms.tolist(), ok, strict=True) if good)
+            del hist[: -self.cfg.window]
+        return ok
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {k: list(v) for k, v in self.history.items()}, "rejected": dict(self.rejected)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = {int(k): list(v) for k, v in state["history"].items()}
+        self.rejected = dict(state["rejected"])
