@@ -53,7 +53,11 @@ def test_errors_name_the_field(overrides: list[str], field: str) -> None:
 
 BAD = [
     # (yaml text or None, overrides, text the one-line message must contain)
-    ("trian:\n  steps: 3\n", [], "trian: unknown key; allowed keys: checkpoint, data, fault, guard, model, optim, privacy, run, sync, topology, train"),
+    (
+        "trian:\n  steps: 3\n",
+        [],
+        "trian: unknown key; allowed keys: checkpoint, data, fault, guard, model, optim, privacy, run, sync, topology, train",
+    ),
     (None, ["train.stpes=3"], "train.stpes: unknown key"),
     (None, ["topology.sites.0.workers=-2"], "topology.sites[0].workers: Input should be greater than or equal to 1"),
     ("topology:\n  sites: []\n", [], "topology.sites: at least one site is required"),
