@@ -384,6 +384,14 @@ class Collectives:
         self._check(x)
         self._timed(self._site_pipeline, x, codec, ef, False)
 
+    def site_values(self, value: float) -> list[float]:
+        """Every site's ``value`` (one float per site, the same on every rank of a site), in site
+        order: a sum across sites of a vector holding each site's value in its own slot."""
+        slots = torch.zeros(self.groups.topology.num_sites, dtype=torch.float64)
+        slots[self._my_site] = value
+        self.all_reduce_across_sites(slots)
+        return slots.tolist()
+
     def all_reduce_inter(self, x: torch.Tensor) -> None:
         """Sum over this rank's cross-site group (its local rank in every site), fp32, lane 0."""
         self.coded_all_reduce(x, None, self.groups.inter_ranks, self.lanes[0].inter)

@@ -325,6 +325,23 @@ class SyncConfig(Section):
         return self.codec in ("topk", "powersgd")
 
 
+def _check_site_at_round(items: list[str], kinds: tuple[str, ...]) -> list[str]:
+    """Validate failure injections 'SITE@ROUND' (or 'SITE@ROUND:KIND' for one of ``kinds``)."""
+    suffix = f":({'|'.join(kinds)})" if kinds else ""
+    expected = " or ".join(f"SITE@ROUND:{k}" for k in kinds) or "SITE@ROUND"
+    for i, item in enumerate(items):
+        if not re.fullmatch(rf"[A-Za-z0-9_-]+@\d+{suffix}", item):
+            raise ValueError(f"item {i} ({item!r}): expected {expected}")
+    return items
+
+
+def _parse_site_at_round(item: str) -> tuple[str, int, str]:
+    """'SITE@ROUND[:KIND]' -> (site, round, kind or '')."""
+    site, rest = item.split("@")
+    rnd, _, kind = rest.partition(":")
+    return site, int(rnd), kind
+
+
 class DPConfig(Section):
     unit: Literal["none", "site", "example"] = Field(
         default="none",
@@ -377,10 +394,7 @@ class PrivacyConfig(Section):
     @field_validator("inject")
     @classmethod
     def _inject_form(cls, v: list[str]) -> list[str]:
-        for i, item in enumerate(v):
-            if not re.fullmatch(r"[A-Za-z0-9_-]+@\d+:(drop|malformed)", item):
-                raise ValueError(f"item {i} ({item!r}): expected SITE@ROUND:drop or SITE@ROUND:malformed")
-        return v
+        return _check_site_at_round(v, ("drop", "malformed"))
 
     @model_validator(mode="after")
     def _dp_ok(self) -> PrivacyConfig:
@@ -389,12 +403,7 @@ class PrivacyConfig(Section):
         return self
 
     def injections(self) -> dict[tuple[str, int], str]:
-        out = {}
-        for item in self.inject:
-            site, rest = item.split("@")
-            rnd, kind = rest.split(":")
-            out[(site, int(rnd))] = kind
-        return out
+        return {(site, rnd): kind for site, rnd, kind in map(_parse_site_at_round, self.inject)}
 
 
 class GuardConfig(Section):
@@ -414,13 +423,10 @@ class FaultConfig(Section):
     @field_validator("nan")
     @classmethod
     def _site_at_round(cls, v: list[str]) -> list[str]:
-        for i, item in enumerate(v):
-            if not re.fullmatch(r"[A-Za-z0-9_-]+@\d+", item):
-                raise ValueError(f"item {i} ({item!r}): expected SITE@ROUND")
-        return v
+        return _check_site_at_round(v, ())
 
     def nan_at(self) -> set[tuple[str, int]]:
-        return {(s, int(r)) for s, r in (item.split("@") for item in self.nan)}
+        return {(site, rnd) for site, rnd, _ in map(_parse_site_at_round, self.nan)}
 
 
 class CheckpointConfig(Section):

@@ -40,7 +40,6 @@ class UpdateGuard:
         self.cfg = cfg
         self.comm = comm
         topo = comm.groups.topology
-        self.site = comm.groups.me.site_index
         self.site_names = list(topo.site_names)
         self.history: dict[int, list[float]] = {}
         self.rejected = dict.fromkeys(self.site_names, 0)
@@ -49,15 +48,12 @@ class UpdateGuard:
 
     def include(self, delta: torch.Tensor, key: int, round_id: int) -> list[bool]:
         """Exchange norms; which sites' ``delta`` go into this round's average."""
-        n = len(self.site_names)
-        norms = torch.zeros(n, dtype=torch.float64)
-        norms[self.site] = float(delta.to(torch.float64).norm())
-        self.comm.all_reduce_across_sites(norms)
+        norms = self.comm.site_values(float(delta.to(torch.float64).norm()))
         with self._lock:
             hist = self.history.setdefault(key, [])
             ref = statistics.median(hist[-self.cfg.window :]) if len(hist) >= self.cfg.warmup else None
             ok = []
-            for i, v in enumerate(norms.tolist()):
+            for i, v in enumerate(norms):
                 if not math.isfinite(v):
                     why = f"non-finite norm {v}"
                 elif ref is not None and v > self.cfg.norm_factor * ref:
@@ -68,7 +64,7 @@ class UpdateGuard:
                 ok.append(False)
                 self.rejected[self.site_names[i]] += 1
                 self.events.append({"round": round_id, "fragment": key, "site": self.site_names[i], "why": why})
-            hist.extend(v for v, good in zip(norms.tolist(), ok, strict=True) if good)
+            hist.extend(v for v, good in zip(norms, ok, strict=True) if good)
             del hist[: -self.cfg.window]
         return ok
 

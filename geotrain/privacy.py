@@ -30,7 +30,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from geotrain.collectives import Collectives
 from geotrain.config import PrivacyConfig
+from geotrain.guard import RoundFailed
 from geotrain.secagg import RoundReport, SecAggAborted, SecureAggregator
 
 
@@ -196,24 +197,14 @@ class PrivateAggregation:
             try:
                 summed, report = self.secagg.aggregate(shard.contiguous(), round_id, inject)
             except SecAggAborted as exc:
-                with self._lock:
-                    self.failed += 1
-                    self._pending = max(0, self._pending - 1)
-                self._write_audit(round_id, None, str(exc))
-                raise
+                self._failed(round_id, exc)
             shard.copy_(summed)
             self.comm.all_gather_intra(delta, [s.numel() for s in delta.tensor_split(G)])
             survivors = len(report.survivors)
         else:
-            flags = torch.zeros(self.num_sites, dtype=torch.float64)
-            flags[self.site] = 1.0 if finite else 0.0
-            self.comm.all_reduce_across_sites(flags)
-            survivors = int(flags.sum().item())
+            survivors = int(sum(self.comm.site_values(1.0 if finite else 0.0)))
             if survivors == 0:
-                with self._lock:
-                    self.failed += 1
-                    self._pending = max(0, self._pending - 1)
-                raise SecAggAborted(f"round {round_id}: no site had a finite update")
+                self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"))
             self.comm.all_reduce_across_sites(delta)
         delta.div_(survivors)
         with self._lock:
@@ -224,6 +215,14 @@ class PrivateAggregation:
                 self.accountant.step(self.noise_multiplier * math.sqrt(survivors / self.num_sites), 1.0)
         self._write_audit(round_id, report, None)
         return survivors
+
+    def _failed(self, round_id: int, exc: RoundFailed) -> NoReturn:
+        """Count and audit a round that cannot complete, then raise ``exc`` for the caller to roll back."""
+        with self._lock:
+            self.failed += 1
+            self._pending = max(0, self._pending - 1)
+        self._write_audit(round_id, None, str(exc))
+        raise exc
 
     def _write_audit(self, round_id: int, report: RoundReport | None, error: str | None) -> None:
         g = self.comm.groups
@@ -283,7 +282,15 @@ class ExampleDP:
     workers and divided by G it is the DP-SGD gradient of the site's batch.
     """
 
-    def __init__(self, model: nn.Module, clip_norm: float, noise_multiplier: float, workers_per_site: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        clip_norm: float,
+        noise_multiplier: float,
+        workers_per_site: int,
+        sample_rate: float = 1.0,
+        accountant: Accountant | None = None,
+    ) -> None:
         from opacus import GradSampleModule
 
         if hasattr(model, "batched_positions"):
@@ -298,8 +305,8 @@ class ExampleDP:
         self.noise_multiplier = noise_multiplier
         self.workers = workers_per_site
         self.gen = _secure_generator()
-        self.sample_rate = 1.0
-        self.accountant: Accountant | None = None
+        self.sample_rate = sample_rate
+        self.accountant = accountant  # steps once per privatized gradient
 
     @torch.no_grad()
     def privatize(self) -> torch.Tensor:
@@ -411,9 +418,8 @@ def setup_privacy(cfg: Any, model: nn.Module, sync: Any, comm: Collectives, grou
         nm = d.noise_multiplier
         if nm is None:
             nm = calibrate_noise(d.epsilon or 0.0, d.delta, q, cfg.train.steps, d.accountant)
-        example = ExampleDP(model, d.clip_norm, nm, topo.workers_per_site)
-        example.sample_rate = q
-        example.accountant = Accountant(d.accountant, d.delta, d.epsilon)
-        max_steps = example.accountant.max_steps(nm, q, cfg.train.steps) if nm > 0 else (0 if d.epsilon else cfg.train.steps)
+        accountant = Accountant(d.accountant, d.delta, d.epsilon)
+        example = ExampleDP(model, d.clip_norm, nm, topo.workers_per_site, q, accountant)
+        max_steps = accountant.max_steps(nm, q, cfg.train.steps) if nm > 0 else (0 if d.epsilon else cfg.train.steps)
         sync.example_dp = example
     return Privacy(p, aggregation, example, max_steps)

@@ -318,10 +318,6 @@ def round_seed(run_seed: int, round_id: int) -> bytes:
     return hashlib.sha256(b"geotrain-secagg-graph" + struct.pack(">qq", run_seed, round_id)).digest()
 
 
-def now() -> float:
-    return time.perf_counter()
-
-
 # --------------------------------------------------------------------------- over the transport
 
 
@@ -385,7 +381,7 @@ class SecureAggregator:
         others = [v for v in range(n) if v != me]
         nb = neighbours(n, self.graph, self.degree, round_seed(self.run_seed, round_id))
         rep = RoundReport(round_id, list(range(n)), [], [], [], [], self.t, self.graph, len(nb[me]), self.frac_bits)
-        t0 = now()
+        t0 = time.perf_counter()
         p = Participant(me, n, round_id, nb, self.t, self.context)
         commit = hashlib.sha256(p.self_seed).digest()
         # 0. public keys and a commitment to the self-mask seed, to everyone
@@ -404,9 +400,9 @@ class SecureAggregator:
             except InvalidTag:  # excluded like a malformed update, through the agreed flags below
                 reasons[v] = "malformed: its key share failed authentication"
         rep.extra_bytes += 96 * len(others) + size * len(nb[me])
-        rep.key_agreement_seconds = now() - t0
+        rep.key_agreement_seconds = time.perf_counter() - t0
         # 2. masked input, chunk j framed to participant j
-        t1 = now()
+        t1 = time.perf_counter()
         y = p.mask(encode_fixed(x, self.frac_bits, self.bound))
         chunks = list(y.tensor_split(n))
         starts = [0]
@@ -437,7 +433,7 @@ class SecureAggregator:
             else:
                 accepted[v] = True
                 ring_add_(acc, got[v][HEADER:])
-        rep.masking_seconds = now() - t1
+        rep.masking_seconds = time.perf_counter() - t1
         # 3. who was accepted by everyone
         flag_blob = bytes(accepted)
         views = self._exchange({v: flag_blob for v in others}, {v: n for v in others})
@@ -451,7 +447,7 @@ class SecureAggregator:
         if len(survivors) < self.t:
             raise SecAggAborted(f"round {round_id}: {len(survivors)} of {n} sites survived, threshold is {self.t}")
         # 4. reveal shares; reconstruct the survivors' self seeds and the dropped sites' mask keys
-        t2 = now()
+        t2 = time.perf_counter()
         revealed = p.reveal(survivors, dropped) if me in survivors else {}
         blob = b"".join(
             (b"\x01" + revealed[u].to_bytes(SHARE_BYTES, "big")) if u in revealed else bytes(1 + SHARE_BYTES) for u in range(n)
@@ -486,7 +482,7 @@ class SecureAggregator:
                     keys_of_dropped[u] = secret
         rep.masks_recovered = sorted(keys_of_dropped)
         unmask_chunk(acc, starts[me], survivors, sorted(keys_of_dropped), nb, seeds, keys_of_dropped, p.s_pub, p.context)
-        rep.unmasking_seconds = now() - t2
+        rep.unmasking_seconds = time.perf_counter() - t2
         # 5. all-gather the unmasked chunks
         out = torch.empty(y.numel(), dtype=torch.int32)
         parts = list(out.tensor_split(n))

@@ -19,6 +19,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +138,10 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             if cfg.guard.enabled and topo.num_sites > 1:
                 sync.guard = UpdateGuard(cfg.guard, comm)
         ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
+        objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy)
         start = 0
         if cfg.checkpoint.resume:
-            start = _resume(cfg.checkpoint.resume, ckpt_root, model, optimizer, scheduler, sync, data, comm, privacy, groups)
+            start = _resume(cfg.checkpoint.resume, ckpt_root, objs, groups)
         n_params = count_params(model)
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
@@ -147,8 +149,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             log(me, 0, f"inter-site links: {describe_links(topo, wan)}")
 
         def checkpoint(step: int) -> None:
-            state = _rank_state(step, model, optimizer, scheduler, sync, data, comm, privacy)
-            d = ckpt.save(ckpt_root, step, state, me.rank, topo.world_size, groups.world, cfg.checkpoint.keep)
+            d = ckpt.save(ckpt_root, step, objs.state(step), me.rank, topo.world_size, groups.world, cfg.checkpoint.keep)
             if me.rank == 0:
                 log(me, step, f"checkpoint {d}")
 
@@ -352,43 +353,48 @@ def _loop(
     }
 
 
-def _rank_state(
-    step: int,
-    model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    sync: SyncAlgorithm,
-    data: Any,
-    comm: Collectives,
-    privacy: Privacy,
-) -> dict[str, Any]:
-    """Everything this rank needs to continue exactly after ``step``."""
-    st = comm.stats
-    return {
-        "step": step,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "sync": sync.checkpoint_state(),
-        "data": data.train.state(),
-        "rng": torch.get_rng_state(),
-        "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes],
-        "accountant": privacy.accountant_state(),
-    }
+@dataclass
+class RankObjects:
+    """What a checkpoint holds for one rank: saved and restored side by side, so the two stay in step."""
+
+    model: nn.Module
+    optimizer: Any
+    scheduler: Any
+    sync: SyncAlgorithm
+    data: Any
+    comm: Collectives
+    privacy: Privacy
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Everything this rank needs to continue exactly after ``step``."""
+        st = self.comm.stats
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sync": self.sync.checkpoint_state(),
+            "data": self.data.train.state(),
+            "rng": torch.get_rng_state(),
+            "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes],
+            "accountant": self.privacy.accountant_state(),
+        }
+
+    def load(self, state: dict[str, Any]) -> int:
+        """Restore :meth:`state`'s output; the step it was taken after."""
+        st = self.comm.stats
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sync.load_checkpoint_state(state["sync"])
+        self.data.train.set_state(state["data"])
+        torch.set_rng_state(state["rng"])
+        st.intra_bytes, st.inter_bytes, st.inter_raw_bytes = state["bytes"]
+        self.privacy.load_accountant_state(state["accountant"])
+        return int(state["step"])
 
 
-def _resume(
-    spec: str,
-    root: Path,
-    model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    sync: SyncAlgorithm,
-    data: Any,
-    comm: Collectives,
-    privacy: Privacy,
-    groups: ProcessGroups,
-) -> int:
+def _resume(spec: str, root: Path, objs: RankObjects, groups: ProcessGroups) -> int:
     """Load the checkpoint ``spec`` ('auto' or a path) into this rank's objects; the step it was
     taken after (0 when 'auto' finds none). Every rank verifies every file, so all choose alike."""
     me = groups.me
@@ -401,17 +407,9 @@ def _resume(
     if d is None:
         warn(f"no valid checkpoint under {root}: starting from step 0")
         return 0
-    state = ckpt.load(d, me.rank)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    sync.load_checkpoint_state(state["sync"])
-    data.train.set_state(state["data"])
-    torch.set_rng_state(state["rng"])
-    comm.stats.intra_bytes, comm.stats.inter_bytes, comm.stats.inter_raw_bytes = state["bytes"]
-    privacy.load_accountant_state(state["accountant"])
-    warn(f"resumed from {d} (after step {state['step']})")
-    return int(state["step"])
+    step = objs.load(ckpt.load(d, me.rank))
+    warn(f"resumed from {d} (after step {step})")
+    return step
 
 
 def _summarise(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +12,7 @@ from geotrain.config import TopologyConfig
 from geotrain.procs import run_ranks
 from geotrain.topology import Topology
 
-__all__ = ["REPO", "TINY", "run_ranks", "sum_mismatch", "uniform_topology"]
+__all__ = ["FOUR_SITES", "REPO", "TINY", "read_summary", "run_ranks", "sum_mismatch", "train_cli", "uniform_topology"]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,6 +27,31 @@ TINY = [
     "train.log_every=1000",
     "optim.warmup_steps=0",
 ]
+
+
+FOUR_SITES = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
+
+
+def train_cli(
+    out: Path, overrides: list[str], topology: str | None = None, expect_rc: int = 0, timeout: float = 220
+) -> subprocess.CompletedProcess[str]:
+    """``geotrain train`` in a subprocess: TINY, no baseline, then ``overrides``; ``topology`` is
+    YAML written beside ``out`` and passed as ``--config``. Asserts the exit code."""
+    args = [sys.executable, "-m", "geotrain", "train", "--out", str(out), "--set", "run.baseline=none"]
+    if topology:
+        cfg = out.parent / f"{out.name}.yaml"
+        cfg.write_text(topology)
+        args += ["--config", str(cfg)]
+    for o in [*TINY, *overrides]:
+        args += ["--set", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_summary(out: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
 
 
 def uniform_topology(sites: int, workers: int) -> Topology:

@@ -5,33 +5,23 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from geotrain.checkpoint import CheckpointError, verify
-from tests.helpers import TINY
+from tests.helpers import read_summary, train_cli
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _train(out: Path, *overrides: str, expect_rc: int = 0) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "geotrain", "train", "--out", str(out), "--set", "run.baseline=none"]
-    for o in [*TINY, "train.steps=12", *overrides]:
-        args += ["--set", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return train_cli(out, ["train.steps=12", *overrides], expect_rc=expect_rc, timeout=240)
 
 
 def _losses(out: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def _summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
 
 
 @pytest.mark.parametrize(
@@ -51,7 +41,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, algo: l
     a, b = _losses(full), _losses(resumed)
     assert sorted(b) == [9, 10, 11, 12]
     assert all(a[s] == b[s] for s in b), (a, b)  # bit-identical loss trajectory
-    sa, sb = _summary(full), _summary(resumed)
+    sa, sb = read_summary(full), read_summary(resumed)
     assert sa["global_param_hash"] == sb["global_param_hash"]
     assert sa["final_eval_loss"] == sb["final_eval_loss"] and sa["inter_site_bytes"] == sb["inter_site_bytes"]
 

@@ -3,16 +3,13 @@ way on every rank; an injected NaN site cannot poison training (plain and secure
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import TINY, run_ranks, uniform_topology
+from tests.helpers import FOUR_SITES, read_summary, run_ranks, train_cli, uniform_topology
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -56,15 +53,8 @@ def test_guard_excludes_nan_and_outliers_identically_on_every_rank() -> None:
 
 
 def _train(out: Path, *overrides: str) -> dict:
-    four = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text(four)
-    args = [sys.executable, "-m", "geotrain", "train", "--config", str(cfg), "--out", str(out), "--set", "run.baseline=none"]
-    for o in [*TINY, "train.steps=18", "sync.H=3", *overrides]:
-        args += ["--set", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text())
+    train_cli(out, ["train.steps=18", "sync.H=3", *overrides], FOUR_SITES)
+    return read_summary(out)
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "secagg"])

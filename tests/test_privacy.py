@@ -15,7 +15,7 @@ from geotrain.config import DataConfig, ModelConfig
 from geotrain.data import build_rank_data
 from geotrain.model import build_model
 from geotrain.privacy import Accountant, ExampleDP, calibrate_noise
-from tests.helpers import TINY, run_ranks, uniform_topology
+from tests.helpers import FOUR_SITES, read_summary, run_ranks, train_cli, uniform_topology
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -112,20 +112,9 @@ def test_site_level_noise_is_calibrated_and_accounted() -> None:
     assert all(r[1] == got for r in res)
 
 
-def _train(tmp_path: Path, *overrides: str, topology: str | None = None) -> tuple[subprocess.CompletedProcess[str], dict]:
-    args = [sys.executable, "-m", "geotrain", "train", "--out", str(tmp_path), "--set", "run.baseline=none"]
-    if topology:
-        cfg = tmp_path.parent / f"{tmp_path.name}.yaml"
-        cfg.write_text(topology)
-        args += ["--config", str(cfg)]
-    for o in [*TINY, *overrides]:
-        args += ["--set", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, json.loads((tmp_path / "summary.json").read_text())
-
-
-FOUR = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
+def _train(out: Path, *overrides: str, topology: str | None = None) -> tuple[subprocess.CompletedProcess[str], dict]:
+    proc = train_cli(out, list(overrides), topology)
+    return proc, read_summary(out)
 
 
 def test_four_sites_secure_aggregation_with_site_dp_dropout_and_rollback(tmp_path: Path) -> None:
@@ -138,7 +127,7 @@ def test_four_sites_secure_aggregation_with_site_dp_dropout_and_rollback(tmp_pat
         "privacy.dp.noise_multiplier=0.0001",  # small: the tiny model must still learn through the noise
         "privacy.dp.clip_norm=2.0",
         'privacy.inject=["B@1:drop", "C@2:malformed", "A@3:drop", "D@3:drop"]',
-        topology=FOUR,
+        topology=FOUR_SITES,
     )
     assert s["secagg"] is True and s["threshold"] == 3 and s["dp_unit"] == "site"
     assert s["noise_multiplier"] == 0.0001 and s["clip_norm"] == 2.0 and s["delta"] == 1e-5
