@@ -419,14 +419,82 @@ class FaultConfig(Section):
     nan: list[str] = Field(
         default_factory=list, description="Failure injection: 'SITE@ROUND' makes that site's pseudo-gradient NaN in that round."
     )
+    kill: list[str] = Field(
+        default_factory=list,
+        description="Failure injection (elastic mode): 'SITE@STEP' SIGKILLs every process of that site at that inner step; "
+        "at a round's last step, in the middle of the cross-site all-reduce.",
+    )
+    hang: list[str] = Field(
+        default_factory=list, description="Like kill, but SIGSTOPs the site (a hung datacenter: sockets stay open)."
+    )
+    restart_after: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="Seconds after a kill or hang when the launcher starts the site again (it heals from a live peer); 0: never.",
+    )
 
-    @field_validator("nan")
+    @field_validator("nan", "kill", "hang")
     @classmethod
     def _site_at_round(cls, v: list[str]) -> list[str]:
         return _check_site_at_round(v, ())
 
     def nan_at(self) -> set[tuple[str, int]]:
         return {(site, rnd) for site, rnd, _ in map(_parse_site_at_round, self.nan)}
+
+    def site_faults(self) -> dict[tuple[str, int], str]:
+        """{(site, step): 'kill' | 'hang'} from ``kill`` and ``hang``."""
+        out = {(site, step): "kill" for site, step, _ in map(_parse_site_at_round, self.kill)}
+        out.update({(site, step): "hang" for site, step, _ in map(_parse_site_at_round, self.hang)})
+        return out
+
+
+class ElasticConfig(Section):
+    """Elastic cross-site membership (geotrain.membership): a quorum per outer round, rollback of
+    failed rounds, heartbeats, live healing, HMAC-authenticated joins."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Run sites as independent jobs joined per round by a membership layer (torchft Lighthouse): a site may "
+        "die, hang or rejoin without stopping the others. DiLoCo only.",
+    )
+    min_sites: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Fewest live sites a round needs; below it training pauses (logged) until sites return.",
+    )
+    lighthouse: str | None = Field(
+        default=None,
+        description="HOST:PORT of a running membership coordinator (geotrain lighthouse); default: the launcher starts and "
+        "supervises one on 127.0.0.1.",
+    )
+    heartbeat_s: float = Field(default=0.25, gt=0, le=60, description="Seconds between heartbeats.")
+    heartbeat_timeout_s: float = Field(
+        default=2.0, gt=0, le=600, description="A site silent this long is declared failed and its round aborted."
+    )
+    quorum_timeout_s: float = Field(
+        default=5.0, gt=0, le=3600, description="Seconds one quorum request waits before it is retried (and logged)."
+    )
+    start_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="At the start, wait this long for every site before training without the missing ones.",
+    )
+    collective_timeout_s: float = Field(
+        default=120.0, gt=0, le=86_400, description="Backstop timeout of one cross-site operation (heartbeats abort sooner)."
+    )
+    secret_env: str = Field(default="GEOTRAIN_SECRET", description="Environment variable holding the shared membership secret.")
+    secret_file: str | None = Field(
+        default=None, description="File holding the shared membership secret (instead of secret_env)."
+    )
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> ElasticConfig:
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError("elastic.heartbeat_timeout_s: must exceed twice elastic.heartbeat_s")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -464,6 +532,9 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Atomic, hashed checkpoints and exact resume."
     )
+    elastic: ElasticConfig = Field(
+        default_factory=ElasticConfig, description="Sites that fail, hang and rejoin: quorum, rollback, healing."
+    )
 
     @model_validator(mode="after")
     def _privacy_fits(self) -> Config:
@@ -500,13 +571,41 @@ class Config(Section):
         for site, _ in self.fault.nan_at():
             if site not in names:
                 raise ValueError(f"fault.nan: unknown site {site!r} (sites: {', '.join(names)})")
+        for (site, _), kind in self.fault.site_faults().items():
+            if site not in names:
+                raise ValueError(f"fault.{kind}: unknown site {site!r} (sites: {', '.join(names)})")
+            if not self.elastic.enabled:
+                raise ValueError(f"fault.{kind}: killing or hanging a site needs elastic.enabled=true")
+        self._elastic_fits(len(names))
         return self
+
+    def _elastic_fits(self, n: int) -> None:
+        e = self.elastic
+        if not e.enabled:
+            return
+        if e.min_sites > n:
+            raise ValueError(f"elastic.min_sites: {e.min_sites} is more than the number of sites ({n})")
+        if self.sync.algorithm != "diloco":
+            raise ValueError("sync.algorithm: elastic mode runs diloco (allowed: diloco)")
+        if self.sync.codec != "none" or self.sync.weight_by_tokens:
+            raise ValueError(
+                "sync.codec: elastic mode averages fp32 pseudo-gradients; set sync.codec=none, weight_by_tokens=false"
+            )
+        if self.privacy.secure_aggregation or self.privacy.dp.unit != "none":
+            raise ValueError("privacy: not combined with elastic mode yet; set elastic.enabled=false")
+        if self.checkpoint.every or self.checkpoint.resume:
+            raise ValueError("checkpoint.every: elastic sites heal from live peers instead; set checkpoint.every=0")
+        if self.topology.links.emulate == "kernel":
+            raise ValueError("topology.links.emulate: elastic mode supports off or inprocess")
 
     def with_algorithm(self, algorithm: str) -> Config:
         """A copy of this config that trains with ``algorithm`` and no baseline."""
         data = self.model_dump()
         data["sync"]["algorithm"] = algorithm
         data["run"]["baseline"] = "none"
+        if algorithm != "diloco":  # elastic mode (and site kills) is DiLoCo's; the baseline runs plain
+            data["elastic"]["enabled"] = False
+            data["fault"]["kill"], data["fault"]["hang"] = [], []
         if algorithm == "ddp":  # a DDP baseline exchanges gradients: no pseudo-gradient privacy to apply
             data["privacy"]["secure_aggregation"] = False
             if data["privacy"]["dp"]["unit"] == "site":

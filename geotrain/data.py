@@ -112,6 +112,12 @@ class BatchSampler:
         win = self.tokens[starts[:, None] + self._offsets].long()
         return win[:, :-1], win[:, 1:]
 
+    def skip(self, batches: int) -> None:
+        """Advance the position as if ``batches`` batches had been drawn (a healed site catching up)."""
+        high = self.tokens.numel() - self.block_size - 1
+        for _ in range(batches):
+            torch.randint(0, high, (self.batch_size,), generator=self.gen)
+
     def state(self) -> torch.Tensor:
         return self.gen.get_state()
 

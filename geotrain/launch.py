@@ -90,6 +90,10 @@ def launch_local(
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary_path = out / "summary.json"
     summary_path.unlink(missing_ok=True)
+    if cfg.elastic.enabled:  # sites as separate jobs joined by the membership layer
+        from geotrain.elastic import launch_elastic
+
+        return launch_elastic(cfg, out, cfg_path, console_print, on_poll)
     port = free_port()
     kernel = _kernel_links(cfg, topo)
     try:

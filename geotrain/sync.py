@@ -51,7 +51,12 @@ from geotrain.config import SyncConfig
 from geotrain.guard import RoundFailed, UpdateGuard
 
 if TYPE_CHECKING:
+    from geotrain.membership import SiteMember
     from geotrain.privacy import ExampleDP, PrivateAggregation
+
+
+class RoundPostponed(Exception):
+    """Elastic mode: the membership coordinator is down; keep training and try again next step."""
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
@@ -344,6 +349,7 @@ class _OuterSync(SyncAlgorithm):
         self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
         self.rollback_reasons: list[str] = []
         self.private: PrivateAggregation | None = None  # clipping, site DP, secure aggregation
+        self.elastic: SiteMember | None = None  # elastic mode: the cross-site average goes through the membership layer
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
@@ -362,6 +368,10 @@ class _OuterSync(SyncAlgorithm):
             delta.fill_(float("nan"))
         if self.private is not None:
             self.private.average(delta, round_id)
+            return
+        if self.elastic is not None:
+            if self.elastic.round(delta) is None:
+                raise RoundPostponed(f"round {round_id}")
             return
         if self.num_sites == 1:
             return
@@ -438,7 +448,7 @@ class DiLoCo(_OuterSync):
     def after_step(self) -> None:
         super().after_step()
         self._steps_in_round += 1
-        if self._steps_in_round == self.H:
+        if self._steps_in_round >= self.H:  # more than H: a postponed round, retried every step
             self.outer_step()
 
     def finish(self) -> None:
@@ -460,10 +470,13 @@ class DiLoCo(_OuterSync):
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
         try:
             self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
+        except RoundPostponed:
+            return
         except RoundFailed as exc:
             self._roll_back(range(len(self.params)), str(exc))
             self._steps_in_round = 0
             self.rounds += 1
+            self._note("rolled_back", str(exc))
             return
         # 4. outer optimizer step with Δ as the gradient
         outer_step_(self.outer_optimizer, self.global_params, delta)
@@ -472,6 +485,11 @@ class DiLoCo(_OuterSync):
             p.copy_(g)
         self._steps_in_round = 0
         self.rounds += 1
+        self._note("committed", "")
+
+    def _note(self, outcome: str, reason: str) -> None:
+        if self.elastic is not None:
+            self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, self.local_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"reducer": self.reducer.state_dict()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -34,10 +35,11 @@ from geotrain.data import build_rank_data
 from geotrain.groups import ProcessGroups
 from geotrain.guard import UpdateGuard
 from geotrain.launch import die_with_parent
+from geotrain.membership import HealHooks, MembershipRefused, SiteMember
 from geotrain.metrics import MetricsSink, log
 from geotrain.model import build_model, count_params
 from geotrain.privacy import Privacy, setup_privacy
-from geotrain.sync import SyncAlgorithm, build_sync
+from geotrain.sync import DiLoCo, SyncAlgorithm, build_sync
 from geotrain.topology import RankInfo, Topology
 from geotrain.wan import WanEmulator
 
@@ -97,27 +99,32 @@ def evaluate(
 
 def train(cfg: Config, out: Path) -> dict[str, Any] | None:
     """Train this rank; returns the run summary on global rank 0, None elsewhere."""
-    topo = Topology.from_config(cfg.topology)
+    full = Topology.from_config(cfg.topology)
+    elastic = cfg.elastic.enabled
+    # elastic mode: this process's torch.distributed world is its site; sites meet per round
+    site_index = int(os.environ.get("GEOTRAIN_SITE_INDEX", "0")) if elastic else 0
+    topo = site_topology(full, site_index) if elastic else full
     threads = rank_threads(cfg.train.threads)
     torch.set_num_threads(threads)
     groups = ProcessGroups.build(topo, cfg.run.backend, cfg.run.timeout_s, lanes=cfg.sync.lanes)
     me = groups.me
+    where = full.info(site_index * full.workers_per_site + me.local_rank) if elastic else me  # place in the whole run
     out.mkdir(parents=True, exist_ok=True)
-    wan = build_wan(topo, me, cfg.topology.links.emulate)
+    wan = build_wan(full, where, cfg.topology.links.emulate)
     try:
         torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
         model = build_model(cfg.model).to(groups.device)
         eval_model = copy.deepcopy(model)
         data = build_rank_data(
             cfg.data,
-            me.rank,
-            topo.world_size,
-            topo.num_sites,
+            where.rank,
+            full.world_size,
+            full.num_sites,
             cfg.model.block_size,
             cfg.train.batch_size,
             cfg.train.eval_batches,
             cfg.train.seed,
-            site_corpus=cfg.topology.sites[me.site_index].corpus,
+            site_corpus=cfg.topology.sites[where.site_index].corpus,
         )
         optimizer, scheduler = build_optimizer(cfg, model)
         comm = Collectives(groups, chunk_bytes=cfg.sync.chunk_bytes, wan=wan)
@@ -142,11 +149,15 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         start = 0
         if cfg.checkpoint.resume:
             start = _resume(cfg.checkpoint.resume, ckpt_root, objs, groups)
+        member = on_step = None
+        if elastic:
+            member, on_step = _elastic_member(cfg, out, where, groups, sync, objs, data, wan)
+            start = member.healed_at_step or 0
         n_params = count_params(model)
         sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
         if me.rank == 0:
             log(me, 0, f"{cfg.sync.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
-            log(me, 0, f"inter-site links: {describe_links(topo, wan)}")
+            log(me, 0, f"inter-site links: {describe_links(full, wan)}")
 
         def checkpoint(step: int) -> None:
             d = ckpt.save(ckpt_root, step, objs.state(step), me.rank, topo.world_size, groups.world, cfg.checkpoint.keep)
@@ -168,12 +179,22 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             privacy,
             start,
             checkpoint if cfg.checkpoint.every else None,
+            on_step,
         )
         sink.close()
         summary = _summarise(cfg, result, sync, comm, groups, n_params, threads, privacy)
         if me.rank == 0:
             assert summary is not None
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            if member is not None:
+                summary.update(
+                    site=where.site,
+                    rounds_committed=sync.rounds - sync.rounds_rolled_back,
+                    detected=member.events,
+                    started_at_step=start,
+                )
+                (out / "elastic" / f"summary-{where.site}.json").write_text(json.dumps(summary, indent=2))
+            else:
+                (out / "summary.json").write_text(json.dumps(summary, indent=2))
             if cfg.train.save_final:
                 load_parameters(eval_model, sync.global_parameters())
                 torch.save(eval_model.state_dict(), out / "final_model.pt")
@@ -182,11 +203,100 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         dist.barrier(group=groups.world)
         sync.close()
         comm.close()
+        if member is not None:
+            member.close()
         return summary
     finally:
         if wan is not None:
-            wan.close(unlink=me.rank == 0)
+            wan.close(unlink=me.rank == 0 and not elastic)  # elastic: the launcher removes the link state
         groups.destroy()
+
+
+def site_topology(full: Topology, site_index: int) -> Topology:
+    """One site of ``full`` on its own (elastic mode: a site's process group holds only its ranks)."""
+    return dataclasses.replace(
+        full, site_names=(full.site_names[site_index],), regions=(full.regions[site_index],), pair_links=()
+    )
+
+
+def _elastic_member(
+    cfg: Config,
+    out: Path,
+    where: RankInfo,
+    groups: ProcessGroups,
+    sync: SyncAlgorithm,
+    objs: RankObjects,
+    data: Any,
+    wan: WanEmulator | None,
+) -> tuple[SiteMember, Callable[[int], None]]:
+    """Join the elastic membership (geotrain.membership); a restarted site heals from a live peer
+    first. Returns the member and the per-step failure-injection hook."""
+    incarnation = int(os.environ.get("GEOTRAIN_INCARNATION", "0"))
+    faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and not incarnation}
+    (out / "elastic").mkdir(parents=True, exist_ok=True)
+
+    def inject(step: int) -> None:
+        kind = faults.pop(step, None)
+        if kind is None:
+            return
+        if where.local_rank == 0:  # the launcher signals every process of this site
+            request = {"site": where.site, "kind": kind, "step": step, "time": time.time()}
+            (out / "elastic" / f"fault-{where.site}-{step}.json").write_text(json.dumps(request))
+            log(where, step, f"fault injection: {kind} this site now")
+        time.sleep(120)
+        raise RuntimeError(f"fault injection: the launcher did not {kind} site {where.site}")
+
+    def load(state: dict[str, Any]) -> None:
+        objs.load_training(state)
+        if member.joining:  # a restarted site takes the source's step: its data stream catches up
+            data.train.skip(int(state["step"]))
+
+    def note(message: str) -> None:
+        if where.local_rank == 0:
+            log(where, sync.local_steps, message)
+
+    def committed() -> int:
+        return sync.rounds - sync.rounds_rolled_back
+
+    hooks = HealHooks(
+        committed=committed,
+        global_hash=sync.global_hash,
+        step=lambda: sync.local_steps,
+        state=lambda: {**objs.training_state(sync.local_steps), "committed": committed()},
+        load=load,
+    )
+    member = SiteMember(
+        cfg,
+        where.site,
+        where.site_index,
+        where.local_rank,
+        groups.topology.workers_per_site,
+        groups.world,
+        wan,
+        hooks,
+        note,
+        on_mid_round=lambda: inject(sync.local_steps),
+        stats=objs.comm.stats,
+    )
+    if where.local_rank == 0:
+        member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
+    assert isinstance(sync, DiLoCo)  # the config allows elastic mode with diloco only
+    sync.elastic = member
+    if not incarnation:
+        member.rendezvous(len(cfg.topology.sites), cfg.elastic.start_timeout_s)
+    else:  # restarted: heal from a live peer at the next round boundary, before any step
+        member.joining = True
+        note(f"incarnation {incarnation}: joining the run and healing from a live peer")
+        deadline = time.monotonic() + cfg.elastic.start_timeout_s
+        while member.healed_at_step is None:
+            sync.outer_step()
+            if member.healed_at_step is None:
+                if time.monotonic() > deadline:
+                    raise MembershipRefused(
+                        f"no live site to heal from within elastic.start_timeout_s={cfg.elastic.start_timeout_s:g}s"
+                    )
+                time.sleep(cfg.elastic.heartbeat_s)
+    return member, inject
 
 
 def build_wan(topo: Topology, me: RankInfo, requested: str) -> WanEmulator | None:
@@ -200,7 +310,8 @@ def build_wan(topo: Topology, me: RankInfo, requested: str) -> WanEmulator | Non
         mode = "inprocess"
     if mode == "off" or topo.num_sites == 1:
         return None
-    return WanEmulator(topo, me.site_index, os.environ.get("MASTER_PORT", "0"), mode)
+    key = os.environ.get("GEOTRAIN_WAN_KEY") or os.environ.get("MASTER_PORT", "0")  # elastic: one key for all sites
+    return WanEmulator(topo, me.site_index, key, mode)
 
 
 def describe_links(topo: Topology, wan: WanEmulator | None) -> str:
@@ -244,6 +355,7 @@ def _loop(
     privacy: Privacy,
     resumed_at: int = 0,
     checkpoint: Callable[[int], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     world = groups.topology.world_size
     eval_every = cfg.eval_every
@@ -316,6 +428,8 @@ def _loop(
         sink.step(record)
         if checkpoint is not None and step % cfg.checkpoint.every == 0:
             checkpoint(step)
+        if on_step is not None:
+            on_step(step)
     t_fin = time.perf_counter()
     compute_steps, eval_at_fin = compute, eval_seconds
     wait0 = comm.stats.wan_wait_seconds
@@ -365,15 +479,27 @@ class RankObjects:
     comm: Collectives
     privacy: Privacy
 
-    def state(self, step: int) -> dict[str, Any]:
-        """Everything this rank needs to continue exactly after ``step``."""
-        st = self.comm.stats
+    def training_state(self, step: int) -> dict[str, Any]:
+        """Model, optimizers, schedule and sync state after ``step`` (what a healing site receives)."""
         return {
             "step": step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "sync": self.sync.checkpoint_state(),
+        }
+
+    def load_training(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sync.load_checkpoint_state(state["sync"])
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Everything this rank needs to continue exactly after ``step``."""
+        st = self.comm.stats
+        return {
+            **self.training_state(step),
             "data": self.data.train.state(),
             "rng": torch.get_rng_state(),
             "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes],
@@ -383,10 +509,7 @@ class RankObjects:
     def load(self, state: dict[str, Any]) -> int:
         """Restore :meth:`state`'s output; the step it was taken after."""
         st = self.comm.stats
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sync.load_checkpoint_state(state["sync"])
+        self.load_training(state)
         self.data.train.set_state(state["data"])
         torch.set_rng_state(state["rng"])
         st.intra_bytes, st.inter_bytes, st.inter_raw_bytes = state["bytes"]
@@ -507,7 +630,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"geotrain: config error: {exc}", file=sys.stderr)
         return 2
-    train(cfg, Path(args.out))
+    try:
+        train(cfg, Path(args.out))
+    except MembershipRefused as exc:
+        print(f"geotrain: membership refused: {exc}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

@@ -1,0 +1,342 @@
+"""Launch an elastic run on this machine: every site its own job, a supervised Lighthouse, and
+the failure injection that kills, hangs and restarts whole sites with real signals.
+
+* Each site's G ranks form their own torch.distributed world (their own rendezvous port); sites
+  meet only through :mod:`geotrain.membership`, so a dead site never breaks a survivor's groups.
+* The Lighthouse runs in its own process on 127.0.0.1 (unless ``elastic.lighthouse`` names one)
+  and is restarted if it dies: the launcher is its supervisor (in production, run
+  ``geotrain lighthouse`` under systemd or Kubernetes with restart=always on a machine of its own).
+* A site that reaches an injected fault writes a request file; the launcher then SIGKILLs or
+  SIGSTOPs every process of that site at once and, with ``fault.restart_after``, starts a fresh
+  incarnation that heals from a live peer. Hung sites are SIGKILLed before they restart.
+* The run ends when every site has finished or is down for good; the summary merges the sites'
+  own summaries and round logs (``OUT/elastic``) with the injected failures.
+
+A shared membership secret is generated for the run (``elastic.secret_env`` in the children's
+environment) unless the user provided one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geotrain.config import Config
+from geotrain.launch import GRACE_SECONDS, LaunchError, _describe_exit, _pump, stop_all
+from geotrain.membership import LighthouseProcess
+from geotrain.procs import free_port
+from geotrain.topology import Topology
+from geotrain.wan import state_path
+
+REFUSED_EXIT = 3  # a worker that failed membership authentication
+
+
+@dataclass
+class _Site:
+    index: int
+    name: str
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    incarnation: int = -1
+    state: str = "down"  # running | finished | stopped (SIGSTOP) | down
+    restart_at: float | None = None
+
+
+def _site_env(cfg: Config, topo: Topology, site: _Site, local: int, lighthouse: str, wan_key: str, port: int) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "GROUP_RANK"))}
+    G = topo.workers_per_site
+    return {
+        **base,
+        "RANK": str(local),
+        "WORLD_SIZE": str(G),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(topo.world_size),  # threads per rank: the machine is shared by every site
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GEOTRAIN_GLOO_IFNAME", "lo"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONUNBUFFERED": "1",
+        "GEOTRAIN_PARENT_PID": str(os.getpid()),
+        "GEOTRAIN_WAN_MODE": cfg.topology.links.emulate,
+        "GEOTRAIN_WAN_KEY": wan_key,
+        "GEOTRAIN_SITE_INDEX": str(site.index),
+        "GEOTRAIN_INCARNATION": str(site.incarnation),
+        "GEOTRAIN_LIGHTHOUSE": lighthouse,
+        "GEOTRAIN_BIND_ADDR": "127.0.0.1",
+    }
+
+
+def launch_elastic(
+    cfg: Config,
+    out: Path,
+    cfg_path: Path,
+    console_print: Callable[[str], None] | None = print,
+    on_poll: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Run one elastic training job (see the module docstring); return the merged summary.
+
+    Raises:
+        LaunchError: no site finished.
+    """
+    topo = Topology.from_config(cfg.topology)
+    ecfg = cfg.elastic
+    (out / "elastic").mkdir(parents=True, exist_ok=True)
+    for old in (out / "elastic").iterdir():
+        old.unlink()
+    port = free_port()
+    wan_key = f"elastic-{port}"
+    if not ecfg.secret_file and len(os.environ.get(ecfg.secret_env, "")) < 16:
+        os.environ[ecfg.secret_env] = secrets.token_hex(32)  # a per-run secret, inherited by every site
+    lighthouse: LighthouseProcess | None = None
+    if ecfg.lighthouse:
+        address = ecfg.lighthouse
+    else:
+        lighthouse = LighthouseProcess(port, ecfg, out / "logs" / "lighthouse.log")
+        lighthouse.start()
+        address = lighthouse.address
+    sites = [_Site(i, name) for i, name in enumerate(topo.site_names)]
+    pumps: list[threading.Thread] = []
+    injected: list[dict[str, Any]] = []
+    crashes: list[dict[str, Any]] = []
+    handled: set[str] = set()
+    t_start = time.time()
+
+    def say(line: str) -> None:
+        if console_print is not None:
+            console_print(line)
+
+    def start(site: _Site) -> None:
+        site.incarnation += 1
+        site_port = free_port()
+        site.procs = []
+        for local in range(topo.workers_per_site):
+            env = _site_env(cfg, topo, site, local, address, wan_key, site_port)
+            cmd = [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)]
+            p = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+            )
+            site.procs.append(p)
+            rank = site.index * topo.workers_per_site + local
+            suffix = f".{site.incarnation}" if site.incarnation else ""
+            forward = console_print if local == 0 else None
+            assert p.stdout is not None
+            t = threading.Thread(target=_pump, args=(p.stdout, out / "logs" / f"rank{rank}{suffix}.log", forward), daemon=True)
+            t.start()
+            pumps.append(t)
+        site.state, site.restart_at = "running", None
+        _write_pids(out, sites, lighthouse)
+
+    def signal_site(site: _Site, sig: signal.Signals) -> None:
+        for p in site.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, sig)
+
+    def inject(request: dict[str, Any]) -> None:
+        site = sites[topo.site_names.index(request["site"])]
+        sig = signal.SIGKILL if request["kind"] == "kill" else signal.SIGSTOP
+        signal_site(site, sig)
+        now = time.time()
+        injected.append({**request, "injected_at": now, "incarnation": site.incarnation})
+        site.state = "down" if sig == signal.SIGKILL else "stopped"
+        if cfg.fault.restart_after:
+            site.restart_at = now + cfg.fault.restart_after
+        say(f"[launcher] fault injected: {request['kind']} site {site.name} at step {request['step']}")
+
+    for s in sites:
+        start(s)
+    try:
+        while True:
+            for f in sorted((out / "elastic").glob("fault-*.json")):
+                if f.name not in handled:
+                    handled.add(f.name)
+                    inject(json.loads(f.read_text()))
+            now = time.time()
+            for s in sites:
+                if s.restart_at is not None and now >= s.restart_at:
+                    signal_site(s, signal.SIGKILL)  # a hung site is killed before its new incarnation starts
+                    for p in s.procs:
+                        p.wait()
+                    say(f"[launcher] restarting site {s.name} (incarnation {s.incarnation + 1})")
+                    start(s)
+                if s.state != "running":
+                    continue
+                codes = [p.poll() for p in s.procs]
+                if all(c == 0 for c in codes):
+                    s.state = "finished"
+                elif any(c not in (None, 0) for c in codes):
+                    code = next(c for c in codes if c not in (None, 0))
+                    kind = "refused" if code == REFUSED_EXIT else "crash"
+                    crashes.append({"site": s.name, "kind": kind, "injected_at": now, "exit": _describe_exit(int(code))})
+                    signal_site(s, signal.SIGKILL)
+                    s.state = "down"
+                    say(f"[launcher] site {s.name} {_describe_exit(int(code))}; the other sites carry on")
+            if lighthouse is not None and lighthouse.supervise():
+                say("[launcher] the Lighthouse had died: restarted it on the same address")
+            if all(s.state in ("finished", "down") and s.restart_at is None for s in sites):
+                break
+            if on_poll is not None:
+                on_poll()
+            time.sleep(0.05)
+    finally:
+        for s in sites:
+            signal_site(s, signal.SIGCONT)
+            stop_all(s.procs)
+        if lighthouse is not None:
+            lighthouse.stop()
+        for t in pumps:
+            t.join(timeout=GRACE_SECONDS)
+        state_path(wan_key).unlink(missing_ok=True)
+    summary = merge_summaries(out, topo, injected + crashes, cfg, time.time() - t_start)
+    if summary is None:
+        raise LaunchError(f"no site finished the run; logs under {out / 'logs'}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _write_pids(out: Path, sites: list[_Site], lighthouse: LighthouseProcess | None) -> None:
+    pids = {
+        "launcher": os.getpid(),
+        "ranks": [p.pid for s in sites for p in s.procs],
+        "lighthouse": lighthouse.proc.pid if lighthouse is not None and lighthouse.proc is not None else None,
+    }
+    (out / "pids.json").write_text(json.dumps(pids))
+
+
+def read_rounds(out: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every site's round records (all incarnations), in order."""
+    logs = {}
+    for f in sorted((out / "elastic").glob("rounds-*.jsonl")):
+        logs[f.stem.removeprefix("rounds-")] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return logs
+
+
+def round_outcomes(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What the sites' records say about every round: committed, rolled back, split, and whether
+    every committed round count maps to one global model (``consistent``)."""
+    by_key: dict[str, set[str]] = {}
+    hashes: dict[int, set[str]] = {}
+    for recs in logs.values():
+        for r in recs:
+            if r.get("key"):
+                by_key.setdefault(r["key"], set()).add(r["outcome"])
+            if r["outcome"] == "committed":
+                hashes.setdefault(r["committed"], set()).add(r["hash"])
+    committed = sum(1 for o in by_key.values() if o == {"committed"})
+    rolled = sum(1 for o in by_key.values() if o == {"rolled_back"})
+    return {
+        "rounds": len(by_key),
+        "committed": committed,
+        "rolled_back": rolled,
+        "split": len(by_key) - committed - rolled,
+        "consistent_history": all(len(h) == 1 for h in hashes.values()),
+    }
+
+
+def seconds_lost(logs: dict[str, list[dict[str, Any]]]) -> float:
+    """Wall time the surviving sites lost to failures (mean over sites): the whole of every
+    rolled-back round (its inner steps are discarded) plus quorum waits beyond the usual."""
+    per_site = []
+    for recs in logs.values():
+        if not recs:
+            continue
+        waits = [r.get("quorum_s", 0.0) for r in recs if r["outcome"] == "committed"]
+        usual = statistics.median(waits) if waits else 0.0
+        lost = 0.0
+        for prev, r in zip(recs, recs[1:], strict=False):
+            if r["outcome"] == "rolled_back":
+                lost += r["end"] - prev["end"]
+            else:
+                lost += max(0.0, r.get("quorum_s", 0.0) - usual)
+        per_site.append(lost)
+    return statistics.mean(per_site) if per_site else 0.0
+
+
+def round_seconds(logs: dict[str, list[dict[str, Any]]]) -> float:
+    """Median wall time of one committed round (inner steps + exchange), over all sites."""
+    spans = [
+        r["end"] - prev["end"]
+        for recs in logs.values()
+        for prev, r in zip(recs, recs[1:], strict=False)
+        if r["outcome"] == "committed"
+    ]
+    return statistics.median(spans) if spans else 0.0
+
+
+def merge_summaries(out: Path, topo: Topology, failures: list[dict[str, Any]], cfg: Config, wall: float) -> dict[str, Any] | None:
+    """One run summary from the finished sites' summaries, their round logs and the failures."""
+    finished = {}
+    for name in topo.site_names:
+        f = out / "elastic" / f"summary-{name}.json"
+        if f.exists():
+            finished[name] = json.loads(f.read_text())
+    if not finished:
+        return None
+    logs = read_rounds(out)
+    events = [e for s in finished.values() for e in s.get("detected", [])]
+    detected = []
+    for fail in sorted(failures, key=lambda x: x["injected_at"]):
+        t = fail["injected_at"]
+        seen = [e["time"] - t for e in events if e["site"] == fail["site"] and e["time"] >= t]
+        seen += [  # a round with the site in it that failed after the fault: the survivors noticed
+            r["end"] - t
+            for recs in logs.values()
+            for r in recs
+            if r["outcome"] == "rolled_back" and r["end"] >= t and fail["site"] in r.get("admitted", [])
+        ]
+        excluded = [
+            r["start"] + r.get("quorum_s", 0.0) - t
+            for recs in logs.values()
+            for r in recs
+            if r["start"] + r.get("quorum_s", 0.0) >= t and fail["site"] not in r.get("admitted", [fail["site"]])
+        ]
+        detected.append(
+            {
+                "site": fail["site"],
+                "kind": fail["kind"],
+                **({"step": fail["step"]} if "step" in fail else {}),
+                "detection_seconds": min(seen) if seen else None,
+                "excluded_after_seconds": min(excluded) if excluded else None,
+            }
+        )
+    first = finished[next(iter(finished))]
+    hashes = {name: s["global_param_hash"][name] for name, s in finished.items()}
+    outcomes = round_outcomes(logs)
+    lost = seconds_lost({k: v for k, v in logs.items() if k in finished})
+    return {
+        **first,
+        "sites": list(topo.site_names),
+        "survivors": list(finished),
+        "world_size": topo.world_size,
+        "steps": max(s["steps"] for s in finished.values()),
+        "rounds": outcomes["rounds"],
+        "rounds_committed": max(s["rounds_committed"] for s in finished.values()),
+        "rounds_rolled_back": outcomes["rolled_back"],
+        "rounds_split": outcomes["split"],
+        "consistent": outcomes["consistent_history"] and len(set(hashes.values())) == 1,
+        "failures": detected,
+        "seconds_lost": lost,
+        "round_seconds": round_seconds(logs),
+        "heartbeat_timeout_s": cfg.elastic.heartbeat_timeout_s,
+        "global_param_hash": hashes,
+        "hashes_agree_within_sites": all(s["hashes_agree_within_sites"] for s in finished.values()),
+        "inter_site_bytes": sum(s["inter_site_bytes"] for s in finished.values()),
+        "intra_site_bytes": sum(s["intra_site_bytes"] for s in finished.values()),
+        "wall_seconds": wall,
+        "per_site": {
+            name: {k: s[k] for k in ("steps", "rounds", "rounds_committed", "started_at_step", "final_eval_loss")}
+            for name, s in finished.items()
+        },
+        "per_rank": [r for s in finished.values() for r in s["per_rank"]],
+    }
