@@ -111,6 +111,13 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
             verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size)
         except CheckpointError as exc:
             _fail(f"checkpoint.resume: refused: {exc}")
+    if cfg.elastic.enabled and cfg.elastic.secret_file:
+        from geotrain.membership import MembershipRefused, load_secret
+
+        try:
+            load_secret(cfg.elastic)
+        except MembershipRefused as exc:
+            _fail(f"config error: {exc}")
     from geotrain.groups import choose_backend
 
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
@@ -134,6 +141,14 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
             except KeyboardInterrupt:
                 _fail("interrupted; all ranks stopped", 130)
     print_table(runs, console)
+    for r in runs:
+        if "survivors" in r:  # elastic
+            fails = ", ".join(f"{f['kind']} {f['site']} (detected {f['detection_seconds'] or 0:.1f}s)" for f in r["failures"])
+            console.print(
+                f"elastic: {r['rounds_committed']} rounds committed, {r['rounds_rolled_back']} rolled back; "
+                f"survivors {', '.join(r['survivors'])} identical: {'yes' if r['consistent'] else 'NO'}; "
+                f"failures: {fails or 'none'}"
+            )
     write_outputs(runs, out)
     console.print(f"wrote {out / 'summary.json'}, {out / 'loss.png'}; TensorBoard: tensorboard --logdir {out}")
 
@@ -203,6 +218,61 @@ def plan(
     if plot is not None:
         for path in plot_plan(sc, out, plot):
             console.print(f"wrote {path}")
+
+
+@app.command()
+def lighthouse(
+    bind: Annotated[str, typer.Option(help="HOST:PORT to listen on (a loopback, private or VPN address).")] = "127.0.0.1:29510",
+    min_sites: Annotated[int, typer.Option(help="Fewest sites a round needs.")] = 1,
+    heartbeat_timeout: Annotated[float, typer.Option(help="Seconds of silence before a site is dropped.")] = 2.0,
+) -> None:
+    """Run the membership coordinator of elastic runs (torchft's Lighthouse) in the foreground.
+
+    Run it under a supervisor that restarts it (systemd Restart=always, a Kubernetes Deployment):
+    while it is down, sites keep doing inner steps and postpone their rounds.
+    """
+    from geotrain.membership import lighthouse_main
+
+    raise typer.Exit(
+        lighthouse_main(["--bind", bind, "--min-sites", str(min_sites), "--heartbeat-timeout", str(heartbeat_timeout)])
+    )
+
+
+@app.command()
+def chaos(
+    json_out: Annotated[Path, typer.Option("--json", help="Write the report here.")] = Path("benchmarks/results/chaos.json"),
+    out: OutOpt = Path("runs/chaos"),
+    sites: Annotated[int, typer.Option(min=3, max=16, help="Sites (one worker each).")] = 4,
+    rounds: Annotated[int, typer.Option(min=5, max=1000, help="DiLoCo rounds.")] = 30,
+    H: Annotated[int, typer.Option("--H", min=2, max=1000, help="Inner steps per round.")] = 200,
+    failures: Annotated[
+        int, typer.Option(min=0, max=1000, help="Site failures to plan (some may be skipped: see the report).")
+    ] = 12,
+    seed: Annotated[int, typer.Option(help="Seed of the failure plan.")] = 0,
+    restart_after: Annotated[float, typer.Option(min=0, max=600, help="Seconds until a failed site restarts.")] = 1.0,
+) -> None:
+    """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency."""
+    from rich.table import Table
+
+    from geotrain.chaos import run_chaos
+    from geotrain.launch import LaunchError
+
+    try:
+        report = run_chaos(out, sites, rounds, H, failures, seed, restart_after, console_print=None)
+    except LaunchError as exc:
+        _fail(f"chaos run failed: {exc}", 1)
+    table = Table(title=f"chaos: {sites} sites, {rounds} rounds of H={H}, seed {seed}")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for key in ("rounds", "committed", "rolled_back", "split_then_healed", "failures_injected", "consistent"):
+        table.add_row(key, str(report[key]))
+    table.add_row("seconds lost / failure", f"{report['seconds_lost_per_failure']:.2f}")
+    table.add_row("bound: 2 x heartbeat timeout + one round", f"{report['bound_seconds']:.2f}")
+    table.add_row("survivors", ", ".join(report["survivors"]))
+    _wide(80).print(table)
+    _write_json(report, json_out)
+    if not report["consistent"]:
+        _fail("survivors' global models differ", 1)
 
 
 bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True, add_completion=False)

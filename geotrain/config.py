@@ -493,7 +493,7 @@ class ElasticConfig(Section):
     @model_validator(mode="after")
     def _timeouts(self) -> ElasticConfig:
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
-            raise ValueError("elastic.heartbeat_timeout_s: must exceed twice elastic.heartbeat_s")
+            raise ValueError("heartbeat_timeout_s: must exceed twice elastic.heartbeat_s")
         return self
 
 

@@ -109,6 +109,7 @@ def launch_elastic(
     pumps: list[threading.Thread] = []
     injected: list[dict[str, Any]] = []
     crashes: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     handled: set[str] = set()
     t_start = time.time()
 
@@ -143,8 +144,17 @@ def launch_elastic(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, sig)
 
-    def inject(request: dict[str, Any]) -> None:
+    def live(site: _Site) -> bool:
+        return site.state == "running" and (out / "elastic" / f"live-{site.name}.{site.incarnation}").exists()
+
+    def inject(request: dict[str, Any], path: Path) -> None:
         site = sites[topo.site_names.index(request["site"])]
+        left = sum(live(s) for s in sites if s is not site)
+        if left < 1:  # never take down the last live site: nobody could heal the others
+            path.with_suffix(".skip").touch()
+            skipped.append(request)
+            say(f"[launcher] fault skipped: {request['kind']} {site.name} would leave {left} live sites")
+            return
         sig = signal.SIGKILL if request["kind"] == "kill" else signal.SIGSTOP
         signal_site(site, sig)
         now = time.time()
@@ -161,9 +171,12 @@ def launch_elastic(
             for f in sorted((out / "elastic").glob("fault-*.json")):
                 if f.name not in handled:
                     handled.add(f.name)
-                    inject(json.loads(f.read_text()))
+                    inject(json.loads(f.read_text()), f)
             now = time.time()
             for s in sites:
+                if s.restart_at is not None and now >= s.restart_at and not any(live(o) for o in sites if o is not s):
+                    s.restart_at = None  # the run is over: nobody is left to heal from
+                    say(f"[launcher] not restarting site {s.name}: no live site is left to heal from")
                 if s.restart_at is not None and now >= s.restart_at:
                     signal_site(s, signal.SIGKILL)  # a hung site is killed before its new incarnation starts
                     for p in s.procs:
@@ -186,6 +199,12 @@ def launch_elastic(
                 say("[launcher] the Lighthouse had died: restarted it on the same address")
             if all(s.state in ("finished", "down") and s.restart_at is None for s in sites):
                 break
+            joining = [s for s in sites if s.state == "running" and not live(s)]
+            if any(s.state == "finished" for s in sites) and joining and not any(live(s) for s in sites):
+                for s in joining:  # restarted too late: the others finished, nobody can heal it
+                    say(f"[launcher] stopping site {s.name}: the run ended before it could rejoin")
+                    signal_site(s, signal.SIGTERM)
+                    s.state = "down"
             if on_poll is not None:
                 on_poll()
             time.sleep(0.05)
@@ -201,6 +220,7 @@ def launch_elastic(
     summary = merge_summaries(out, topo, injected + crashes, cfg, time.time() - t_start)
     if summary is None:
         raise LaunchError(f"no site finished the run; logs under {out / 'logs'}")
+    summary["faults_skipped"] = skipped
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -314,6 +314,7 @@ class SiteMember:
         self._hb_stop = threading.Event()
         self._client: Any = None
         self._coordinator_ok = True
+        self._back_at = -1e9
         addr = self.cfg.lighthouse or os.environ.get("GEOTRAIN_LIGHTHOUSE", "")
         if not addr:
             raise MembershipRefused("no Lighthouse address: set elastic.lighthouse (HOST:PORT)")
@@ -351,6 +352,9 @@ class SiteMember:
                 client.heartbeat(self.site, timeout=timedelta(seconds=self.cfg.heartbeat_timeout_s))
                 if not self._coordinator_ok:
                     self.log("Lighthouse reachable again")
+                    # let every live site's heartbeat reach a restarted Lighthouse before asking
+                    # for a quorum, so it does not form one without them
+                    self._back_at = time.monotonic()
                 self._coordinator_ok = True
             except Exception:
                 if self._coordinator_ok:
@@ -361,9 +365,13 @@ class SiteMember:
     def _quorum(self, can_postpone: bool) -> Any:
         """The round's quorum (None: the Lighthouse is down and the round may be postponed)."""
         waited = 0.0
+        give_up = time.monotonic() + self.cfg.start_timeout_s
         while True:
+            if self.joining and time.monotonic() > give_up:
+                raise MembershipRefused(f"no live site to heal from within elastic.start_timeout_s={self.cfg.start_timeout_s:g}s")
             try:
-                if not self._coordinator_ok and can_postpone:
+                settling = time.monotonic() - self._back_at < 4 * self.cfg.heartbeat_s
+                if (not self._coordinator_ok or settling) and can_postpone:
                     return None
                 q = self._lighthouse().quorum(
                     replica_id=self.site,
@@ -634,6 +642,7 @@ class SiteMember:
             "key": view.key,
             "start": t0,
             "quorum_s": time.time() - t0,
+            "members": sorted(m.site for m in view.members),
             "admitted": view.admitted,
             "healers": view.healers,
         }

@@ -455,6 +455,9 @@ class DiLoCo(_OuterSync):
         if self._steps_in_round:  # a last, shorter round so every site ends on the global model
             if self._privacy_allows_round():
                 self.outer_step()
+                while self._steps_in_round and self.elastic is not None:  # postponed: wait for the coordinator
+                    time.sleep(self.elastic.cfg.heartbeat_s)
+                    self.outer_step()
             else:
                 self._roll_back(range(len(self.params)), "privacy budget: the last partial round is not released")
                 self._steps_in_round = 0

@@ -232,18 +232,23 @@ def _elastic_member(
     """Join the elastic membership (geotrain.membership); a restarted site heals from a live peer
     first. Returns the member and the per-step failure-injection hook."""
     incarnation = int(os.environ.get("GEOTRAIN_INCARNATION", "0"))
-    faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and not incarnation}
+    faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
     (out / "elastic").mkdir(parents=True, exist_ok=True)
 
     def inject(step: int) -> None:
         kind = faults.pop(step, None)
-        if kind is None:
+        if kind is None or (incarnation and member.healed_at_step is None):  # not before a restarted site healed
             return
+        request = out / "elastic" / f"fault-{where.site}-{step}.json"
         if where.local_rank == 0:  # the launcher signals every process of this site
-            request = {"site": where.site, "kind": kind, "step": step, "time": time.time()}
-            (out / "elastic" / f"fault-{where.site}-{step}.json").write_text(json.dumps(request))
+            request.write_text(json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}))
             log(where, step, f"fault injection: {kind} this site now")
-        time.sleep(120)
+        skip = request.with_suffix(".skip")  # the launcher declined: it is the last live site
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if skip.exists():
+                return
+            time.sleep(0.01)
         raise RuntimeError(f"fault injection: the launcher did not {kind} site {where.site}")
 
     def load(state: dict[str, Any]) -> None:
@@ -282,6 +287,7 @@ def _elastic_member(
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     assert isinstance(sync, DiLoCo)  # the config allows elastic mode with diloco only
     sync.elastic = member
+    live = out / "elastic" / f"live-{where.site}.{incarnation}"  # tells the launcher this site takes part
     if not incarnation:
         member.rendezvous(len(cfg.topology.sites), cfg.elastic.start_timeout_s)
     else:  # restarted: heal from a live peer at the next round boundary, before any step
@@ -296,6 +302,8 @@ def _elastic_member(
                         f"no live site to heal from within elastic.start_timeout_s={cfg.elastic.start_timeout_s:g}s"
                     )
                 time.sleep(cfg.elastic.heartbeat_s)
+    if where.local_rank == 0:
+        live.touch()
     return member, inject
 
 

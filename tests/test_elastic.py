@@ -1,0 +1,234 @@
+"""Elastic mode: whole sites killed (SIGKILL) or hung (SIGSTOP) by real signals, mid-all-reduce;
+rollback, heartbeat detection, live healing, a Lighthouse that dies and comes back, and a
+process with the wrong secret. Every run is real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geotrain.config import ElasticConfig
+from geotrain.procs import free_port
+from tests.helpers import TINY, read_summary, train_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+THREE = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
+TWO = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}]\n"
+ELASTIC = ["elastic.enabled=true", "sync.H=10", "train.eval_every=0"]
+HB = 2.0  # elastic.heartbeat_timeout_s default
+
+
+def records(out: Path, site: str) -> list[dict[str, Any]]:
+    path = out / "elastic" / f"rounds-{site}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_kill_mid_allreduce_rolls_back_and_survivors_agree(tmp_path: Path) -> None:
+    out = tmp_path / "kill"
+    proc = train_cli(out, [*ELASTIC, "train.steps=80", 'fault.kill=["B@30"]', 'fault.nan=["C@5"]'], THREE)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "C"]
+    assert s["per_site"]["A"]["steps"] == s["per_site"]["C"]["steps"] == 80
+    # the round B died in was rolled back everywhere; every other round committed
+    a = records(out, "A")
+    assert [r["outcome"] for r in a].count("rolled_back") == 1 == s["rounds_rolled_back"]
+    failed = next(r for r in a if r["outcome"] == "rolled_back")
+    assert failed["step"] == 30 and "B" in failed["admitted"]
+    assert all(r["admitted"] == ["A", "C"] for r in a if r["start"] > failed["end"])
+    assert s["rounds"] == 8 and s["rounds_committed"] == 7
+    # bit-identical survivors; every committed round count maps to one model
+    assert s["global_param_hash"]["A"] == s["global_param_hash"]["C"] and s["consistent"]
+    (kill,) = s["failures"]
+    assert kill["site"] == "B" and kill["kind"] == "kill" and kill["detection_seconds"] <= 2 * HB
+    assert s["seconds_lost"] <= 2 * HB + s["round_seconds"], s["seconds_lost"]
+    # C's NaN update (round 5, after B died) was withdrawn: A alone contributed; the model is finite
+    assert "not finite: withdrawn" in proc.stdout
+    assert any(r["contributors"] == 1 for r in a if r["outcome"] == "committed")
+    assert math.isfinite(s["final_eval_loss"])
+    assert not (out / "summary.json").read_text().count("NaN")
+
+
+def test_hang_is_detected_then_the_site_heals_and_all_agree(tmp_path: Path) -> None:
+    """SIGSTOP B mid-all-reduce with min_sites=3: A and C detect it by heartbeat, roll back, pause
+    (too few sites), and carry on when B's new incarnation has healed from a peer."""
+    out = tmp_path / "hang"
+    overrides = [*ELASTIC, "train.steps=300", 'fault.hang=["B@30"]', "fault.restart_after=4", "elastic.min_sites=3"]
+    proc = train_cli(out, [*overrides, "elastic.quorum_timeout_s=1"], THREE)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"]
+    (hang,) = s["failures"]
+    assert hang["kind"] == "hang" and hang["detection_seconds"] <= 2 * HB, hang
+    assert "no heartbeat from B" in proc.stdout
+    assert "training paused: fewer than elastic.min_sites=3" in proc.stdout
+    # B restarted, healed in one round (zero contribution), contributed from the next
+    assert s["per_site"]["B"]["started_at_step"] > 30
+    b = records(out, "B")
+    heal = next(i for i, r in enumerate(b) if "B" in r["healers"])
+    assert b[heal]["outcome"] == "committed" and b[heal]["contributors"] == 2
+    assert b[heal + 1]["contributors"] == 3
+    assert len(set(s["global_param_hash"].values())) == 1 and s["consistent"]
+    assert s["per_site"]["B"]["final_eval_loss"] == s["per_site"]["A"]["final_eval_loss"]
+
+
+def _lighthouse(tmp_path: Path) -> tuple[Any, str]:
+    from geotrain.membership import LighthouseProcess
+
+    lh = LighthouseProcess(free_port(), ElasticConfig(), tmp_path / "lighthouse.log")
+    lh.start()
+    return lh, lh.address
+
+
+def _train_args(out: Path, topology: str, overrides: list[str]) -> list[str]:
+    cfg = out.parent / f"{out.name}.yaml"
+    cfg.write_text(topology)
+    args = [sys.executable, "-m", "geotrain", "train", "--out", str(out), "--config", str(cfg), "--set", "run.baseline=none"]
+    for o in [*TINY, *overrides]:
+        args += ["--set", o]
+    return args
+
+
+def _wait_for(pred: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
+    """The coordinator dies mid-run: sites keep doing inner steps, postpone the round, and carry
+    on when it is restarted on the same address; all end identical."""
+    lh, addr = _lighthouse(tmp_path)
+    out = tmp_path / "outage"
+    args = _train_args(out, THREE, [*ELASTIC, "train.steps=600", f"elastic.lighthouse={addr}"])
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: (out / "elastic" / "rounds-A.jsonl").exists() and len(records(out, "A")) >= 2, 120)
+        lh.kill()
+        time.sleep(2.5)
+        lh.start()
+        stdout, _ = run.communicate(timeout=200)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        lh.stop()
+    assert run.returncode == 0, stdout[-3000:]
+    assert "unreachable: inner steps go on" in stdout and "reachable again" in stdout
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"] and s["rounds_rolled_back"] == 0
+    steps = [r["step"] for r in records(out, "A")]
+    assert max(b - a for a, b in zip(steps, steps[1:], strict=False)) > 10  # a round postponed past H steps
+    assert steps[-1] == 600
+
+
+def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
+    lh, addr = _lighthouse(tmp_path)
+    out = tmp_path / "auth"
+    env = {**os.environ, "GEOTRAIN_SECRET": "the-right-shared-secret-0123456789"}
+    args = _train_args(out, TWO, [*ELASTIC, "train.steps=500", f"elastic.lighthouse={addr}"])
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        _wait_for(lambda: (out / "elastic" / "rounds-A.jsonl").exists() and len(records(out, "A")) >= 1, 120)
+        # an impostor: site C of a three-site config, joining with another secret
+        cfg = tmp_path / "impostor.yaml"
+        cfg.write_text(THREE)
+        sets = [x for o in [*TINY, *ELASTIC, "train.steps=500"] for x in ("--set", o)]
+        rogue_env = {
+            **os.environ,
+            "GEOTRAIN_SECRET": "a-wrong-secret-of-enough-length",
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "GEOTRAIN_SITE_INDEX": "2",
+            "GEOTRAIN_INCARNATION": "1",
+            "GEOTRAIN_LIGHTHOUSE": addr,
+            "GEOTRAIN_WAN_MODE": "off",
+        }
+        cmd = [sys.executable, "-m", "geotrain.worker", "--config", str(cfg), "--out", str(tmp_path / "rogue"), *sets]
+        rogue = subprocess.run(cmd, capture_output=True, text=True, env=rogue_env, timeout=120)
+        stdout, _ = run.communicate(timeout=200)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        lh.stop()
+    assert rogue.returncode == 3, rogue.stdout[-2000:] + rogue.stderr[-2000:]
+    assert "membership refused" in rogue.stderr and "secret" in rogue.stderr
+    assert run.returncode == 0, stdout[-3000:]
+    assert "site 'C' failed authentication (wrong secret): refused" in stdout
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B"] and s["consistent"] and s["rounds_rolled_back"] == 0
+    seen = [r for r in records(out, "A") if "C" in r["members"]]
+    assert seen and all(r["admitted"] == ["A", "B"] and r["outcome"] == "committed" for r in seen)
+
+
+def test_chaos_reports_every_round(tmp_path: Path) -> None:
+    report = tmp_path / "chaos.json"
+    args = [sys.executable, "-m", "geotrain", "chaos", "--json", str(report), "--out", str(tmp_path / "run")]
+    args += ["--sites", "3", "--rounds", "10", "--H", "20", "--failures", "2", "--seed", "1"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(report.read_text())
+    for key in ("rounds", "committed", "rolled_back", "failures_injected", "consistent", "seconds_lost_per_failure"):
+        assert key in r
+    assert r["failures_injected"] == 2 and r["consistent"] is True
+    assert r["rounds"] == r["committed"] + r["rolled_back"] + r["split_then_healed"]
+    assert r["committed"] >= 8
+
+
+def test_join_proof_binds_secret_round_nonce_and_prover(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from geotrain.membership import MembershipRefused, join_proof, load_secret
+
+    p = join_proof(b"s" * 32, "7-1-2", "nonce", "A")
+    assert p == join_proof(b"s" * 32, "7-1-2", "nonce", "A") and len(p) == 64
+    for other in (
+        join_proof(b"t" * 32, "7-1-2", "nonce", "A"),
+        join_proof(b"s" * 32, "7-1-3", "nonce", "A"),
+        join_proof(b"s" * 32, "7-1-2", "nonce2", "A"),
+        join_proof(b"s" * 32, "7-1-2", "nonce", "B"),
+    ):
+        assert other != p
+    monkeypatch.setenv("GEOTRAIN_SECRET", "short")
+    with pytest.raises(MembershipRefused, match="at least 16 bytes in environment variable GEOTRAIN_SECRET"):
+        load_secret(ElasticConfig())
+    f = tmp_path / "secret"
+    f.write_text("x" * 40 + "\n")
+    assert load_secret(ElasticConfig(secret_file=str(f))) == b"x" * 40
+
+
+def test_fault_plan_respects_spacing() -> None:
+    from geotrain.chaos import plan_faults
+
+    plan = plan_faults(["A", "B", "C", "D"], rounds=30, H=100, failures=10, spacing=6, seed=3)
+    assert len(plan) == 10 and len({(step - 1) // 100 for _, step, _ in plan}) == 10
+    for site in "ABCD":
+        rounds = sorted((step - 1) // 100 + 1 for s, step, _ in plan if s == site)
+        assert all(b - a >= 6 for a, b in zip(rounds, rounds[1:], strict=False))
+    assert {k for _, _, k in plan} <= {"kill", "hang"}
+
+
+def test_round_outcomes_flag_a_committed_round_with_two_models() -> None:
+    from geotrain.elastic import round_outcomes
+
+    def rec(key: str, outcome: str, committed: int, h: str) -> dict[str, Any]:
+        return {"key": key, "outcome": outcome, "committed": committed, "hash": h}
+
+    good = {"A": [rec("k1", "committed", 1, "x"), rec("k2", "rolled_back", 1, "x")], "B": [rec("k1", "committed", 1, "x")]}
+    assert round_outcomes(good) == {"rounds": 2, "committed": 1, "rolled_back": 1, "split": 0, "consistent_history": True}
+    bad = {"A": [rec("k1", "committed", 1, "x")], "B": [rec("k1", "committed", 1, "y"), rec("k2", "rolled_back", 1, "y")]}
+    out = round_outcomes(bad)
+    assert out["consistent_history"] is False
+    split = {"A": [rec("k1", "committed", 1, "x")], "B": [rec("k1", "rolled_back", 0, "w")]}
+    assert round_outcomes(split)["split"] == 1
