@@ -19,22 +19,24 @@ from geotrain.config import Config
 
 
 def plan_faults(sites: list[str], rounds: int, H: int, failures: int, spacing: int, seed: int) -> list[tuple[str, int, str]]:
-    """``failures`` (site, step, kind) picks over rounds 2..rounds-2: one per round at most, a site
-    at least ``spacing`` rounds after its previous fault; 70% at a round's last step (in the
-    all-reduce), the rest at a random inner step."""
+    """``failures`` (site, step, kind) picks over rounds 2..rounds-2: one per round at most, spread
+    out (every other round while there is room), a site at least ``spacing`` rounds after its
+    previous fault; 70% at a round's last step (in the all-reduce), the rest at a random inner step."""
     rng = random.Random(seed)
     candidates = list(range(2, max(2, rounds - 1)))
-    rng.shuffle(candidates)
     last: dict[str, int] = {}
     plan: list[tuple[str, int, str]] = []
-    for r in sorted(candidates[: failures * 3]):
+    previous = -2
+    for r in sorted(candidates):
         if len(plan) == failures:
             break
+        if r - previous < 2 and len(plan) + (rounds - 1 - r) // 2 >= failures:  # spread out while it can
+            continue
         free = [s for s in sites if r - last.get(s, -spacing) >= spacing]
         if not free:
             continue
         site = rng.choice(free)
-        last[site] = r
+        last[site] = previous = r
         step = r * H if rng.random() < 0.7 else (r - 1) * H + rng.randint(1, H - 1)
         plan.append((site, step, rng.choice(["kill", "hang"])))
     return plan

@@ -321,6 +321,7 @@ def merge_summaries(out: Path, topo: Topology, failures: list[dict[str, Any]], c
             for r in recs
             if r["start"] + r.get("quorum_s", 0.0) >= t and fail["site"] not in r.get("admitted", [fail["site"]])
         ]
+        seen += excluded  # a quorum without it: the survivors have acted on the failure
         detected.append(
             {
                 "site": fail["site"],

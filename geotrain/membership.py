@@ -495,8 +495,17 @@ class SiteMember:
         source = next(m.site for m in leaders if m.hash == best)
         view = RoundView(key=key, members=members, source=source)
         try:
-            store = self._store(by[source].store)
-            admitted = self._authenticate(dist.PrefixStore(f"auth/{key}", store), key, names)
+            auth = dist.PrefixStore(f"auth/{key}", self._store(by[source].store))
+            admitted = self._authenticate(auth, key, names)
+            # a slow site may be admitted by some and timed out by others: the round goes ahead
+            # only if every admitted site admitted the same set (else all of them roll back)
+            mine = ",".join(admitted)
+            auth.set(f"view/{self.site}", mine)
+            keys = [f"view/{s}" for s in admitted]
+            got = self._wait_keys(auth, keys, time.monotonic() + self.cfg.heartbeat_timeout_s * 2)
+            if len(got) != len(keys) or any(auth.get(k).decode() != mine for k in keys):
+                view.error = f"round {key}: sites disagree on who was authenticated"
+                return view
         except MembershipRefused:
             raise
         except Exception as exc:
@@ -520,13 +529,16 @@ class SiteMember:
     # ------------------------------------------------------------------ the round (every rank)
 
     def _group(self, view: RoundView, store: dist.Store) -> Any:
-        names = tuple(view.admitted)
+        """The round's Gloo group, reused while the admitted sites are the same processes (a
+        restarted site has a new store address, so its old connections are never reused)."""
+        by = {m.site: m.store for m in view.members}
+        names = tuple(f"{s}@{by[s]}" for s in view.admitted)
         if self._pg is not None and self._pg[0] == names:
             return self._pg[1]
         self._drop_group()
         pg = dist.ProcessGroupGloo(
             dist.PrefixStore(f"pg/{view.key}/{self.local}", store),
-            names.index(self.site),
+            view.admitted.index(self.site),
             len(names),
             timedelta(seconds=self.cfg.collective_timeout_s),
         )
