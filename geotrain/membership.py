@@ -619,7 +619,7 @@ class SiteMember:
             self._wait([pg.recv([size], src, _HEAL_TAG)], monitor)
             blob = torch.empty(int(size.item()), dtype=torch.uint8)
             self._wait([pg.recv([blob], src, _HEAL_TAG + 1)], monitor)
-            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True, map_location="cpu")
             self.hooks.load(state)
             self.healed_at_step = int(state["step"])
             if self.local == 0:
@@ -665,7 +665,7 @@ class SiteMember:
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
         hb_store = dist.PrefixStore(f"round/{view.key}", _connect(by[view.source].store, self.cfg.heartbeat_timeout_s))
         monitor = _Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
-        ext = torch.cat([delta, torch.zeros(1)])
+        ext = torch.cat([delta.detach().to("cpu", torch.float32), torch.zeros(1)])  # Gloo: CPU, also under NCCL
         ok = torch.ones(1)
         why = ""
         errors: list[BaseException] = []
@@ -678,7 +678,7 @@ class SiteMember:
                 if not finite:
                     self.log("pseudo-gradient is not finite: withdrawn from this round")
                 if self.site not in view.healers and finite:
-                    ext[:-1].copy_(delta)
+                    ext[:-1].copy_(delta.cpu())
                     ext[-1] = 1.0
                 else:
                     ext.zero_()
@@ -723,7 +723,7 @@ class SiteMember:
         count = int(round(float(ext[-1].item())))
         if count == 0:
             raise RoundFailed("no site contributed to the round")
-        delta.copy_(ext[:-1]).div_(count)
+        delta.copy_(ext[:-1].to(delta.device)).div_(count)
         self._current["contributors"] = count
         return count
 
@@ -732,16 +732,25 @@ class SiteMember:
         admitted site voted yes. The site's ranks agree on the result."""
         decision = torch.zeros(1)
         if self.local == 0:
-            try:
+            with contextlib.suppress(Exception):  # an unreachable store: no commit
                 prefix.set(f"vote/{self.site}", "1" if ok else "0")
-                deadline = time.monotonic() + self.cfg.collective_timeout_s
-                keys = [f"vote/{s}" for s in view.admitted]
-                got = self._wait_keys(prefix, keys, deadline, monitor)
-                decision.fill_(float(len(got) == len(keys) and all(prefix.get(k) == b"1" for k in keys)))
-            except Exception:
-                decision.zero_()
+                if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
+                    decision.fill_(float(self._all_yes(prefix, [f"vote/{s}" for s in view.admitted], monitor)))
         dist.broadcast(decision, src=0, group=self.intra)
         return bool(decision.item())
+
+    def _all_yes(self, store: dist.Store, keys: list[str], monitor: _Monitor) -> bool:
+        deadline = time.monotonic() + self.cfg.collective_timeout_s
+        pending = list(keys)
+        while pending and time.monotonic() < deadline:
+            monitor.check()
+            present = [k for k in pending if store.check([k])]
+            if any(store.get(k) != b"1" for k in present):
+                return False
+            pending = [k for k in pending if k not in present]
+            if pending:
+                time.sleep(0.005)
+        return not pending
 
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:
         """Record the round's outcome (after the caller applied or rolled it back): one JSON line."""
