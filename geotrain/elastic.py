@@ -340,6 +340,7 @@ def merge_summaries(out: Path, topo: Topology, failures: list[dict[str, Any]], c
         "sites": list(topo.site_names),
         "survivors": list(finished),
         "world_size": topo.world_size,
+        "tokens": first["tokens"] * topo.num_sites,  # nominal: as if every site had trained every step
         "steps": max(s["steps"] for s in finished.values()),
         "rounds": outcomes["rounds"],
         "rounds_committed": max(s["rounds_committed"] for s in finished.values()),

@@ -454,13 +454,14 @@ class SiteMember:
             else:
                 store.set(f"refused/{peer}", f"refused by {self.site}")
                 self.log(f"site {peer!r} failed authentication (wrong secret): refused")
-        if others and not ok:
+        # refused: no peer's proof verified here and a peer said ours did not verify there (one of
+        # the two alone may be a slow peer, or an impostor writing to the store)
+        refusal = [f"refused/{self.site}"]
+        if others and not ok and self._wait_keys(store, refusal, time.monotonic() + self.cfg.heartbeat_timeout_s):
             raise MembershipRefused(
-                f"site {self.site!r} could not authenticate with any peer: the membership secret differs "
-                f"(elastic.secret_env / elastic.secret_file); refused"
+                f"site {self.site!r} was refused by its peers and could not authenticate any of them: the "
+                f"membership secret differs (elastic.secret_env / elastic.secret_file)"
             )
-        if store.check([f"refused/{self.site}"]):
-            raise MembershipRefused(f"site {self.site!r} was refused by its peers: wrong membership secret")
         return sorted([self.site, *ok])
 
     def _decide(self, can_postpone: bool) -> RoundView:
@@ -715,6 +716,7 @@ class SiteMember:
             self._event(monitor.culprit, "heartbeat timeout")
         if not committed:
             self._drop_group()
+            self._stores.pop(by[view.source].store, None)  # reconnect next time: its host may be gone
             reason = why or monitor.failed or "a participant did not confirm the round"
             if self.local == 0:
                 self.log(f"round {view.key} rolled back: {reason}")

@@ -155,6 +155,13 @@ class SiteReducer:
         stats.inter_raw_bytes = raw0 + round(2 * (n - 1) / n * 4 * mine)
         self.comm.all_gather_intra(flat, self.run_sizes)
 
+    def forget_residual(self) -> None:
+        """Drop the error-feedback residual (a site left out of a round must send exactly nothing)."""
+        if self.residual is not None:
+            self.residual.tensor = None
+        if self.powersgd is not None:
+            self.powersgd.errors = [None] * len(self.powersgd.errors)
+
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback / warm-start state: belongs to the site, goes into its checkpoint."""
         return {
@@ -382,6 +389,7 @@ class _OuterSync(SyncAlgorithm):
                 raise RoundFailed(f"round {round_id}: every site's update was rejected by the guard")
             if not included[self.comm.groups.me.site_index]:
                 delta.zero_()
+                reducer.forget_residual()  # else its old error feedback would still be sent
         if self.weight_by_tokens:
             mine = float(steps * self.tokens_per_step) if included[self.comm.groups.me.site_index] else 0.0
             total = torch.tensor([mine], dtype=torch.float64)

@@ -68,3 +68,27 @@ def test_a_nan_sending_site_is_excluded_and_the_run_finishes(tmp_path: Path, sec
     else:
         assert s["guard_rejections"] == {"A": 0, "B": 1, "C": 0, "D": 0}
         assert s["guard_events"][0]["round"] == 2 and "non-finite" in s["guard_events"][0]["why"]
+
+
+def _excluded_sends_nothing(rank: int, forget: bool) -> float:
+    from geotrain.benchnet import rank_comm
+    from geotrain.config import SyncConfig
+    from geotrain.sync import SiteReducer
+
+    with rank_comm(uniform_topology(2, 1), "off") as (_groups, comm):
+        reducer = SiteReducer(SyncConfig(algorithm="diloco", codec="topk", topk_fraction=0.1), comm, [torch.Size([1000])])
+        reducer(torch.randn(1000, generator=torch.Generator().manual_seed(rank)))  # leaves a residual
+        if forget:
+            reducer.forget_residual()
+        zeros = torch.zeros(1000)  # both sites left out of this round
+        reducer(zeros)
+        return float(zeros.abs().sum())
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_an_excluded_site_sends_no_error_feedback(forget: bool) -> None:
+    leaked = run_ranks(2, _excluded_sends_nothing, forget)
+    if forget:
+        assert leaked == [0.0, 0.0]
+    else:  # without forgetting, the old residual would have been averaged in
+        assert all(x > 0 for x in leaked)
