@@ -313,8 +313,11 @@ class SiteMember:
         self._host_store: dist.TCPStore | None = None
         self._hb_stop = threading.Event()
         self._client: Any = None
-        self._coordinator_ok = True
+        self._down = False
+        self._state_lock = threading.Lock()
         self._back_at = -1e9
+        self._hb_gen = 0
+        self._hb_started = self._hb_last_ok = time.monotonic()
         addr = self.cfg.lighthouse or os.environ.get("GEOTRAIN_LIGHTHOUSE", "")
         if not addr:
             raise MembershipRefused("no Lighthouse address: set elastic.lighthouse (HOST:PORT)")
@@ -325,8 +328,7 @@ class SiteMember:
                 bind, 0, is_master=True, timeout=timedelta(seconds=self.cfg.collective_timeout_s), wait_for_workers=False
             )
             self.store_address = f"{bind}:{self._host_store.port}"
-            self._hb_thread = threading.Thread(target=self._heartbeat, daemon=True, name="lighthouse-heartbeat")
-            self._hb_thread.start()
+            self._start_heartbeat()
 
     # ------------------------------------------------------------------ coordinator (local rank 0)
 
@@ -344,23 +346,50 @@ class SiteMember:
             self._client = self._connect_lighthouse()
         return self._client
 
-    def _heartbeat(self) -> None:
+    def _start_heartbeat(self) -> None:
+        self._hb_gen += 1
+        self._hb_started = time.monotonic()
+        gen = self._hb_gen
+        threading.Thread(target=self._heartbeat, args=(gen,), daemon=True, name=f"lighthouse-heartbeat-{gen}").start()
+
+    def _heartbeat(self, gen: int) -> None:
+        """Heartbeat every ``heartbeat_s`` with this thread's own client, until replaced (``gen``)."""
         client = None
-        while not self._hb_stop.wait(self.cfg.heartbeat_s):
+        while gen == self._hb_gen and not self._hb_stop.wait(self.cfg.heartbeat_s):
             try:
                 client = client or self._connect_lighthouse()
                 client.heartbeat(self.site, timeout=timedelta(seconds=self.cfg.heartbeat_timeout_s))
-                if not self._coordinator_ok:
-                    self.log("Lighthouse reachable again")
-                    # let every live site's heartbeat reach a restarted Lighthouse before asking
-                    # for a quorum, so it does not form one without them
-                    self._back_at = time.monotonic()
-                self._coordinator_ok = True
+                if gen == self._hb_gen:
+                    self._hb_last_ok = time.monotonic()
+                    self._set_down(False)
             except Exception:
-                if self._coordinator_ok:
-                    self.log(f"Lighthouse {self.lighthouse} unreachable: inner steps go on, rounds wait for it")
-                self._coordinator_ok = False
+                self._set_down(True)
                 client = None
+
+    def _set_down(self, down: bool) -> None:
+        """Track (and log once) the Lighthouse going away and coming back."""
+        with self._state_lock:
+            if down == self._down:
+                return
+            self._down = down
+        if down:
+            self.log(f"Lighthouse {self.lighthouse} unreachable: inner steps go on, rounds wait for it")
+        else:
+            # let every live site's heartbeat reach a restarted Lighthouse before asking for a
+            # quorum, so it does not form one without them
+            self._back_at = time.monotonic()
+            self.log("Lighthouse reachable again")
+
+    def _coordinator_down(self) -> bool:
+        """Down, or its heartbeats are stale. A heartbeat call can hang when the Lighthouse dies in
+        the middle of it, so a stale heartbeat thread is replaced by a fresh one."""
+        now = time.monotonic()
+        stale = now - self._hb_last_ok > self.cfg.heartbeat_timeout_s
+        if stale and now - self._hb_started > 2 * self.cfg.heartbeat_timeout_s:
+            self._start_heartbeat()
+        if stale:
+            self._set_down(True)
+        return self._down
 
     def _quorum(self, can_postpone: bool) -> Any:
         """The round's quorum (None: the Lighthouse is down and the round may be postponed)."""
@@ -370,8 +399,9 @@ class SiteMember:
             if self.joining and time.monotonic() > give_up:
                 raise MembershipRefused(f"no live site to heal from within elastic.start_timeout_s={self.cfg.start_timeout_s:g}s")
             try:
+                down = self._coordinator_down()
                 settling = time.monotonic() - self._back_at < 4 * self.cfg.heartbeat_s
-                if (not self._coordinator_ok or settling) and can_postpone:
+                if (down or settling) and can_postpone:
                     return None
                 q = self._lighthouse().quorum(
                     replica_id=self.site,
@@ -394,7 +424,7 @@ class SiteMember:
                 )
             except Exception as exc:
                 self._client = None
-                self._coordinator_ok = False
+                self._set_down(True)
                 if can_postpone:
                     return None
                 self.log(f"Lighthouse unreachable ({str(exc).splitlines()[0][:80]}); retrying")
@@ -683,7 +713,7 @@ class SiteMember:
                     ext[-1] = 1.0
                 else:
                     ext.zero_()
-                self._ring_sum(pg, view, ext.tensor_split(self.G)[self.local], monitor)
+                self._ring_sum(pg, view, self._shard(ext), monitor)
             except BaseException as exc:  # reported to the main thread
                 errors.append(exc)
 
@@ -705,11 +735,14 @@ class SiteMember:
             first = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
             why = str(exc) if isinstance(exc, RoundFailed) else f"collective failed ({first})"
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
-        if ok.item() and self.G > 1:
-            parts = list(ext.tensor_split(self.G))
-            gathered = [torch.empty_like(p) for p in parts]
-            dist.all_gather(gathered, parts[self.local].clone(), group=self.intra)
-            torch.cat(gathered, out=ext)
+        if ok.item() and self.G > 1:  # Gloo's all-gather wants equal parts: pad the last shard
+            c = -(-ext.numel() // self.G)
+            mine = torch.zeros(c)
+            shard = self._shard(ext)
+            mine[: shard.numel()] = shard
+            gathered = [torch.empty(c) for _ in range(self.G)]
+            dist.all_gather(gathered, mine, group=self.intra)
+            ext.copy_(torch.cat(gathered)[: ext.numel()])
         committed = self._vote(dist.PrefixStore(f"round/{view.key}", store), view, monitor, bool(ok.item()))
         monitor.stop()
         if monitor.culprit:
@@ -728,6 +761,11 @@ class SiteMember:
         delta.copy_(ext[:-1].to(delta.device)).div_(count)
         self._current["contributors"] = count
         return count
+
+    def _shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This local rank's contiguous 1/G of ``x`` (ceil-sized parts; the last may be shorter)."""
+        c = -(-x.numel() // self.G)
+        return x[self.local * c : min(x.numel(), (self.local + 1) * c)]
 
     def _vote(self, prefix: dist.Store, view: RoundView, monitor: _Monitor, ok: bool) -> bool:
         """Local rank 0 writes this site's vote and reads everyone's; the round commits only if every

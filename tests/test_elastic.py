@@ -79,6 +79,21 @@ def test_hang_is_detected_then_the_site_heals_and_all_agree(tmp_path: Path) -> N
     assert s["per_site"]["B"]["final_eval_loss"] == s["per_site"]["A"]["final_eval_loss"]
 
 
+def test_sites_of_two_workers_heal_every_rank(tmp_path: Path) -> None:
+    """G=2: each local rank carries its shard across sites and heals from the same local rank."""
+    out = tmp_path / "g2"
+    topology = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 2}]\n"
+    train_cli(out, [*ELASTIC, "train.steps=900", 'fault.kill=["B@30"]', "fault.restart_after=1"], topology)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B"] and s["consistent"] and s["hashes_agree_within_sites"]
+    assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 30
+    ranks = s["runs"][0]["per_rank"]
+    hashes: dict[str, set[str]] = {r["site"]: set() for r in ranks}
+    for r in ranks:
+        hashes[r["site"]].add(r["global_param_hash"])
+    assert hashes["A"] == hashes["B"] and len(hashes["A"]) == 1  # all four ranks hold one model
+
+
 def _lighthouse(tmp_path: Path) -> tuple[Any, str]:
     from geotrain.membership import LighthouseProcess
 
