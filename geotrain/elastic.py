@@ -197,8 +197,9 @@ def launch_elastic(
                     say(f"[launcher] site {s.name} {_describe_exit(int(code))}; the other sites carry on")
             if lighthouse is not None and lighthouse.supervise():
                 say("[launcher] the Lighthouse had died: restarted it on the same address")
-            if all(s.state in ("finished", "down") and s.restart_at is None for s in sites):
-                break
+                _write_pids(out, sites, lighthouse)
+            if all(s.state in ("finished", "down", "stopped") and s.restart_at is None for s in sites):
+                break  # a site hung for good is stopped with the rest below
             joining = [s for s in sites if s.state == "running" and not live(s)]
             if any(s.state == "finished" for s in sites) and joining and not any(live(s) for s in sites):
                 for s in joining:  # restarted too late: the others finished, nobody can heal it

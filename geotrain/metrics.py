@@ -44,12 +44,12 @@ def log(me: RankInfo, step: int, message: str) -> None:
 
 
 class MetricsSink:
-    def __init__(self, out: Path, me: RankInfo, log_every: int, print_steps: bool) -> None:
+    def __init__(self, out: Path, me: RankInfo, log_every: int, print_steps: bool, suffix: str = "") -> None:
         self.me = me
         self.log_every = log_every
         self.print_steps = print_steps
         (out / "metrics").mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(out / "metrics" / f"rank{me.rank}.jsonl", "w", buffering=1)  # noqa: SIM115
+        self._jsonl = open(out / "metrics" / f"rank{me.rank}{suffix}.jsonl", "w", buffering=1)  # noqa: SIM115
         self._tb: _Scalars = _tensorboard(out / "tb") if me.rank == 0 else _NullWriter()
 
     def step(self, record: dict[str, Any], step_line: bool = True) -> None:

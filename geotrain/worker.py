@@ -154,7 +154,9 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             member, on_step = _elastic_member(cfg, out, where, groups, sync, objs, data, wan)
             start = member.healed_at_step or 0
         n_params = count_params(model)
-        sink = MetricsSink(out, me, cfg.train.log_every, print_steps=me.local_rank == 0)
+        incarnation = os.environ.get("GEOTRAIN_INCARNATION", "0") if elastic else "0"
+        suffix = f".{incarnation}" if incarnation != "0" else ""  # a restarted site keeps its earlier metrics
+        sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix)
         if me.rank == 0:
             log(me, 0, f"{cfg.sync.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
             log(me, 0, f"inter-site links: {describe_links(full, wan)}")
@@ -199,7 +201,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
                 load_parameters(eval_model, sync.global_parameters())
                 torch.save(eval_model.state_dict(), out / "final_model.pt")
         if cfg.train.timeline:
-            _write_timeline(out, me.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
+            _write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
         dist.barrier(group=groups.world)
         sync.close()
         comm.close()
