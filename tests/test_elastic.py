@@ -61,7 +61,7 @@ def test_hang_is_detected_then_the_site_heals_and_all_agree(tmp_path: Path) -> N
     """SIGSTOP B mid-all-reduce with min_sites=3: A and C detect it by heartbeat, roll back, pause
     (too few sites), and carry on when B's new incarnation has healed from a peer."""
     out = tmp_path / "hang"
-    overrides = [*ELASTIC, "train.steps=300", 'fault.hang=["B@30"]', "fault.restart_after=4", "elastic.min_sites=3"]
+    overrides = [*ELASTIC, "train.steps=150", 'fault.hang=["B@30"]', "fault.restart_after=4", "elastic.min_sites=3"]
     proc = train_cli(out, [*overrides, "elastic.quorum_timeout_s=1"], THREE)
     s = read_summary(out)
     assert s["survivors"] == ["A", "B", "C"]
@@ -83,7 +83,7 @@ def test_sites_of_two_workers_heal_every_rank(tmp_path: Path) -> None:
     """G=2: each local rank carries its shard across sites and heals from the same local rank."""
     out = tmp_path / "g2"
     topology = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 2}]\n"
-    train_cli(out, [*ELASTIC, "train.steps=900", 'fault.kill=["B@30"]', "fault.restart_after=1"], topology)
+    train_cli(out, [*ELASTIC, "train.steps=700", 'fault.kill=["B@30"]', "fault.restart_after=0.5"], topology)
     s = read_summary(out)
     assert s["survivors"] == ["A", "B"] and s["consistent"] and s["hashes_agree_within_sites"]
     assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 30
