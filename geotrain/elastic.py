@@ -25,7 +25,6 @@ import secrets
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from geotrain.config import Config
-from geotrain.launch import GRACE_SECONDS, LaunchError, _describe_exit, _pump, stop_all
+from geotrain.launch import GRACE_SECONDS, LaunchError, _describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
 from geotrain.membership import LighthouseProcess
 from geotrain.procs import free_port
 from geotrain.topology import Topology
@@ -53,28 +52,20 @@ class _Site:
     restart_at: float | None = None
 
 
-def _site_env(cfg: Config, topo: Topology, site: _Site, local: int, lighthouse: str, wan_key: str, port: int) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "GROUP_RANK"))}
-    G = topo.workers_per_site
-    return {
-        **base,
-        "RANK": str(local),
-        "WORLD_SIZE": str(G),
-        "LOCAL_RANK": str(local),
-        "LOCAL_WORLD_SIZE": str(topo.world_size),  # threads per rank: the machine is shared by every site
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "GLOO_SOCKET_IFNAME": os.environ.get("GEOTRAIN_GLOO_IFNAME", "lo"),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "PYTHONUNBUFFERED": "1",
-        "GEOTRAIN_PARENT_PID": str(os.getpid()),
-        "GEOTRAIN_WAN_MODE": cfg.topology.links.emulate,
-        "GEOTRAIN_WAN_KEY": wan_key,
-        "GEOTRAIN_SITE_INDEX": str(site.index),
-        "GEOTRAIN_INCARNATION": str(site.incarnation),
-        "GEOTRAIN_LIGHTHOUSE": lighthouse,
-        "GEOTRAIN_BIND_ADDR": "127.0.0.1",
-    }
+def site_env(
+    topo: Topology, wan_mode: str, site: int, incarnation: int, local: int, port: int, lighthouse: str, wan_key: str
+) -> dict[str, str]:
+    """A worker's environment in elastic mode: its site is its torch.distributed world (local
+    rank = rank); every site on this machine shares its cores."""
+    env = rank_env(local, topo.workers_per_site, topo.world_size, port, wan_mode)
+    env.update(
+        GEOTRAIN_WAN_KEY=wan_key,
+        GEOTRAIN_SITE_INDEX=str(site),
+        GEOTRAIN_INCARNATION=str(incarnation),
+        GEOTRAIN_LIGHTHOUSE=lighthouse,
+        GEOTRAIN_BIND_ADDR="127.0.0.1",
+    )
+    return env
 
 
 def launch_elastic(
@@ -122,18 +113,12 @@ def launch_elastic(
         site_port = free_port()
         site.procs = []
         for local in range(topo.workers_per_site):
-            env = _site_env(cfg, topo, site, local, address, wan_key, site_port)
-            cmd = [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)]
-            p = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
-            )
-            site.procs.append(p)
+            env = site_env(topo, cfg.topology.links.emulate, site.index, site.incarnation, local, site_port, address, wan_key)
             rank = site.index * topo.workers_per_site + local
             suffix = f".{site.incarnation}" if site.incarnation else ""
             forward = console_print if local == 0 else None
-            assert p.stdout is not None
-            t = threading.Thread(target=_pump, args=(p.stdout, out / "logs" / f"rank{rank}{suffix}.log", forward), daemon=True)
-            t.start()
+            p, t = spawn_rank(worker_cmd(cfg_path, out), env, out / "logs" / f"rank{rank}{suffix}.log", forward)
+            site.procs.append(p)
             pumps.append(t)
         site.state, site.restart_at = "running", None
         _write_pids(out, sites, lighthouse)

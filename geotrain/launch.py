@@ -75,6 +75,43 @@ def _pump(stream: IO[str], logfile: Path, forward: Callable[[str], None] | None)
                 forward(line.rstrip("\n"))
 
 
+def rank_env(rank: int, world: int, local_world: int, port: int, wan_mode: str) -> dict[str, str]:
+    """The environment of one worker process: ours, minus an outer torchrun's, plus the
+    torch.distributed rendezvous on 127.0.0.1 and geotrain's own settings."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "GROUP_RANK"))}
+    return {
+        **base,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(local_world),  # ranks sharing this machine: sets threads per rank
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GEOTRAIN_GLOO_IFNAME", "lo"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONUNBUFFERED": "1",
+        "GEOTRAIN_PARENT_PID": str(os.getpid()),
+        "GEOTRAIN_WAN_MODE": wan_mode,
+    }
+
+
+def spawn_rank(
+    cmd: list[str], env: dict[str, str], logfile: Path, forward: Callable[[str], None] | None
+) -> tuple[subprocess.Popen[str], threading.Thread]:
+    """Start one worker in its own session; a thread copies its output to ``logfile`` (and ``forward``)."""
+    p = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+    )
+    assert p.stdout is not None
+    t = threading.Thread(target=_pump, args=(p.stdout, logfile, forward), daemon=True)
+    t.start()
+    return p, t
+
+
+def worker_cmd(cfg_path: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)]
+
+
 def launch_local(
     cfg: Config, out: Path, console_print: Callable[[str], None] | None = print, on_poll: Callable[[], None] | None = None
 ) -> dict[str, Any]:
@@ -129,41 +166,17 @@ def _launch(
 ) -> dict[str, Any]:
     procs: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "GROUP_RANK"))}
+    wan_mode = "inprocess" if cfg.topology.links.emulate == "kernel" else cfg.topology.links.emulate
     for rank in range(topo.world_size):
         info = topo.info(rank)
-        env = {
-            **base_env,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(topo.world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(topo.world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": os.environ.get("GEOTRAIN_GLOO_IFNAME", "lo"),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "PYTHONUNBUFFERED": "1",
-            "GEOTRAIN_PARENT_PID": str(os.getpid()),
-            "GEOTRAIN_WAN_MODE": "inprocess" if cfg.topology.links.emulate == "kernel" else cfg.topology.links.emulate,
-        }
-        cmd = [sys.executable, "-m", "geotrain.worker", "--config", str(cfg_path), "--out", str(out)]
+        env = rank_env(rank, topo.world_size, topo.world_size, port, wan_mode)
+        cmd = worker_cmd(cfg_path, out)
         if kernel is not None:  # the rank lives in its site's namespace; Gloo binds to its veth
             env.update(MASTER_ADDR=kernel.address(0), GLOO_SOCKET_IFNAME=IFNAME, GEOTRAIN_WAN_MODE="kernel")
             cmd = ["ip", "netns", "exec", kernel.namespaces[info.site_index], *cmd]
-        p = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-        )
+        forward = console_print if info.local_rank == 0 else None
+        p, t = spawn_rank(cmd, env, out / "logs" / f"rank{rank}.log", forward)
         procs.append(p)
-        forward = console_print if (info.local_rank == 0 and console_print is not None) else None
-        assert p.stdout is not None
-        t = threading.Thread(target=_pump, args=(p.stdout, out / "logs" / f"rank{rank}.log", forward), daemon=True)
-        t.start()
         pumps.append(t)
     (out / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "ranks": [p.pid for p in procs]}))
 

@@ -186,7 +186,6 @@ class Member:
     store: str
     committed: int
     hash: str
-    step: int
     joining: bool = False
 
 
@@ -302,7 +301,6 @@ class SiteMember:
         self.secret = load_secret(self.cfg)
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
         self.events: list[dict[str, Any]] = []  # failures this site detected
-        self.rounds_log: list[dict[str, Any]] = []
         self.healed_at_step: int | None = None
         self.joining = False  # a restarted site: it heals in its first round and contributes from the next
         self.record_file: Path | None = None  # local rank 0: one JSON line per round
@@ -454,11 +452,22 @@ class SiteMember:
             self._stores[address] = _connect(address, self.cfg.heartbeat_timeout_s)
         return self._stores[address]
 
-    def _wait_keys(self, store: dist.Store, keys: list[str], deadline: float, monitor: _Monitor | None = None) -> list[str]:
-        """The keys present by ``deadline`` (polling, so a heartbeat failure ends it early)."""
+    def _wait_keys(
+        self,
+        store: dist.Store,
+        keys: list[str],
+        deadline: float,
+        monitor: _Monitor | None = None,
+        stop_if: Callable[[str], bool] | None = None,
+    ) -> list[str]:
+        """The keys present by ``deadline`` (polling, so a heartbeat failure ends it early), or as
+        soon as a present key satisfies ``stop_if``."""
         pending = list(keys)
         while pending and time.monotonic() < deadline:
-            pending = [k for k in pending if not store.check([k])]
+            present = [k for k in pending if store.check([k])]
+            pending = [k for k in pending if k not in present]
+            if stop_if is not None and any(stop_if(k) for k in present):
+                break
             if monitor is not None:
                 monitor.check()
             if pending:
@@ -505,7 +514,6 @@ class SiteMember:
                 p.store_address,
                 p.step,
                 str((p.data or {}).get("hash", "")),
-                int((p.data or {}).get("step", 0)),
                 bool((p.data or {}).get("joining", False)),
             )
             for p in q.participants
@@ -775,28 +783,23 @@ class SiteMember:
             with contextlib.suppress(Exception):  # an unreachable store: no commit
                 prefix.set(f"vote/{self.site}", "1" if ok else "0")
                 if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
-                    decision.fill_(float(self._all_yes(prefix, [f"vote/{s}" for s in view.admitted], monitor)))
+                    keys = [f"vote/{s}" for s in view.admitted]
+                    votes: dict[str, bytes] = {}
+
+                    def said_no(k: str) -> bool:
+                        votes[k] = prefix.get(k)
+                        return votes[k] != b"1"
+
+                    deadline = time.monotonic() + self.cfg.collective_timeout_s
+                    self._wait_keys(prefix, keys, deadline, monitor, stop_if=said_no)
+                    decision.fill_(float(all(votes.get(k) == b"1" for k in keys)))
         dist.broadcast(decision, src=0, group=self.intra)
         return bool(decision.item())
-
-    def _all_yes(self, store: dist.Store, keys: list[str], monitor: _Monitor) -> bool:
-        deadline = time.monotonic() + self.cfg.collective_timeout_s
-        pending = list(keys)
-        while pending and time.monotonic() < deadline:
-            monitor.check()
-            present = [k for k in pending if store.check([k])]
-            if any(store.get(k) != b"1" for k in present):
-                return False
-            pending = [k for k in pending if k not in present]
-            if pending:
-                time.sleep(0.005)
-        return not pending
 
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:
         """Record the round's outcome (after the caller applied or rolled it back): one JSON line."""
         rec = {**self._current, "end": time.time(), "outcome": outcome, "reason": reason}
         rec.update(site=self.site, hash=global_hash, committed=committed, step=step)
-        self.rounds_log.append(rec)
         self._current = {}
         if self.record_file is not None:
             with open(self.record_file, "a") as f:

@@ -103,6 +103,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
     elastic = cfg.elastic.enabled
     # elastic mode: this process's torch.distributed world is its site; sites meet per round
     site_index = int(os.environ.get("GEOTRAIN_SITE_INDEX", "0")) if elastic else 0
+    incarnation = int(os.environ.get("GEOTRAIN_INCARNATION", "0")) if elastic else 0  # >0: a restarted site
     topo = site_topology(full, site_index) if elastic else full
     threads = rank_threads(cfg.train.threads)
     torch.set_num_threads(threads)
@@ -151,11 +152,10 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             start = _resume(cfg.checkpoint.resume, ckpt_root, objs, groups)
         member = on_step = None
         if elastic:
-            member, on_step = _elastic_member(cfg, out, where, groups, sync, objs, data, wan)
+            member, on_step = _elastic_member(cfg, out, where, incarnation, groups, sync, objs, data, wan)
             start = member.healed_at_step or 0
         n_params = count_params(model)
-        incarnation = os.environ.get("GEOTRAIN_INCARNATION", "0") if elastic else "0"
-        suffix = f".{incarnation}" if incarnation != "0" else ""  # a restarted site keeps its earlier metrics
+        suffix = f".{incarnation}" if incarnation else ""  # a restarted site keeps its earlier metrics
         sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix)
         if me.rank == 0:
             log(me, 0, f"{cfg.sync.algorithm} on {topo.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
@@ -225,15 +225,15 @@ def _elastic_member(
     cfg: Config,
     out: Path,
     where: RankInfo,
+    incarnation: int,
     groups: ProcessGroups,
     sync: SyncAlgorithm,
     objs: RankObjects,
     data: Any,
     wan: WanEmulator | None,
 ) -> tuple[SiteMember, Callable[[int], None]]:
-    """Join the elastic membership (geotrain.membership); a restarted site heals from a live peer
-    first. Returns the member and the per-step failure-injection hook."""
-    incarnation = int(os.environ.get("GEOTRAIN_INCARNATION", "0"))
+    """Join the elastic membership (geotrain.membership); a restarted site (``incarnation`` > 0)
+    heals from a live peer first. Returns the member and the per-step failure-injection hook."""
     faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
     (out / "elastic").mkdir(parents=True, exist_ok=True)
 

@@ -12,7 +12,17 @@ from geotrain.config import TopologyConfig
 from geotrain.procs import run_ranks
 from geotrain.topology import Topology
 
-__all__ = ["FOUR_SITES", "REPO", "TINY", "read_summary", "run_ranks", "sum_mismatch", "train_cli", "uniform_topology"]
+__all__ = [
+    "FOUR_SITES",
+    "REPO",
+    "TINY",
+    "read_summary",
+    "run_ranks",
+    "sum_mismatch",
+    "train_args",
+    "train_cli",
+    "uniform_topology",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,11 +42,9 @@ TINY = [
 FOUR_SITES = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
 
 
-def train_cli(
-    out: Path, overrides: list[str], topology: str | None = None, expect_rc: int = 0, timeout: float = 220
-) -> subprocess.CompletedProcess[str]:
-    """``geotrain train`` in a subprocess: TINY, no baseline, then ``overrides``; ``topology`` is
-    YAML written beside ``out`` and passed as ``--config``. Asserts the exit code."""
+def train_args(out: Path, overrides: list[str], topology: str | None = None) -> list[str]:
+    """The ``geotrain train`` command line: TINY, no baseline, then ``overrides``; ``topology`` is
+    YAML written beside ``out`` and passed as ``--config``."""
     args = [sys.executable, "-m", "geotrain", "train", "--out", str(out), "--set", "run.baseline=none"]
     if topology:
         cfg = out.parent / f"{out.name}.yaml"
@@ -44,7 +52,14 @@ def train_cli(
         args += ["--config", str(cfg)]
     for o in [*TINY, *overrides]:
         args += ["--set", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    return args
+
+
+def train_cli(
+    out: Path, overrides: list[str], topology: str | None = None, expect_rc: int = 0, timeout: float = 220
+) -> subprocess.CompletedProcess[str]:
+    """``geotrain train`` in a subprocess (:func:`train_args`). Asserts the exit code."""
+    proc = subprocess.run(train_args(out, overrides, topology), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -4,20 +4,25 @@ process with the wrong secret. Every run is real processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from geotrain.config import ElasticConfig
+from geotrain.launch import worker_cmd
+from geotrain.membership import LighthouseProcess
 from geotrain.procs import free_port
-from tests.helpers import TINY, read_summary, train_cli
+from tests.helpers import TINY, read_summary, train_args, train_cli
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -94,48 +99,38 @@ def test_sites_of_two_workers_heal_every_rank(tmp_path: Path) -> None:
     assert hashes["A"] == hashes["B"] and len(hashes["A"]) == 1  # all four ranks hold one model
 
 
-def _lighthouse(tmp_path: Path) -> tuple[Any, str]:
-    from geotrain.membership import LighthouseProcess
-
+@contextlib.contextmanager
+def _run_with_own_lighthouse(
+    tmp_path: Path, out: Path, topology: str, overrides: list[str], env: dict[str, str] | None = None, rounds: int = 1
+) -> Iterator[tuple[LighthouseProcess, str, subprocess.Popen[str]]]:
+    """A Lighthouse started by the test and ``geotrain train`` pointed at it, in the background;
+    yields once site A has recorded ``rounds`` rounds. Both are stopped on the way out."""
     lh = LighthouseProcess(free_port(), ElasticConfig(), tmp_path / "lighthouse.log")
     lh.start()
-    return lh, lh.address
-
-
-def _train_args(out: Path, topology: str, overrides: list[str]) -> list[str]:
-    cfg = out.parent / f"{out.name}.yaml"
-    cfg.write_text(topology)
-    args = [sys.executable, "-m", "geotrain", "train", "--out", str(out), "--config", str(cfg), "--set", "run.baseline=none"]
-    for o in [*TINY, *overrides]:
-        args += ["--set", o]
-    return args
-
-
-def _wait_for(pred: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
-    """The coordinator dies mid-run: sites keep doing inner steps, postpone the round, and carry
-    on when it is restarted on the same address; all end identical."""
-    lh, addr = _lighthouse(tmp_path)
-    out = tmp_path / "outage"
-    args = _train_args(out, THREE, [*ELASTIC, "train.steps=600", f"elastic.lighthouse={addr}"])
-    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = train_args(out, [*ELASTIC, *overrides, f"elastic.lighthouse={lh.address}"], topology)
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        _wait_for(lambda: (out / "elastic" / "rounds-A.jsonl").exists() and len(records(out, "A")) >= 2, 120)
-        lh.kill()
-        time.sleep(2.5)
-        lh.start()
-        stdout, _ = run.communicate(timeout=200)
+        deadline = time.monotonic() + 120
+        while not ((out / "elastic" / "rounds-A.jsonl").exists() and len(records(out, "A")) >= rounds):
+            assert time.monotonic() < deadline, "no round recorded"
+            time.sleep(0.05)
+        yield lh, lh.address, run
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
         lh.stop()
+
+
+def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
+    """The coordinator dies mid-run: sites keep doing inner steps, postpone the round, and carry
+    on when it is restarted on the same address; all end identical."""
+    out = tmp_path / "outage"
+    with _run_with_own_lighthouse(tmp_path, out, THREE, ["train.steps=600"], rounds=2) as (lh, _, run):
+        lh.kill()
+        time.sleep(2.5)
+        lh.start()
+        stdout, _ = run.communicate(timeout=200)
     assert run.returncode == 0, stdout[-3000:]
     assert "unreachable: inner steps go on" in stdout and "reachable again" in stdout
     s = read_summary(out)
@@ -146,39 +141,23 @@ def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
 
 
 def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
-    lh, addr = _lighthouse(tmp_path)
+    from geotrain.config import TopologyConfig
+    from geotrain.elastic import site_env
+    from geotrain.topology import Topology
+
     out = tmp_path / "auth"
     env = {**os.environ, "GEOTRAIN_SECRET": "the-right-shared-secret-0123456789"}
-    args = _train_args(out, TWO, [*ELASTIC, "train.steps=500", f"elastic.lighthouse={addr}"])
-    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        _wait_for(lambda: (out / "elastic" / "rounds-A.jsonl").exists() and len(records(out, "A")) >= 1, 120)
-        # an impostor: site C of a three-site config, joining with another secret
+    with _run_with_own_lighthouse(tmp_path, out, TWO, ["train.steps=500"], env) as (_, addr, run):
+        # an impostor: site C of a three-site config, joining (incarnation 1) with another secret
         cfg = tmp_path / "impostor.yaml"
         cfg.write_text(THREE)
+        topo = Topology.from_config(TopologyConfig.model_validate(yaml.safe_load(THREE)["topology"]))
+        rogue_env = site_env(topo, "off", 2, 1, 0, free_port(), addr, "unused")
+        rogue_env["GEOTRAIN_SECRET"] = "a-wrong-secret-of-enough-length"
         sets = [x for o in [*TINY, *ELASTIC, "train.steps=500"] for x in ("--set", o)]
-        rogue_env = {
-            **os.environ,
-            "GEOTRAIN_SECRET": "a-wrong-secret-of-enough-length",
-            "RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "4",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "GEOTRAIN_SITE_INDEX": "2",
-            "GEOTRAIN_INCARNATION": "1",
-            "GEOTRAIN_LIGHTHOUSE": addr,
-            "GEOTRAIN_WAN_MODE": "off",
-        }
-        cmd = [sys.executable, "-m", "geotrain.worker", "--config", str(cfg), "--out", str(tmp_path / "rogue"), *sets]
+        cmd = [*worker_cmd(cfg, tmp_path / "rogue"), *sets]
         rogue = subprocess.run(cmd, capture_output=True, text=True, env=rogue_env, timeout=120)
         stdout, _ = run.communicate(timeout=200)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-        lh.stop()
     assert rogue.returncode == 3, rogue.stdout[-2000:] + rogue.stderr[-2000:]
     assert "membership refused" in rogue.stderr and "secret" in rogue.stderr
     assert run.returncode == 0, stdout[-3000:]
