@@ -56,6 +56,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from geotrain.collectives import Collectives
+from geotrain.config.privacy import sparse_degree
 from geotrain.guard import RoundFailed
 
 PRIME = (1 << 521) - 1  # Mersenne prime; secrets are 32 bytes < 2^256
@@ -163,11 +164,6 @@ def neighbours(n: int, graph: str, degree: int, round_seed: bytes) -> list[list[
         i = pos[u]
         out.append(sorted({order[(i + d) % n] for d in range(-half, half + 1) if d}))
     return out
-
-
-def sparse_degree(n: int) -> int:
-    """SecAgg+ neighbourhood size: O(log n), even, at most n - 1."""
-    return min(n - 1, 2 * math.ceil(math.log2(max(2, n))))
 
 
 def default_threshold(n: int, graph: str) -> int:

@@ -1,0 +1,98 @@
+"""Sections for failure: guarded updates, failure injection, and elastic membership."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from geotrain.config.base import Section, check_site_at, parse_site_at
+
+
+class GuardConfig(Section):
+    enabled: bool = Field(default=True, description="Leave non-finite or outlier pseudo-gradients out of the average.")
+    norm_factor: float = Field(
+        default=10.0, gt=1, le=1e6, description="Exclude a site whose update norm exceeds this many times the running median."
+    )
+    window: int = Field(default=20, ge=1, le=10_000, description="Accepted norms the running median is taken over.")
+    warmup: int = Field(default=3, ge=1, le=10_000, description="Accepted norms needed before the outlier test applies.")
+
+
+class FaultConfig(Section):
+    nan: list[str] = Field(
+        default_factory=list, description="Failure injection: 'SITE@ROUND' makes that site's pseudo-gradient NaN in that round."
+    )
+    kill: list[str] = Field(
+        default_factory=list,
+        description="Failure injection (elastic mode): 'SITE@STEP' SIGKILLs every process of that site at that inner step; "
+        "at a round's last step, in the middle of the cross-site all-reduce.",
+    )
+    hang: list[str] = Field(
+        default_factory=list, description="Like kill, but SIGSTOPs the site (a hung datacenter: sockets stay open)."
+    )
+    restart_after: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        description="Seconds after a kill or hang when the launcher starts the site again (it heals from a live peer); 0: never.",
+    )
+
+    @field_validator("nan", "kill", "hang")
+    @classmethod
+    def _site_at_round(cls, v: list[str]) -> list[str]:
+        return check_site_at(v, ())
+
+    def nan_at(self) -> set[tuple[str, int]]:
+        return {(site, rnd) for site, rnd, _ in map(parse_site_at, self.nan)}
+
+    def site_faults(self) -> dict[tuple[str, int], str]:
+        """{(site, step): 'kill' | 'hang'} from ``kill`` and ``hang``."""
+        out = {(site, step): "kill" for site, step, _ in map(parse_site_at, self.kill)}
+        out.update({(site, step): "hang" for site, step, _ in map(parse_site_at, self.hang)})
+        return out
+
+
+class ElasticConfig(Section):
+    """Elastic cross-site membership (geotrain.membership): a quorum per outer round, rollback of
+    failed rounds, heartbeats, live healing, HMAC-authenticated joins."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Run sites as independent jobs joined per round by a membership layer (torchft Lighthouse): a site may "
+        "die, hang or rejoin without stopping the others. DiLoCo only.",
+    )
+    min_sites: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Fewest live sites a round needs; below it training pauses (logged) until sites return.",
+    )
+    lighthouse: str | None = Field(
+        default=None,
+        description="HOST:PORT of a running membership coordinator (geotrain lighthouse); default: the launcher starts and "
+        "supervises one on 127.0.0.1.",
+    )
+    heartbeat_s: float = Field(default=0.25, gt=0, le=60, description="Seconds between heartbeats.")
+    heartbeat_timeout_s: float = Field(
+        default=2.0, gt=0, le=600, description="A site silent this long is declared failed and its round aborted."
+    )
+    quorum_timeout_s: float = Field(
+        default=5.0, gt=0, le=3600, description="Seconds one quorum request waits before it is retried (and logged)."
+    )
+    start_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="At the start, wait this long for every site before training without the missing ones.",
+    )
+    collective_timeout_s: float = Field(
+        default=120.0, gt=0, le=86_400, description="Backstop timeout of one cross-site operation (heartbeats abort sooner)."
+    )
+    secret_env: str = Field(default="GEOTRAIN_SECRET", description="Environment variable holding the shared membership secret.")
+    secret_file: str | None = Field(
+        default=None, description="File holding the shared membership secret (instead of secret_env)."
+    )
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> ElasticConfig:
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError("heartbeat_timeout_s: must exceed twice elastic.heartbeat_s")
+        return self

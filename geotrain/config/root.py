@@ -1,0 +1,117 @@
+"""The whole training config: every section, and the checks that span sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from geotrain.config.base import Section
+from geotrain.config.privacy import PrivacyConfig, sparse_degree
+from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig
+from geotrain.config.sync import SyncConfig
+from geotrain.config.topology import TopologyConfig
+from geotrain.config.training import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+
+
+class Config(Section):
+    """A whole training run: one field per section (each documented in docs/CONFIG.md)."""
+
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig, description="Cross-organisation mode: secure aggregation, DP.")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="Guarded updates.")
+    fault: FaultConfig = Field(default_factory=FaultConfig, description="Failure injection (tests, chaos).")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Atomic, hashed checkpoints and exact resume."
+    )
+    elastic: ElasticConfig = Field(
+        default_factory=ElasticConfig, description="Sites that fail, hang and rejoin: quorum, rollback, healing."
+    )
+
+    @model_validator(mode="after")
+    def _privacy_fits(self) -> Config:
+        p, n = self.privacy, len(self.topology.sites)
+        if p.threshold is not None and p.threshold > n:
+            raise ValueError(f"privacy.threshold: {p.threshold} is larger than the number of sites ({n})")
+        if p.secure_aggregation and self.sync.algorithm == "ddp":
+            raise ValueError("privacy.secure_aggregation: works on pseudo-gradients; use sync.algorithm=diloco or streaming")
+        if p.dp.unit == "site" and self.sync.algorithm == "ddp":
+            raise ValueError("privacy.dp.unit: 'site' protects pseudo-gradients; use sync.algorithm=diloco or streaming")
+        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.codec != "none":
+            raise ValueError("sync.codec: secure aggregation and site-level DP send fixed-point/fp32 values; set sync.codec=none")
+        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.weight_by_tokens:
+            raise ValueError("sync.weight_by_tokens: would reveal each site's token count; not with privacy")
+        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.eager:
+            raise ValueError("sync.eager: the eager variant uses each site's own share of the average; not with privacy")
+        if p.secure_aggregation and p.threshold is not None and p.graph == "sparse":
+            k = sparse_degree(n)
+            if p.threshold > k + 1:
+                raise ValueError(
+                    f"privacy.threshold: {p.threshold} is more than a site and its {k} neighbours can hold (graph=sparse)"
+                )
+        c = self.checkpoint
+        if c.resume not in (None, "auto") and self.run.baseline not in ("none", self.sync.algorithm):
+            raise ValueError("checkpoint.resume: a checkpoint path resumes one run; set run.baseline=none (or resume=auto)")
+        if (c.every or c.resume) and self.sync.eager:
+            raise ValueError("checkpoint.every: checkpoints of the eager streaming variant are not supported")
+        names = [s.name for s in self.topology.sites]
+        for (site, _), _kind in p.injections().items():
+            if site not in names:
+                raise ValueError(f"privacy.inject: unknown site {site!r} (sites: {', '.join(names)})")
+        for site, _ in self.fault.nan_at():
+            if site not in names:
+                raise ValueError(f"fault.nan: unknown site {site!r} (sites: {', '.join(names)})")
+        for (site, _), kind in self.fault.site_faults().items():
+            if site not in names:
+                raise ValueError(f"fault.{kind}: unknown site {site!r} (sites: {', '.join(names)})")
+            if not self.elastic.enabled:
+                raise ValueError(f"fault.{kind}: killing or hanging a site needs elastic.enabled=true")
+        self._elastic_fits(len(names))
+        return self
+
+    def _elastic_fits(self, n: int) -> None:
+        e = self.elastic
+        if not e.enabled:
+            return
+        if e.min_sites > n:
+            raise ValueError(f"elastic.min_sites: {e.min_sites} is more than the number of sites ({n})")
+        if self.sync.algorithm != "diloco":
+            raise ValueError("sync.algorithm: elastic mode runs diloco (allowed: diloco)")
+        if self.sync.codec != "none" or self.sync.weight_by_tokens:
+            raise ValueError(
+                "sync.codec: elastic mode averages fp32 pseudo-gradients; set sync.codec=none, weight_by_tokens=false"
+            )
+        if self.privacy.secure_aggregation or self.privacy.dp.unit != "none":
+            raise ValueError("privacy: not combined with elastic mode yet; set elastic.enabled=false")
+        if self.checkpoint.every or self.checkpoint.resume:
+            raise ValueError("checkpoint.every: elastic sites heal from live peers instead; set checkpoint.every=0")
+        if self.topology.links.emulate == "kernel":
+            raise ValueError("topology.links.emulate: elastic mode supports off or inprocess")
+
+    def with_algorithm(self, algorithm: str) -> Config:
+        """A copy of this config that trains with ``algorithm`` and no baseline."""
+        data = self.model_dump()
+        data["sync"]["algorithm"] = algorithm
+        data["run"]["baseline"] = "none"
+        if algorithm != "diloco":  # elastic mode (and site kills) is DiLoCo's; the baseline runs plain
+            data["elastic"]["enabled"] = False
+            data["fault"]["kill"], data["fault"]["hang"] = [], []
+        if algorithm == "ddp":  # a DDP baseline exchanges gradients: no pseudo-gradient privacy to apply
+            data["privacy"]["secure_aggregation"] = False
+            if data["privacy"]["dp"]["unit"] == "site":
+                data["privacy"]["dp"]["unit"] = "none"
+        if data["checkpoint"]["dir"] is not None and self.run.baseline not in ("none", self.sync.algorithm):
+            data["checkpoint"]["dir"] = str(Path(data["checkpoint"]["dir"]) / algorithm)  # one directory per run
+        return Config.model_validate(data)
+
+    @property
+    def eval_every(self) -> int:
+        if self.train.eval_every:
+            return self.train.eval_every
+        return self.sync.H if self.sync.algorithm != "ddp" else 25

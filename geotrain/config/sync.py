@@ -1,0 +1,95 @@
+"""The sync section: how sites synchronise (DDP, DiLoCo, Streaming DiLoCo), what crosses sites and how it is encoded."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from geotrain.config.base import Section
+
+CODEC_BITS = {"none": 32, "bf16": 16, "fp16": 16, "int8": 8, "fp4": 4, "int4": 4}
+
+
+class SyncConfig(Section):
+    algorithm: Literal["ddp", "diloco", "streaming"] = Field(
+        default="diloco",
+        description="'ddp': all-reduce gradients over all ranks every step. 'diloco': all-reduce in a site every step, average pseudo-gradients across sites every H steps. 'streaming': Streaming DiLoCo, fragments synced at staggered steps and merged tau steps later.",
+    )
+    H: int = Field(default=50, ge=1, le=1_000_000, description="DiLoCo inner steps per outer round.")
+    outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate (DiLoCo paper: 0.7).")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum (DiLoCo paper: 0.9).")
+    nesterov: bool = Field(default=True, description="Nesterov outer momentum (DiLoCo paper: true).")
+    weight_by_tokens: bool = Field(
+        default=False, description="Weight each site's pseudo-gradient by the tokens it processed in the round."
+    )
+    allreduce: Literal["hierarchical", "flat"] = Field(
+        default="hierarchical",
+        description="How gradients cross sites: 'hierarchical' (reduce-scatter in site, all-reduce across sites, all-gather in site) or 'flat' (one ring over all ranks).",
+    )
+    fragments: int = Field(
+        default=4, ge=1, le=4096, description="Streaming DiLoCo: number of fragments (strided groups of layers)."
+    )
+    tau: int = Field(
+        default=5, ge=0, le=1_000_000, description="Streaming DiLoCo: inner steps between a fragment's sync and its merge."
+    )
+    alpha: float = Field(
+        default=0.5, ge=0, le=1, description="Streaming DiLoCo: merged = alpha * local + (1 - alpha) * new global."
+    )
+    codec: Literal["none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "powersgd"] = Field(
+        default="none",
+        description="Encoding of what crosses sites (DiLoCo/streaming pseudo-gradients, DDP gradients); in-site traffic stays fp32.",
+    )
+    bits: int | None = Field(
+        default=None, description="Optional check of the codec's width: bf16/fp16 16, int8 8, fp4/int4 4, none 32."
+    )
+    block_size: int = Field(default=64, ge=2, le=1 << 20, description="fp4/int4: values per fp32 scale (even).")
+    sigma_range: float = Field(default=6.0, gt=0, le=64, description="int8: buckets span mean ± sigma_range · std.")
+    topk_fraction: float = Field(default=0.01, gt=0, le=1, description="topk: fraction of entries sent.")
+    rank: int = Field(default=4, ge=1, le=4096, description="powersgd: approximation rank.")
+    chunk_bytes: int = Field(
+        default=4 << 20,
+        ge=4096,
+        le=1 << 34,
+        description="fp32 all-reduces are cut into chunks of this many bytes, pipelined over the lanes.",
+    )
+    lanes: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Chunks in flight at once (each lane has its own process groups), so one chunk's in-site phases "
+        "and latency overlap with another's wide-area transfer.",
+    )
+    eager: bool = Field(
+        default=False,
+        description="Streaming DiLoCo, eager variant: a fragment's all-reduce gets a whole round; its outer step uses the "
+        "fresh local pseudo-gradient plus the other sites' one-round-old ones (tau is not used).",
+    )
+    error_feedback: bool | None = Field(
+        default=None,
+        description="Add what the codec left out to the next round's input; default: on for topk and powersgd, off otherwise.",
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> SyncConfig:
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov needs outer_momentum > 0 (set sync.nesterov=false for plain SGD)")
+        if self.bits is not None:
+            width = CODEC_BITS.get(self.codec)
+            if width is None:
+                raise ValueError(f"bits: the {self.codec} codec has no fixed width; leave bits unset")
+            if self.bits != width:
+                raise ValueError(f"bits: the {self.codec} codec sends {width} bits per value (allowed: {width}; got {self.bits})")
+        if self.block_size % 2:
+            raise ValueError(f"block_size: must be even, two 4-bit codes per byte (got {self.block_size})")
+        if self.eager and self.weight_by_tokens:
+            raise ValueError("eager: the eager variant averages sites equally; it cannot be combined with weight_by_tokens")
+        if self.algorithm == "streaming" and not self.eager and self.tau >= self.H:
+            raise ValueError(f"tau: must be below H={self.H}, a fragment merges before it syncs again (got {self.tau})")
+        return self
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        if self.error_feedback is not None:
+            return self.error_feedback
+        return self.codec in ("topk", "powersgd")

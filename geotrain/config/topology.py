@@ -1,0 +1,117 @@
+"""The topology section: sites (datacenters), their workers, and the links between them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from geotrain.config.base import Section, existing_path
+
+
+class LinkConfig(Section):
+    """A network link class: bandwidth in bits per second and one-way latency in seconds.
+
+    Inter-site links are emulated (see :mod:`geotrain.comm.emulate`): the bytes each rank sends to another
+    site are paced to the link's bandwidth (shared by all ranks of the site) and delayed by its
+    latency.
+    """
+
+    bandwidth_bps: float = Field(gt=0, description="Link bandwidth in bits per second (e.g. 1.0e+9 for 1 Gbit/s).")
+    latency_s: float = Field(ge=0, le=10, description="One-way latency in seconds (0 to 10).")
+
+
+class PairLinkConfig(LinkConfig):
+    sites: list[str] = Field(description="The two sites this link joins (both directions get the same bandwidth and latency).")
+
+    @field_validator("sites")
+    @classmethod
+    def _two(cls, v: list[str]) -> list[str]:
+        if len(v) != 2 or v[0] == v[1]:
+            raise ValueError("must name two different sites")
+        return v
+
+
+class LinksConfig(Section):
+    emulate: Literal["off", "inprocess", "kernel"] = Field(
+        default="inprocess",
+        description="How inter-site links are emulated on one machine: 'inprocess' (pacing and delay inside geotrain, no root needed), "
+        "'kernel' (a network namespace per site, tc bandwidth limits, latency in-process; needs root and ip), 'off' (loopback speed).",
+    )
+
+    @field_validator("emulate", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+    intra: LinkConfig = Field(
+        default_factory=lambda: LinkConfig(bandwidth_bps=100e9, latency_s=5e-6),
+        description="Links between workers of the same site (scale-out fabric inside a datacenter).",
+    )
+    inter: LinkConfig = Field(
+        default_factory=lambda: LinkConfig(bandwidth_bps=1e9, latency_s=0.02),
+        description="Links between sites (wide-area network), unless a 'between' entry names the pair.",
+    )
+    between: list[PairLinkConfig] = Field(
+        default_factory=list,
+        description="Per site-pair links overriding 'inter', e.g. [{sites: [A, B], bandwidth_bps: 1.0e+8, latency_s: 0.04}].",
+    )
+
+
+class SiteConfig(Section):
+    name: str = Field(min_length=1, max_length=64, description="Site (datacenter) name, unique; letters, digits, '-', '_'.")
+    workers: int = Field(ge=1, le=1024, description="Number of workers (ranks) in this site.")
+    region: str | None = Field(default=None, description="Optional region for multi-tier sync (site -> region -> continent).")
+    corpus: str | None = Field(
+        default=None,
+        description="This site's private training data (file or directory): its workers read only this; "
+        "unset: the site's share of data.corpus.",
+    )
+
+    _site_corpus_exists = field_validator("corpus")(existing_path)
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", v):
+            raise ValueError("may contain only letters, digits, '-' and '_'")
+        return v
+
+
+class TopologyConfig(Section):
+    sites: list[SiteConfig] = Field(
+        default_factory=lambda: [SiteConfig(name="A", workers=2), SiteConfig(name="B", workers=2)],
+        description="The sites (datacenters) taking part; ranks are numbered site by site in this order.",
+    )
+    links: LinksConfig = Field(default_factory=LinksConfig, description="Intra-site and inter-site link properties.")
+
+    @field_validator("sites")
+    @classmethod
+    def _sites_ok(cls, v: list[SiteConfig]) -> list[SiteConfig]:
+        if not v:
+            raise ValueError("at least one site is required")
+        names = [s.name for s in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"site names must be unique (repeated: {', '.join(dup)})")
+        if len({s.workers for s in v}) != 1:
+            raise ValueError(
+                "all sites must have the same number of workers for now "
+                f"(got {[s.workers for s in v]}); heterogeneous sites are planned"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _links_name_sites(self) -> TopologyConfig:
+        names = [s.name for s in self.sites]
+        seen: set[frozenset[str]] = set()
+        for i, link in enumerate(self.links.between):
+            for name in link.sites:
+                if name not in names:
+                    raise ValueError(f"links.between[{i}].sites: unknown site {name!r} (sites: {', '.join(names)})")
+            pair = frozenset(link.sites)
+            if pair in seen:
+                raise ValueError(f"links.between[{i}].sites: the link {link.sites[0]}-{link.sites[1]} is given twice")
+            seen.add(pair)
+        return self

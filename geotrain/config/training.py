@@ -1,0 +1,108 @@
+"""What is trained and how: model, data, the training loop, the inner optimizer, checkpoints, the run."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from geotrain.config.base import Section, existing_path
+
+
+class ModelConfig(Section):
+    kind: Literal["gpt", "hf"] = Field(
+        default="gpt",
+        description="'gpt': geotrain's GPT decoder; 'hf': a Hugging Face causal LM built from a config (needs the 'hf' extra).",
+    )
+    n_layer: int = Field(default=4, ge=1, le=256, description="Transformer blocks.")
+    n_head: int = Field(default=4, ge=1, le=256, description="Attention heads.")
+    n_embd: int = Field(default=128, ge=8, le=65536, description="Hidden size; must be divisible by n_head.")
+    block_size: int = Field(default=64, ge=4, le=65536, description="Sequence length (context) in tokens.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability.")
+    hf: dict[str, Any] = Field(
+        default_factory=lambda: {"model_type": "gpt2"},
+        description="For kind=hf: keyword arguments for transformers.AutoConfig.for_model (model_type plus sizes). "
+        "Sizes not given are taken from n_layer/n_head/n_embd/block_size; vocab is always 256 (bytes).",
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        return self
+
+
+class DataConfig(Section):
+    corpus: str | None = Field(
+        default=None,
+        description="A text file or directory of text files to train on. Default (null): text that ships with "
+        "CPython (pydoc topics and standard-library sources), so nothing is downloaded.",
+    )
+    eval_fraction: float = Field(default=0.05, gt=0, lt=0.5, description="Share of the corpus held out for evaluation.")
+    non_iid: bool = Field(
+        default=False,
+        description="Give each site its own contiguous slice of the corpus (sites as organisations with their own data).",
+    )
+
+    _corpus_exists = field_validator("corpus")(existing_path)
+
+
+class TrainConfig(Section):
+    steps: int = Field(default=300, ge=1, le=10_000_000, description="Inner (local) optimizer steps per worker.")
+    batch_size: int = Field(default=8, ge=1, le=65536, description="Sequences per worker per step.")
+    seed: int = Field(default=1234, ge=0, description="Seed for model init and data sampling.")
+    eval_every: int = Field(
+        default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp."
+    )
+    eval_batches: int = Field(
+        default=8, ge=1, le=10000, description="Held-out batches (of batch_size) per evaluation, split over all ranks."
+    )
+    log_every: int = Field(default=25, ge=1, description="Print a log line every N steps (local rank 0 of each site).")
+    threads: int = Field(
+        default=0, ge=0, le=1024, description="torch threads per rank; 0 = CPU cores / ranks on this machine (at least 1)."
+    )
+    save_final: bool = Field(default=True, description="Write the final global model to OUT/final_model.pt.")
+    timeline: bool = Field(
+        default=False, description="Record per-rank compute and network intervals to OUT/timeline/rank{r}.json (for plots)."
+    )
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = Field(default="adamw", description="Inner optimizer.")
+    lr: float = Field(default=4e-4, gt=0, le=10, description="Inner learning rate (DiLoCo paper: 4e-4).")
+    weight_decay: float = Field(default=0.1, ge=0, le=1, description="Weight decay (DiLoCo paper: 0.1).")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], description="AdamW betas (DiLoCo paper: 0.9, 0.95).")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="Momentum for name=sgd.")
+    warmup_steps: int = Field(default=20, ge=0, description="Linear learning-rate warm-up steps.")
+    schedule: Literal["constant", "cosine"] = Field(
+        default="cosine", description="Learning rate after warm-up: constant, or cosine decay to 10% at the last step."
+    )
+    grad_clip: float = Field(default=1.0, ge=0, description="Clip the (averaged) gradient norm to this value; 0 disables.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: list[float]) -> list[float]:
+        if len(v) != 2 or not all(0 <= b < 1 for b in v):
+            raise ValueError("must be two numbers in [0, 1)")
+        return v
+
+
+class CheckpointConfig(Section):
+    every: int = Field(default=0, ge=0, description="Write a checkpoint every N inner steps (0: never).")
+    dir: str | None = Field(default=None, description="Where checkpoints go; default OUT/checkpoints.")
+    keep: int = Field(default=3, ge=1, le=1000, description="Keep the newest N checkpoints.")
+    resume: str | None = Field(
+        default=None,
+        description="Resume from 'auto' (the newest valid checkpoint under dir) or from this checkpoint "
+        "(a step-N directory); a truncated or tampered one is refused.",
+    )
+
+
+class RunConfig(Section):
+    baseline: Literal["ddp", "diloco", "streaming", "none"] = Field(
+        default="ddp", description="Also train this algorithm on the same tokens and compare; 'none' to skip."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="torch.distributed backend; auto = nccl with CUDA, else gloo."
+    )
+    timeout_s: float = Field(default=300, gt=0, le=86400, description="Collective timeout in seconds.")

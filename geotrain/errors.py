@@ -1,0 +1,45 @@
+"""Every exception a caller of geotrain catches, in one place.
+
+Parts raise these; the CLI and the training entry point turn them into one-line messages and
+exit codes (2: bad input, 1: a run failed, 3: refused membership). Importing this module costs
+nothing: it imports no torch, so the CLI can reject bad input before loading anything heavy.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a one-line message that names the field."""
+
+
+class LaunchError(RuntimeError):
+    """A rank (or, in elastic mode, every site) failed; the message names its site and rank."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, incomplete, truncated, tampered)."""
+
+
+class NonFiniteError(ValueError):
+    """A tensor to encode holds NaN or inf: refused at the sender."""
+
+
+class RoundFailed(RuntimeError):
+    """The round cannot be applied consistently on every site; the caller rolls it back."""
+
+
+class SecAggAborted(RoundFailed):
+    """Secure aggregation cannot complete (too few survivors or shares); nothing of it was applied."""
+
+
+class RoundPostponed(Exception):
+    """Elastic mode: the membership coordinator is down; keep training and try again next step."""
+
+
+class MembershipRefused(RuntimeError):
+    """This process could not prove the shared secret (or has nobody to heal from); it takes part
+    in no collective."""
+
+
+class CoordinatorDown(RuntimeError):
+    """The Lighthouse (membership coordinator) cannot be reached."""
