@@ -67,8 +67,8 @@ def plain_loop(steps: int) -> float:
 
 def geotrain_loop(steps: int) -> float:
     """geotrain's real worker (process group, hooks, metrics) on 1x1; returns seconds per step."""
+    from geotrain.comm.procs import free_port
     from geotrain.config import load_config
-    from geotrain.launch import free_port
     from geotrain.worker import train
 
     env = {

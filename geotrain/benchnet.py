@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from geotrain.comm.procs import run_ranks
+from geotrain.comm.topology import Topology
 from geotrain.config import Config, TopologyConfig, load_config
-from geotrain.procs import run_ranks
-from geotrain.topology import Topology
 
 MIB = 1 << 20
 
@@ -46,7 +46,7 @@ def _in_namespaces(topo: Topology, mode: str, fn: Callable[..., Any], *args: Any
     world = topo.world_size
     if mode != "kernel":
         return run_ranks(world, fn, *args, timeout=timeout)
-    from geotrain.netns import IFNAME, KernelLinks
+    from geotrain.comm.emulate.kernel import IFNAME, KernelLinks
 
     with KernelLinks(topo) as k:
         netns = [k.namespaces[topo.site_of(r)] for r in range(world)]
@@ -57,9 +57,9 @@ def _in_namespaces(topo: Topology, mode: str, fn: Callable[..., Any], *args: Any
 def rank_comm(topo: Topology, mode: str = "inprocess", lanes: int = 1, chunk_bytes: int = 4 * MIB) -> Iterator[Any]:
     """In a rank started by ``run_ranks``: its groups and a :class:`Collectives` over links
     emulated in ``mode`` ('off' for none); everything is closed on exit. Yields (groups, comm)."""
-    from geotrain.collectives import Collectives
-    from geotrain.groups import ProcessGroups
-    from geotrain.wan import WanEmulator
+    from geotrain.comm.collectives import Collectives
+    from geotrain.comm.emulate.inprocess import WanEmulator
+    from geotrain.comm.groups import ProcessGroups
 
     groups = ProcessGroups.build(topo, "gloo", timeout_s=600, lanes=lanes)
     wan = None if mode == "off" else WanEmulator(topo, groups.me.site_index, os.environ["MASTER_PORT"], mode)
@@ -84,7 +84,7 @@ def bench_link(
     modes: tuple[str, ...] = ("inprocess", "kernel"),
 ) -> dict[str, Any]:
     """One-way transfer time of a buffer sized to take about ``seconds`` at each speed."""
-    from geotrain.netns import unavailable
+    from geotrain.comm.emulate.kernel import unavailable
 
     points = []
     notes = []

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from geotrain.benchnet import link_topology, rank_comm
-from geotrain.procs import run_ranks
+from geotrain.comm.procs import run_ranks
 
 TARGETS = {"bytes_ratio": 1.1, "round_time_ratio": 1.3}
 

@@ -94,10 +94,10 @@ def _run_one(cfg: Config, out: Path, progress: Progress) -> dict[str, Any]:
 def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("runs/geotrain")) -> None:
     """Train (by default DiLoCo on 2 sites x 2 workers, plus the DDP baseline on the same tokens)."""
     cfg = _load(config, set_)
+    from geotrain.comm.topology import Topology
     from geotrain.data import check_data
     from geotrain.launch import LaunchError
     from geotrain.report import print_table, write_outputs
-    from geotrain.topology import Topology
 
     topo = Topology.from_config(cfg.topology)
     try:
@@ -118,7 +118,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
             load_secret(cfg.elastic)
         except MembershipRefused as exc:
             _fail(f"config error: {exc}")
-    from geotrain.groups import choose_backend
+    from geotrain.comm.groups import choose_backend
 
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
         _fail(

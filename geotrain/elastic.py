@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geotrain.comm.emulate.inprocess import state_path
+from geotrain.comm.procs import free_port
+from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.launch import GRACE_SECONDS, LaunchError, _describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
 from geotrain.membership import LighthouseProcess
-from geotrain.procs import free_port
-from geotrain.topology import Topology
-from geotrain.wan import state_path
 
 REFUSED_EXIT = 3  # a worker that failed membership authentication
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from geotrain.collectives import Collectives
+from geotrain.comm.collectives import Collectives
 from geotrain.config import GuardConfig
 
 

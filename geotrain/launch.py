@@ -14,7 +14,6 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -28,33 +27,18 @@ from typing import IO, Any
 
 import yaml
 
-from geotrain import netns
+from geotrain.comm.emulate import kernel as netns
+from geotrain.comm.emulate.inprocess import state_path
+from geotrain.comm.emulate.kernel import IFNAME, KernelLinks
+from geotrain.comm.procs import free_port
+from geotrain.comm.topology import Topology
 from geotrain.config import Config
-from geotrain.netns import IFNAME, KernelLinks
-from geotrain.procs import free_port
-from geotrain.topology import Topology
-from geotrain.wan import state_path
 
 GRACE_SECONDS = 3.0
 
 
 class LaunchError(RuntimeError):
     """A rank failed; the message names its site and rank."""
-
-
-def die_with_parent() -> None:
-    """Called first thing in a worker started by this launcher (GEOTRAIN_PARENT_PID set): ask the
-    kernel to SIGKILL this process when the launcher dies, and exit if it already has."""
-    parent = os.environ.get("GEOTRAIN_PARENT_PID")
-    if not parent:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != int(parent):  # the launcher died before prctl took effect
-        os._exit(1)
 
 
 def _describe_exit(code: int) -> str:

@@ -59,10 +59,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.collectives import CommStats
+from geotrain.comm.collectives import CommStats
+from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.config import Config, ElasticConfig
 from geotrain.guard import RoundFailed
-from geotrain.wan import WanEmulator
 
 _DATA_TAG, _HEADER_TAG, _HEAL_TAG = 0, 1, 2
 
@@ -113,7 +113,7 @@ def lighthouse_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds")
     ap.add_argument("--join-timeout", type=float, default=60.0, help="seconds")
     args = ap.parse_args(argv)
-    from geotrain.launch import die_with_parent
+    from geotrain.comm.procs import die_with_parent
 
     die_with_parent()  # under geotrain's launcher: never outlive it
     server = LighthouseServer(

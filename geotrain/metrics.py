@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
-from geotrain.topology import RankInfo
+from geotrain.comm.topology import RankInfo
 
 
 class _Scalars(Protocol):

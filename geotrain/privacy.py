@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from geotrain.collectives import Collectives
+from geotrain.comm.collectives import Collectives
 from geotrain.config import PrivacyConfig
 from geotrain.guard import RoundFailed
 from geotrain.secagg import RoundReport, SecAggAborted, SecureAggregator

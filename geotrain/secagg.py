@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from geotrain.collectives import Collectives
+from geotrain.comm.collectives import Collectives
 from geotrain.config.privacy import sparse_degree
 from geotrain.guard import RoundFailed
 

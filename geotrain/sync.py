@@ -7,7 +7,7 @@ is only ``zero_grad -> backward -> step``:
 * a *step post-hook* runs the outer synchronisation when one is due.
 
 ``DDP`` — data parallel across every rank: gradients are summed over all ranks every step
-(hierarchically by default, see :mod:`geotrain.collectives`) and divided by the world size.
+(hierarchically by default, see :mod:`geotrain.comm.collectives`) and divided by the world size.
 
 ``DiLoCo`` — Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
 Models", arXiv:2311.08105, Algorithm 1:
@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from geotrain.codecs import Codec, Residual, build_codec
 from geotrain.codecs.powersgd import PowerSGD
-from geotrain.collectives import Collectives
+from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 from geotrain.guard import RoundFailed, UpdateGuard
 

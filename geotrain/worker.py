@@ -29,19 +29,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain import checkpoint as ckpt
-from geotrain.collectives import Collectives
+from geotrain.comm.collectives import Collectives
+from geotrain.comm.emulate import describe_links, link_emulator
+from geotrain.comm.emulate.inprocess import WanEmulator
+from geotrain.comm.groups import ProcessGroups
+from geotrain.comm.procs import die_with_parent
+from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, ConfigError, load_config
 from geotrain.data import build_rank_data
-from geotrain.groups import ProcessGroups
 from geotrain.guard import UpdateGuard
-from geotrain.launch import die_with_parent
 from geotrain.membership import HealHooks, MembershipRefused, SiteMember
 from geotrain.metrics import MetricsSink, log
 from geotrain.model import build_model, count_params
 from geotrain.privacy import Privacy, setup_privacy
 from geotrain.sync import DiLoCo, SyncAlgorithm, build_sync
-from geotrain.topology import RankInfo, Topology
-from geotrain.wan import WanEmulator
 
 
 def rank_threads(requested: int) -> int:
@@ -318,23 +319,8 @@ def build_wan(topo: Topology, me: RankInfo, requested: str) -> WanEmulator | Non
         if me.rank == 0:
             log(me, 0, "kernel link emulation needs geotrain's launcher (network namespaces); using in-process emulation")
         mode = "inprocess"
-    if mode == "off" or topo.num_sites == 1:
-        return None
     key = os.environ.get("GEOTRAIN_WAN_KEY") or os.environ.get("MASTER_PORT", "0")  # elastic: one key for all sites
-    return WanEmulator(topo, me.site_index, key, mode)
-
-
-def describe_links(topo: Topology, wan: WanEmulator | None) -> str:
-    if wan is None:
-        return "not emulated (loopback speed)"
-    parts = []
-    for a in range(topo.num_sites):
-        for b in range(a + 1, topo.num_sites):
-            link = topo.link(a, b)
-            parts.append(
-                f"{topo.site_names[a]}-{topo.site_names[b]} {link.bandwidth_bps / 1e6:g} Mbit/s {link.latency_s * 1e3:g} ms"
-            )
-    return f"{wan.mode} emulation, " + ", ".join(parts)
+    return link_emulator(topo, me.site_index, mode, key)
 
 
 def _write_timeline(

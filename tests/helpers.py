@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from geotrain.comm.procs import run_ranks
+from geotrain.comm.topology import Topology
 from geotrain.config import TopologyConfig
-from geotrain.procs import run_ranks
-from geotrain.topology import Topology
 
 __all__ = [
     "FOUR_SITES",

@@ -137,8 +137,8 @@ def test_residual_shape_checked() -> None:
 
 
 def _coded_rank(rank: int, sites: int, workers: int) -> dict:
-    from geotrain.collectives import Collectives
-    from geotrain.groups import ProcessGroups
+    from geotrain.comm.collectives import Collectives
+    from geotrain.comm.groups import ProcessGroups
 
     topo = uniform_topology(sites, workers)
     groups = ProcessGroups.build(topo, "gloo", timeout_s=60)

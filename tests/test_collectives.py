@@ -11,8 +11,8 @@ SIZES = [1, 3, 7, 1000, 4099, 65537]
 
 
 def _collectives_rank(rank: int, sites: int, workers: int) -> dict:
-    from geotrain.collectives import Collectives
-    from geotrain.groups import ProcessGroups
+    from geotrain.comm.collectives import Collectives
+    from geotrain.comm.groups import ProcessGroups
 
     topo = uniform_topology(sites, workers)
     groups = ProcessGroups.build(topo, "gloo", timeout_s=60)

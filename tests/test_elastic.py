@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
+from geotrain.comm.procs import free_port
 from geotrain.config import ElasticConfig
 from geotrain.launch import worker_cmd
 from geotrain.membership import LighthouseProcess
-from geotrain.procs import free_port
 from tests.helpers import TINY, read_summary, train_args, train_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -141,9 +141,9 @@ def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
 
 
 def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
+    from geotrain.comm.topology import Topology
     from geotrain.config import TopologyConfig
     from geotrain.elastic import site_env
-    from geotrain.topology import Topology
 
     out = tmp_path / "auth"
     env = {**os.environ, "GEOTRAIN_SECRET": "the-right-shared-secret-0123456789"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from geotrain import netns
+from geotrain.comm.emulate import kernel as netns
 from geotrain.config import load_config
 from geotrain.launch import launch_local
 from tests.helpers import REPO, TINY, uniform_topology
@@ -46,7 +46,7 @@ def test_setup_shapes_each_destination_and_teardown_is_idempotent() -> None:
 @pytest.mark.timeout(60)
 def test_sigkilled_owner_leaves_nothing_behind() -> None:
     code = (
-        "import time; from geotrain.netns import KernelLinks; from tests.helpers import uniform_topology; "
+        "import time; from geotrain.comm.emulate.kernel import KernelLinks; from tests.helpers import uniform_topology; "
         "k = KernelLinks(uniform_topology(2, 1)).up(); print('up', flush=True); time.sleep(60)"
     )
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)

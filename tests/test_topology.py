@@ -1,7 +1,7 @@
 """Rank arithmetic of the topology."""
 
+from geotrain.comm.topology import Topology
 from geotrain.config import TopologyConfig
-from geotrain.topology import Topology
 
 
 def test_rank_layout_site_major() -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from geotrain.comm.emulate.inprocess import SharedLinks
 from geotrain.config import ConfigError, load_config
-from geotrain.wan import SharedLinks
 from tests.helpers import run_ranks, sum_mismatch, uniform_topology
 
 
@@ -131,7 +131,7 @@ def test_link_between_unknown_site_is_refused(tmp_path: Path) -> None:
 
 
 def test_pair_link_overrides_inter() -> None:
-    from geotrain.topology import Topology
+    from geotrain.comm.topology import Topology
 
     cfg = load_config(
         None,

@@ -2,7 +2,7 @@
 
 A codec turns a 1-D fp32 tensor into one ``uint8`` buffer — exactly the bytes that go on the
 wire, scales, tables and indices included — and back. Nothing here touches a process group, so
-every codec is testable on its own; :mod:`geotrain.collectives` moves the buffers and
+every codec is testable on its own; :mod:`geotrain.comm.collectives` moves the buffers and
 :mod:`geotrain.codecs.powersgd` holds the one codec that is not a byte format (its factors are
 all-reduced directly because PowerSGD is linear in them).
 

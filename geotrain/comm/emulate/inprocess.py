@@ -18,7 +18,7 @@ In-process mode (``topology.links.emulate=inprocess``, no root needed):
 * The real bytes cross loopback at once, so loopback speed does not add to the emulated time
   as long as it is faster than the emulated link.
 
-Kernel mode (``emulate=kernel``, :mod:`geotrain.netns`): each site runs in its own network
+Kernel mode (``emulate=kernel``, :mod:`geotrain.comm.emulate.kernel`): each site runs in its own network
 namespace and ``tc`` limits the bandwidth of the inter-site paths; only latency is added here
 (this kernel has no ``netem``): the receiver holds data for one latency after it arrived.
 
@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from geotrain.topology import Topology
+from geotrain.comm.topology import Topology
 
 
 def state_path(run_key: str) -> Path:

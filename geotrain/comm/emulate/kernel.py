@@ -11,7 +11,7 @@ On each site's eth0, an HTB root qdisc has one class per other site j, limited t
 bandwidth of link (i, j) and selected by a u32 filter on j's address; everything else (the
 site's own traffic never leaves lo) goes to an unlimited default class. Ranks of a site share
 eth0, so they share each link's capacity as on a real uplink. This kernel has no ``netem``,
-so latency is added in-process (:mod:`geotrain.wan`, mode 'kernel').
+so latency is added in-process (:mod:`geotrain.comm.emulate.inprocess`, mode 'kernel').
 
 Set-up and tear-down are idempotent. A launcher killed outright (SIGKILL) cannot clean up, so
 set-up also starts a small watchdog process (its own session) that deletes the run's namespaces
@@ -33,7 +33,7 @@ import subprocess
 import sys
 from types import TracebackType
 
-from geotrain.topology import Topology
+from geotrain.comm.topology import Topology
 
 PREFIX = "gtw"
 IFNAME = "eth0"

@@ -1,4 +1,5 @@
-"""Run a Python function as every rank of a small job: real processes, real Gloo groups.
+"""Ranks as processes: free ports, network namespaces, dying with the parent, and running a
+Python function as every rank of a small job (real processes, real Gloo groups).
 
 Used by the benchmarks and the tests. Each rank is a spawned process with the torch.distributed
 environment on 127.0.0.1 (or, in kernel link-emulation mode, on its site's namespace address:
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -24,6 +26,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """Called first thing in a worker started by this launcher (GEOTRAIN_PARENT_PID set): ask the
+    kernel to SIGKILL this process when the launcher dies, and exit if it already has."""
+    parent = os.environ.get("GEOTRAIN_PARENT_PID")
+    if not parent:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os._exit(1)
 
 
 def enter_netns(name: str) -> None:

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from geotrain.topology import RankInfo, Topology
+from geotrain.comm.topology import RankInfo, Topology
 
 
 def choose_backend(requested: str) -> str:

@@ -16,13 +16,13 @@ parallel, so every rank's wide-area path is busy), all-gather inside the site. O
 per rank (G = workers per site) cross the slow links, twice (N-1)/N of it for N sites.
 
 Pipelining: an fp32 all-reduce is cut into chunks of ``chunk_bytes``; chunk k goes to lane
-k mod L. Each lane is a thread with its own process groups (:class:`geotrain.groups.Lane`) and
+k mod L. Each lane is a thread with its own process groups (:class:`geotrain.comm.groups.Lane`) and
 runs the three phases on its chunks in order, so while one lane reduce-scatters inside a site
 another has its shard on the wide-area link and a third waits out the link's latency — the
 phases overlap and the slow link stays busy.
 
 Every point-to-point exchange goes through :meth:`Collectives._p2p`, where inter-site sends
-are paced and delayed by the link emulation (:mod:`geotrain.wan`) when one is configured.
+are paced and delayed by the link emulation (:mod:`geotrain.comm.emulate.inprocess`) when one is configured.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from geotrain.codecs import Codec, Residual
-from geotrain.groups import Lane, ProcessGroups
-from geotrain.wan import WanEmulator
+from geotrain.comm.emulate.inprocess import WanEmulator
+from geotrain.comm.groups import Lane, ProcessGroups
 
 _HEADER_TAG = 1  # arrival-time headers of the link emulation travel on their own tag
 TIMELINE_CAP = 200_000

@@ -3,7 +3,7 @@
 Ranks are numbered site by site in config order: with sites A (2 workers) and B (2 workers),
 ranks 0-1 are A's local ranks 0-1 and ranks 2-3 are B's. The same numbering is used by the
 local launcher and under ``torchrun``, so a rank's site is a function of its global rank.
-Nothing here touches torch.distributed; :mod:`geotrain.groups` turns these rank lists into
+Nothing here touches torch.distributed; :mod:`geotrain.comm.groups` turns these rank lists into
 process groups.
 """
 
