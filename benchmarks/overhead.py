@@ -42,7 +42,7 @@ def plain_loop(steps: int) -> float:
 
     from geotrain.config import load_config
     from geotrain.data import build_rank_data
-    from geotrain.model import GPT
+    from geotrain.models import GPT
     from geotrain.worker import build_optimizer
 
     cfg = load_config(None, _cfg(steps))

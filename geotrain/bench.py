@@ -47,7 +47,7 @@ def capture_pseudo_gradients(steps: int = 50, seed: int = 0) -> tuple[list[torch
     """Δ = θ₀ − θ_steps of the default model and data, one process (no downloads); and its seconds."""
     from geotrain.config import load_config
     from geotrain.data import build_rank_data
-    from geotrain.model import build_model
+    from geotrain.models import build_model
     from geotrain.worker import build_optimizer
 
     t0 = time.perf_counter()

@@ -232,7 +232,7 @@ def bench_allreduce(
 
 def _ddp_steps(cfg: Config, steps: int, budget_s: float) -> int:
     """Steps for a ddp point: all of ``steps`` unless its wide-area time alone would pass ``budget_s``."""
-    from geotrain.model import build_model, count_params
+    from geotrain.models import build_model, count_params
 
     link = cfg.topology.links.inter
     nbytes = 4 * count_params(build_model(cfg.model))  # per direction per step, hierarchical, 2 sites

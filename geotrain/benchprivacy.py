@@ -30,7 +30,7 @@ def _step_seconds(steps: int) -> float:
     """Median seconds of one inner step of the default model in this process."""
     from geotrain.config import load_config
     from geotrain.data import build_rank_data
-    from geotrain.model import build_model
+    from geotrain.models import build_model
     from geotrain.worker import build_optimizer
 
     cfg = load_config(None, ["train.eval_batches=1"])
@@ -90,7 +90,7 @@ def bench_overhead(
 ) -> dict[str, Any]:
     """Secure vs plain aggregation of a default-model-sized vector (or ``numel`` values)."""
     from geotrain.config import ModelConfig
-    from geotrain.model import build_model, count_params
+    from geotrain.models import build_model, count_params
 
     numel = numel or count_params(build_model(ModelConfig()))
     ranks = run_ranks(sites, _overhead_rank, sites, numel, reps, bandwidth_bps, latency_s, step_reps, timeout=900)
@@ -125,7 +125,7 @@ def bench_overhead(
 def bench_key_agreement(sizes: tuple[int, ...] = (4, 8, 16), numel: int | None = None, reps: int = 3) -> dict[str, Any]:
     """Per-site cost of a round's set-up and masking, in one process (the crypto, not the network)."""
     from geotrain.config import ModelConfig
-    from geotrain.model import build_model, count_params
+    from geotrain.models import build_model, count_params
     from geotrain.secagg import (
         SHARE_BYTES,
         Participant,

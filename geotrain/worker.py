@@ -40,7 +40,7 @@ from geotrain.data import build_rank_data
 from geotrain.guard import UpdateGuard
 from geotrain.membership import HealHooks, MembershipRefused, SiteMember
 from geotrain.metrics import MetricsSink, log
-from geotrain.model import build_model, count_params
+from geotrain.models import build_model, count_params
 from geotrain.privacy import Privacy, setup_privacy
 from geotrain.sync import DiLoCo, SyncAlgorithm, build_sync
 

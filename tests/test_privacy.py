@@ -13,7 +13,7 @@ import torch
 
 from geotrain.config import DataConfig, ModelConfig
 from geotrain.data import build_rank_data
-from geotrain.model import build_model
+from geotrain.models import build_model
 from geotrain.privacy import Accountant, ExampleDP, calibrate_noise
 from tests.helpers import FOUR_SITES, read_summary, run_ranks, train_cli, uniform_topology
 

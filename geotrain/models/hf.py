@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from geotrain.config import ModelConfig
-from geotrain.model import VOCAB_SIZE
+from geotrain.models.gpt import VOCAB_SIZE
 
 # How each config family names the common sizes.
 _SIZE_KEYS: dict[str, dict[str, str]] = {

@@ -1,4 +1,4 @@
-"""A GPT-style decoder-only transformer (after nanoGPT), and the model factory.
+"""A GPT-style decoder-only transformer (after nanoGPT: Radford et al. 2019, pre-LN, tied head).
 
 This file knows nothing about distribution: it imports no torch.distributed. Sync algorithms
 wrap the model from outside (see :mod:`geotrain.sync`).
@@ -89,16 +89,3 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """The model for ``cfg``: geotrain's GPT, or a Hugging Face causal LM built from a config."""
-    if cfg.kind == "hf":
-        from geotrain.hf import build_hf_model
-
-        return build_hf_model(cfg)
-    return GPT(cfg)
-
-
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

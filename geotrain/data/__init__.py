@@ -1,0 +1,22 @@
+"""Training data that needs no download: corpus, per-rank shards, batch sampling.
+
+- :mod:`.corpus`: the default CPython corpus or the user's text, bytes as tokens, held-out split;
+- :mod:`.shards`: which tokens each rank reads (IID, non-IID, site-private), launch-time checks;
+- :mod:`.sampler`: reproducible random windows, fixed evaluation batches, a rank's data.
+"""
+
+from geotrain.data.corpus import load_corpus, split_corpus
+from geotrain.data.sampler import BatchSampler, RankData, build_rank_data, eval_batches
+from geotrain.data.shards import check_data, shard_for_rank, site_shard
+
+__all__ = [
+    "BatchSampler",
+    "RankData",
+    "build_rank_data",
+    "check_data",
+    "eval_batches",
+    "load_corpus",
+    "shard_for_rank",
+    "site_shard",
+    "split_corpus",
+]

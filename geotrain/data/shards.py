@@ -1,0 +1,62 @@
+"""Which training tokens each rank may read, and the launch-time check that every rank gets some.
+
+* IID (default): block *b* goes to rank ``b mod world`` — every worker sees a representative mix;
+* non-IID: the training stream is cut into one contiguous slice per site (then per worker), so
+  sites see different kinds of text, like organisations with their own data;
+* a site-private corpus (``topology.sites[i].corpus``): that site's workers read only it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from geotrain.config import DataConfig
+from geotrain.data.corpus import Splits, load_corpus, read_corpus, split_corpus
+
+
+def shard_for_rank(splits: Splits, rank: int, world: int, num_sites: int, non_iid: bool) -> torch.Tensor:
+    """The training tokens one rank may read."""
+    blocks = splits.train_blocks
+    if not non_iid:
+        mine = blocks[rank::world]
+    else:
+        per_site = world // num_sites
+        site, local = divmod(rank, per_site)
+        site_blocks = blocks[len(blocks) * site // num_sites : len(blocks) * (site + 1) // num_sites]
+        mine = site_blocks[len(site_blocks) * local // per_site : len(site_blocks) * (local + 1) // per_site]
+    if not mine:
+        raise ValueError(f"data.corpus: too small to give rank {rank} of {world} any data")
+    return torch.cat(mine)
+
+
+def site_shard(site_corpus: str, local_rank: int, workers: int, eval_fraction: float) -> torch.Tensor:
+    """A worker's training tokens from its site's private corpus (its held-out blocks are not used)."""
+    blocks = split_corpus(read_corpus(site_corpus), eval_fraction).train_blocks
+    mine = blocks[local_rank::workers]
+    if not mine:
+        raise ValueError(f"{site_corpus} is too small for {workers} workers")
+    return torch.cat(mine)
+
+
+def check_data(
+    cfg: DataConfig, world: int, num_sites: int, block_size: int, site_corpora: list[str | None] | None = None
+) -> None:
+    """Fail early (in the launcher) if the corpus cannot feed every rank."""
+    splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
+    if splits.eval_tokens.numel() <= block_size + 1:
+        raise ValueError(f"data.corpus: held-out split too small for model.block_size={block_size}")
+    per_site = world // num_sites
+    for r in range(world):
+        own = (site_corpora or [None] * num_sites)[r // per_site]
+        if own is not None:
+            where = f"topology.sites[{r // per_site}].corpus"
+            try:
+                shard = site_shard(own, r % per_site, per_site, cfg.eval_fraction)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            if shard.numel() <= block_size + 1:
+                raise ValueError(f"{where}: too small for model.block_size={block_size}")
+            continue
+        shard = shard_for_rank(splits, r, world, num_sites, cfg.non_iid)
+        if shard.numel() <= block_size + 1:
+            raise ValueError(f"data.corpus: too small for {world} ranks at model.block_size={block_size}")
