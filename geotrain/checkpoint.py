@@ -28,11 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from geotrain.errors import CheckpointError
+
 MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (missing, incomplete, truncated, tampered)."""
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

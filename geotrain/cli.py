@@ -18,7 +18,8 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from geotrain.config import Config, ConfigError, load_config
+from geotrain.config import Config, load_config
+from geotrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train one model across several datacenters.")
 console = Console(soft_wrap=True)
@@ -96,7 +97,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     cfg = _load(config, set_)
     from geotrain.comm.topology import Topology
     from geotrain.data import check_data
-    from geotrain.launch import LaunchError
+    from geotrain.errors import LaunchError
     from geotrain.report import print_table, write_outputs
 
     topo = Topology.from_config(cfg.topology)
@@ -105,14 +106,16 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     except ValueError as exc:
         _fail(f"config error: {exc}")
     if cfg.checkpoint.resume not in (None, "auto"):
-        from geotrain.checkpoint import CheckpointError, verify
+        from geotrain.checkpoint import verify
+        from geotrain.errors import CheckpointError
 
         try:
             verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size)
         except CheckpointError as exc:
             _fail(f"checkpoint.resume: refused: {exc}")
     if cfg.elastic.enabled and cfg.elastic.secret_file:
-        from geotrain.membership import MembershipRefused, load_secret
+        from geotrain.errors import MembershipRefused
+        from geotrain.membership import load_secret
 
         try:
             load_secret(cfg.elastic)
@@ -255,7 +258,7 @@ def chaos(
     from rich.table import Table
 
     from geotrain.chaos import run_chaos
-    from geotrain.launch import LaunchError
+    from geotrain.errors import LaunchError
 
     try:
         report = run_chaos(out, sites, rounds, H, failures, seed, restart_after, console_print=None)
@@ -305,7 +308,7 @@ def bench_codec_quality_cmd(
 ) -> None:
     """Eval loss vs inter-site bytes at equal tokens: ddp, diloco with every codec, streaming with fp4."""
     from geotrain.bench import codec_quality, plot_quality, print_quality
-    from geotrain.launch import LaunchError
+    from geotrain.errors import LaunchError
 
     _load(None, set_)  # bad overrides fail here, before any run starts
     try:
@@ -331,7 +334,7 @@ def bench_privacy_cmd(
 ) -> None:
     """Secure aggregation overhead (bytes, time) vs plain, key-agreement cost by site count, eval loss with and without privacy."""
     from geotrain.benchprivacy import bench_key_agreement, bench_overhead, bench_quality, print_privacy
-    from geotrain.launch import LaunchError
+    from geotrain.errors import LaunchError
 
     chosen = {p.strip() for p in parts.split(",") if p.strip()}
     if not chosen or chosen - {"overhead", "keys", "quality"}:
@@ -424,7 +427,7 @@ def bench_wan_cmd(
 ) -> None:
     """Compute utilisation, inter-site bytes and loss of ddp, diloco, streaming and eager streaming across link speeds."""
     from geotrain.benchnet import bench_wan, plot_timeline, plot_wan, print_wan
-    from geotrain.launch import LaunchError
+    from geotrain.errors import LaunchError
 
     set_ = [f"sync.tau={tau}", *(set_ or [])]
     _load(None, set_)  # bad overrides fail here, before any run starts

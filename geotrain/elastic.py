@@ -36,7 +36,8 @@ from geotrain.comm.emulate.inprocess import state_path
 from geotrain.comm.procs import free_port
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
-from geotrain.launch import GRACE_SECONDS, LaunchError, _describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
+from geotrain.errors import LaunchError
+from geotrain.launch import GRACE_SECONDS, _describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
 from geotrain.membership import LighthouseProcess
 
 REFUSED_EXIT = 3  # a worker that failed membership authentication

@@ -33,12 +33,9 @@ from geotrain.comm.emulate.kernel import IFNAME, KernelLinks
 from geotrain.comm.procs import free_port
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
+from geotrain.errors import LaunchError
 
 GRACE_SECONDS = 3.0
-
-
-class LaunchError(RuntimeError):
-    """A rank failed; the message names its site and rank."""
 
 
 def _describe_exit(code: int) -> str:

@@ -62,17 +62,9 @@ import torch.distributed as dist
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.config import Config, ElasticConfig
-from geotrain.guard import RoundFailed
+from geotrain.errors import CoordinatorDown, MembershipRefused, RoundFailed
 
 _DATA_TAG, _HEADER_TAG, _HEAL_TAG = 0, 1, 2
-
-
-class MembershipRefused(RuntimeError):
-    """This process could not prove the shared secret; it takes part in no collective."""
-
-
-class CoordinatorDown(RuntimeError):
-    """The Lighthouse cannot be reached."""
 
 
 def load_secret(cfg: ElasticConfig) -> bytes:
@@ -327,6 +319,11 @@ class SiteMember:
             )
             self.store_address = f"{bind}:{self._host_store.port}"
             self._start_heartbeat()
+
+    @property
+    def retry_seconds(self) -> float:
+        """How long a postponed round waits before it is retried (one heartbeat interval)."""
+        return self.cfg.heartbeat_s
 
     # ------------------------------------------------------------------ coordinator (local rank 0)
 

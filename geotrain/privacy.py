@@ -38,8 +38,8 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config import PrivacyConfig
-from geotrain.guard import RoundFailed
-from geotrain.secagg import RoundReport, SecAggAborted, SecureAggregator
+from geotrain.errors import RoundFailed, SecAggAborted
+from geotrain.secagg import RoundReport, SecureAggregator
 
 
 def _accountant(kind: str) -> Any:

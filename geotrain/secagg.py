@@ -57,7 +57,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config.privacy import sparse_degree
-from geotrain.guard import RoundFailed
+from geotrain.errors import SecAggAborted
 
 PRIME = (1 << 521) - 1  # Mersenne prime; secrets are 32 bytes < 2^256
 SHARE_BYTES = 66  # a field element, big-endian
@@ -67,10 +67,6 @@ HEADER = 4  # int32 words of a masked-chunk frame: magic, round, length, ring bi
 FLAG_DROPPED = 1
 _RAW = serialization.Encoding.Raw
 _PUB = serialization.PublicFormat.Raw
-
-
-class SecAggAborted(RoundFailed):
-    """The round cannot complete (too few survivors or shares); nothing of it was applied."""
 
 
 # --------------------------------------------------------------------------- primitives

@@ -35,14 +35,15 @@ from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import ProcessGroups
 from geotrain.comm.procs import die_with_parent
 from geotrain.comm.topology import RankInfo, Topology
-from geotrain.config import Config, ConfigError, load_config
+from geotrain.config import Config, load_config
 from geotrain.data import build_rank_data
-from geotrain.guard import UpdateGuard
-from geotrain.membership import HealHooks, MembershipRefused, SiteMember
+from geotrain.errors import ConfigError, MembershipRefused
+from geotrain.membership import HealHooks, SiteMember
 from geotrain.metrics import MetricsSink, log
 from geotrain.models import build_model, count_params
 from geotrain.privacy import Privacy, setup_privacy
 from geotrain.sync import DiLoCo, SyncAlgorithm, build_sync
+from geotrain.sync.guard import UpdateGuard
 
 
 def rank_threads(requested: int) -> int:

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from geotrain.codecs import CODEC_NAMES, FP4, Int4, Int8, NonFiniteError, Residual, build_codec, relative_error, roundtrip
+from geotrain.codecs import CODEC_NAMES, FP4, Int4, Int8, Residual, build_codec, relative_error, roundtrip
 from geotrain.codecs import reference as R
 from geotrain.codecs.powersgd import PowerSGD
+from geotrain.errors import NonFiniteError
 from tests.helpers import run_ranks, uniform_topology
 
 BYTE_CODECS = [n for n in CODEC_NAMES if n != "powersgd"]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from geotrain.config import Config, ConfigError, load_config
+from geotrain.config import Config, load_config
+from geotrain.errors import ConfigError
 from tests.helpers import REPO
 
 

@@ -183,7 +183,8 @@ def test_chaos_reports_every_round(tmp_path: Path) -> None:
 
 
 def test_join_proof_binds_secret_round_nonce_and_prover(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from geotrain.membership import MembershipRefused, join_proof, load_secret
+    from geotrain.errors import MembershipRefused
+    from geotrain.membership import join_proof, load_secret
 
     p = join_proof(b"s" * 32, "7-1-2", "nonce", "A")
     assert p == join_proof(b"s" * 32, "7-1-2", "nonce", "A") and len(p) == 64

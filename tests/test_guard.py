@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(240)
 def _guard_rank(rank: int, scales: list[list[float]]):
     from geotrain.benchnet import rank_comm
     from geotrain.config import GuardConfig
-    from geotrain.guard import UpdateGuard
+    from geotrain.sync.guard import UpdateGuard
 
     topo = uniform_topology(3, 1)
     with rank_comm(topo, "off") as (groups, comm):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.config import ConfigError
+from geotrain.errors import ConfigError
 from geotrain.netsim.run import run_scenario
 from geotrain.netsim.scenario import load_scenario
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.config import ConfigError
+from geotrain.errors import ConfigError
 from geotrain.plan.architecture import architecture
 from geotrain.plan.facility import Rack, compute_budget, facility
 from geotrain.plan.layout import layout

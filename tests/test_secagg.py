@@ -168,7 +168,8 @@ def test_tampered_share_is_refused() -> None:
 
 def _aggregate_rank(rank: int, sites: int, workers: int, injections: dict, threshold, graph: str):
     from geotrain.benchnet import rank_comm
-    from geotrain.secagg import SecAggAborted, SecureAggregator
+    from geotrain.errors import SecAggAborted
+    from geotrain.secagg import SecureAggregator
 
     topo = uniform_topology(sites, workers)
     with rank_comm(topo, "off") as (groups, comm):

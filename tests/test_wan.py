@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from geotrain.comm.emulate.inprocess import SharedLinks
-from geotrain.config import ConfigError, load_config
+from geotrain.config import load_config
+from geotrain.errors import ConfigError
 from tests.helpers import run_ranks, sum_mismatch, uniform_topology
 
 

@@ -26,13 +26,10 @@ import numpy as np
 import torch
 
 from geotrain.codecs import kernels
+from geotrain.errors import NonFiniteError
 
 CODEC_NAMES = ("none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "powersgd")
 FP16_MAX = 65504.0
-
-
-class NonFiniteError(ValueError):
-    """A tensor to encode holds NaN or inf: refused at the sender."""
 
 
 def _refuse_non_finite(name: str, x: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from geotrain.config import ConfigError
+from geotrain.errors import ConfigError
 from geotrain.netsim.engine import max_min_rates, simulate
 from geotrain.netsim.fabric import Fabric, build_fabric
 from geotrain.netsim.routing import FlowSet, route, spray

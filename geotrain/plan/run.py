@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from geotrain.config import ConfigError
+from geotrain.errors import ConfigError
 from geotrain.netsim.sizing import hosts_capacity, size_fat_tree, tier_ports
 from geotrain.plan.architecture import architecture
 from geotrain.plan.facility import Rack, compute_budget, facility

@@ -29,10 +29,6 @@ from geotrain.comm.collectives import Collectives
 from geotrain.config import GuardConfig
 
 
-class RoundFailed(RuntimeError):
-    """The round cannot be applied consistently on every site; the caller rolls it back."""
-
-
 class UpdateGuard:
     """The per-run state of the rule above (identical on every rank)."""
 

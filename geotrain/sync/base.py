@@ -1,0 +1,207 @@
+"""What every sync algorithm shares: the optimizer hooks, flat-buffer helpers, and the
+interfaces of the parts it can be given (DP-SGD, private aggregation, elastic membership).
+
+An algorithm registers hooks on the inner optimizer (as torchft's DiLoCo does), so the loop is
+only ``zero_grad -> backward -> step``:
+
+* a *step pre-hook* averages gradients before the inner update;
+* a *step post-hook* runs the outer synchronisation when one is due.
+
+The privacy and membership parts are described here as protocols, so this package never
+imports :mod:`geotrain.privacy` or :mod:`geotrain.elastic`: the composition root
+(:mod:`geotrain.run.worker`) builds them and hands them over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.sync.guard import UpdateGuard
+
+
+class GradientPrivatizer(Protocol):
+    """DP-SGD on the inner steps (:class:`geotrain.privacy.dp.ExampleDP`)."""
+
+    def privatize(self) -> torch.Tensor:
+        """This rank's clipped, noised per-example gradient sum of the last backward, flat."""
+        ...
+
+
+class PrivateAverage(Protocol):
+    """Clipping, site-level DP and secure aggregation of pseudo-gradients
+    (:class:`geotrain.privacy.aggregation.PrivateAggregation`)."""
+
+    def average(self, delta: torch.Tensor, round_id: int) -> int:
+        """Replace ``delta`` by the average over surviving sites; the number that survived.
+
+        Raises:
+            RoundFailed: the round cannot complete; the caller rolls it back.
+        """
+        ...
+
+    def reserve(self) -> None:
+        """An aggregation was handed to a background exchange (for the budget check)."""
+        ...
+
+    def can_afford(self) -> bool:
+        """Whether one more aggregation fits the privacy budget (same answer on every rank)."""
+        ...
+
+
+class RoundMembership(Protocol):
+    """Elastic mode's cross-site round (:class:`geotrain.elastic.member.SiteMember`)."""
+
+    @property
+    def retry_seconds(self) -> float:
+        """How long to wait before retrying a postponed round."""
+        ...
+
+    def round(self, delta: torch.Tensor) -> int | None:
+        """Average ``delta`` over the admitted sites; None when postponed.
+
+        Raises:
+            RoundFailed: roll the round back.
+        """
+        ...
+
+    def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:
+        """Record the round's outcome after the caller applied or rolled it back."""
+        ...
+
+
+def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def views_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into ``flat`` shaped like each tensor of ``like``, in order (the inverse of a cat)."""
+    return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
+
+
+def write_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    for p, v in zip(params, views_like(flat, params), strict=True):
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        p.grad.copy_(v)
+
+
+def clip_flat_(flat: torch.Tensor, max_norm: float) -> None:
+    """Scale ``flat`` in place so its 2-norm is at most ``max_norm`` (0 disables), like clip_grad_norm_."""
+    if max_norm > 0:
+        norm = flat.norm()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        flat.mul_(coef)
+
+
+def params_hash(tensors: list[torch.Tensor]) -> str:
+    """sha256 of the fp32 bytes of ``tensors`` in order: equal hashes mean bit-identical models."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class SyncAlgorithm:
+    """Base class: owns the optimizer hooks. Use as a context manager or call :meth:`close`."""
+
+    name = "base"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.comm = comm
+        self.grad_clip = grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.local_steps = 0
+        self.rounds = 0
+        self.rounds_rolled_back = 0
+        self.example_dp: GradientPrivatizer | None = None  # DP-SGD on the inner steps (privacy.dp.unit=example)
+        self.guard: UpdateGuard | None = None  # leaves non-finite / outlier pseudo-gradients out (DiLoCo, streaming)
+        self.nan_at: set[tuple[str, int]] = set()  # failure injection: (site, round) whose update is NaN
+        self._handles = [
+            optimizer.register_step_pre_hook(lambda *_: self.sync_gradients()),
+            optimizer.register_step_post_hook(lambda *_: self.after_step()),
+        ]
+
+    def sync_gradients(self) -> None:
+        """Average gradients as the algorithm requires. Called by the optimizer before each step."""
+        raise NotImplementedError
+
+    def _average_gradients(self, members: int, reduce_sum: Callable[[torch.Tensor], None]) -> None:
+        """Sum gradients with ``reduce_sum`` over ``members`` ranks, divide, clip the average.
+        With DP-SGD, what is summed is each rank's clipped, noised per-example gradient sum."""
+        if self.example_dp is not None:
+            flat = self.example_dp.privatize()
+            if members > 1:
+                reduce_sum(flat)
+                flat.div_(members)
+            write_grads(self.params, flat)
+            return
+        if members == 1:  # nothing to exchange; keep the single-worker path as cheap as plain PyTorch
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            return
+        flat = flat_grads(self.params)
+        reduce_sum(flat)
+        flat.div_(members)
+        clip_flat_(flat, self.grad_clip)
+        write_grads(self.params, flat)
+
+    def after_step(self) -> None:
+        """Called by the optimizer after each inner step."""
+        self.local_steps += 1
+
+    def finish(self) -> None:
+        """Bring the run to a consistent end (e.g. a last outer sync). Call once after the loop."""
+
+    def budget_exhausted(self) -> bool:
+        """True when the next step would start a round the privacy budget cannot pay for (then the
+        training loop stops; the answer is the same on every rank)."""
+        return False
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The parameters every site agrees on (the model to evaluate and save)."""
+        return [p.detach() for p in self.params]
+
+    def global_hash(self) -> str:
+        return params_hash(self.global_parameters())
+
+    def in_flight_bytes(self) -> int:
+        """Bytes handed to a background exchange that has not finished (0: all exchanges block)."""
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sync state a checkpoint must carry beyond parameters and optimizers (codec state)."""
+        return {}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything this algorithm needs to continue exactly (waits for exchanges in flight)."""
+        return {
+            "local_steps": self.local_steps,
+            "rounds": self.rounds,
+            "rolled_back": self.rounds_rolled_back,
+            **self.state_dict(),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.local_steps = state["local_steps"]
+        self.rounds = state["rounds"]
+        self.rounds_rolled_back = state["rolled_back"]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> SyncAlgorithm:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,67 @@
+"""DDP: data parallel across every rank. Gradients are summed over all ranks every step
+(hierarchically by default: reduce-scatter in site, all-reduce across sites, all-gather in site;
+see :mod:`geotrain.comm.collectives`) and divided by the world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.config import SyncConfig
+from geotrain.sync.base import SyncAlgorithm
+from geotrain.sync.reducer import SiteReducer
+
+
+class DDP(SyncAlgorithm):
+    """Average gradients over every rank, every step.
+
+    Args:
+        allreduce: 'hierarchical' (reduce-scatter in site, all-reduce across, all-gather in site)
+            or 'flat' (one ring over all ranks).
+        cfg: the sync section; its codec encodes the across-sites step (None: fp32).
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        allreduce: str = "hierarchical",
+        cfg: SyncConfig | None = None,
+    ) -> None:
+        super().__init__(model, optimizer, comm, grad_clip)
+        self.allreduce = allreduce
+        self.world = comm.groups.topology.world_size
+        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.params]) if cfg and cfg.codec != "none" else None
+
+    def sync_gradients(self) -> None:
+        self._average_gradients(self.world, self._sum)
+
+    def _sum(self, flat: torch.Tensor) -> None:
+        r = self.reducer
+        if r is None:
+            self.comm.all_reduce(flat, self.allreduce)
+        elif r.powersgd is not None:  # PowerSGD needs whole tensors: sum in site first
+            self.comm.all_reduce_intra(flat)
+            r(flat)
+        else:
+            self.comm.all_reduce(flat, self.allreduce, r.codec, r.residual)
+
+    def after_step(self) -> None:
+        super().after_step()
+        self.rounds = self.local_steps  # every step is a global sync
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reducer": None if self.reducer is None else self.reducer.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        if self.reducer is not None:
+            self.reducer.load_state_dict(state["reducer"])

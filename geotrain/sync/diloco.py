@@ -1,0 +1,111 @@
+"""DiLoCo across sites, synchronous data parallel inside a site.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
+arXiv:2311.08105, Algorithm 1:
+
+1. inner step: gradients are averaged inside the site only (fast links), then AdamW;
+2. every H inner steps: pseudo-gradient Δ = θ_global − θ_local (fp32);
+3. Δ is averaged across sites (optionally weighted by tokens processed);
+4. the outer optimizer (SGD with Nesterov momentum, fp32 state) steps θ_global with Δ as its
+   gradient;
+5. θ_local ← θ_global, and the next round starts (the inner optimizer state is kept).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.config import SyncConfig
+from geotrain.errors import RoundFailed, RoundPostponed
+from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
+from geotrain.sync.reducer import SiteReducer
+
+
+class DiLoCo(OuterSync):
+    """DiLoCo across sites, synchronous data parallel inside a site.
+
+    Settings come from the sync section: H inner steps per outer round, outer SGD (paper: 0.7,
+    0.9, Nesterov), token weighting, codec.
+    """
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        cfg: SyncConfig,
+        tokens_per_step: int = 1,
+    ) -> None:
+        super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        self.outer_optimizer = self._outer_optimizer(self.global_params)
+        self._steps_in_round = 0
+        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.params])
+
+    def after_step(self) -> None:
+        super().after_step()
+        self._steps_in_round += 1
+        if self._steps_in_round >= self.H:  # more than H: a postponed round, retried every step
+            self.outer_step()
+
+    def finish(self) -> None:
+        if self._steps_in_round:  # a last, shorter round so every site ends on the global model
+            if self._privacy_allows_round():
+                self.outer_step()
+                while self._steps_in_round and self.elastic is not None:  # postponed: wait for the coordinator
+                    time.sleep(self.elastic.retry_seconds)
+                    self.outer_step()
+            else:
+                self._roll_back(range(len(self.params)), "privacy budget: the last partial round is not released")
+                self._steps_in_round = 0
+
+    def budget_exhausted(self) -> bool:
+        return self._steps_in_round == 0 and not self._privacy_allows_round()
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        """Steps 2-5 of DiLoCo: average pseudo-gradients across sites and apply the outer optimizer."""
+        # 2. pseudo-gradient, fp32
+        delta = pseudo_gradient(self.global_params, self.params)
+        # 3. average across sites (every local rank carries 1/G of it over the WAN)
+        try:
+            self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
+        except RoundPostponed:
+            return
+        except RoundFailed as exc:
+            self._roll_back(range(len(self.params)), str(exc))
+            self._steps_in_round = 0
+            self.rounds += 1
+            self._note("rolled_back", str(exc))
+            return
+        # 4. outer optimizer step with Δ as the gradient
+        outer_step_(self.outer_optimizer, self.global_params, delta)
+        # 5. local ← global
+        for g, p in zip(self.global_params, self.params, strict=True):
+            p.copy_(g)
+        self._steps_in_round = 0
+        self.rounds += 1
+        self._note("committed", "")
+
+    def _note(self, outcome: str, reason: str) -> None:
+        if self.elastic is not None:
+            self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, self.local_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reducer": self.reducer.state_dict()}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {**super().checkpoint_state(), "outer": self.outer_optimizer.state_dict(), "in_round": self._steps_in_round}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self._steps_in_round = state["in_round"]
+        self.reducer.load_state_dict(state["reducer"])

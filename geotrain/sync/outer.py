@@ -1,0 +1,136 @@
+"""What DiLoCo and Streaming DiLoCo share: DDP inside a site, fp32 global parameters, the
+pseudo-gradient, the outer optimizer step, and the averaging of pseudo-gradients across sites
+(token-weighted if configured; guarded; private or elastic when those parts are given), with
+rollback of a failed round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.config import SyncConfig
+from geotrain.errors import RoundFailed, RoundPostponed
+from geotrain.sync.base import PrivateAverage, RoundMembership, SyncAlgorithm, views_like
+from geotrain.sync.reducer import SiteReducer
+
+
+def pseudo_gradient(global_params: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Δ = θ_global − θ_local, flat fp32."""
+    return torch.cat([(g - p.to(torch.float32)).reshape(-1) for g, p in zip(global_params, params, strict=True)])
+
+
+def outer_step_(optimizer: torch.optim.Optimizer, global_params: Sequence[torch.Tensor], delta: torch.Tensor) -> None:
+    """One outer optimizer step on ``global_params`` with the flat ``delta`` as their gradient."""
+    for g, v in zip(global_params, views_like(delta, global_params), strict=True):
+        g.grad = v
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class OuterSync(SyncAlgorithm):
+    """What DiLoCo and Streaming DiLoCo share: DDP inside a site, fp32 global parameters, and the
+    averaging of pseudo-gradients across sites (token-weighted if configured) through a reducer.
+
+    Args:
+        cfg: the sync section (H, outer SGD settings, token weighting, codec).
+        tokens_per_step: tokens this site processes per inner step (for token weighting).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        cfg: SyncConfig,
+        tokens_per_step: int = 1,
+    ) -> None:
+        super().__init__(model, optimizer, comm, grad_clip)
+        self.cfg = cfg
+        self.H = cfg.H
+        self.weight_by_tokens = cfg.weight_by_tokens
+        self.tokens_per_step = tokens_per_step
+        topo = comm.groups.topology
+        self.num_sites = topo.num_sites
+        self.workers_per_site = topo.workers_per_site
+        # fp32 outer state, whatever the model's dtype
+        self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
+        self.rollback_reasons: list[str] = []
+        self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
+        self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
+
+    def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        c = self.cfg
+        return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+
+    def sync_gradients(self) -> None:
+        self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
+
+    def _average_across_sites(
+        self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int = 0, key: int = 0
+    ) -> None:
+        """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``;
+        with privacy, clipped/noised and summed by :class:`PrivateAggregation` (may raise RoundFailed)."""
+        site = self.comm.groups.topology.site_names[self.comm.groups.me.site_index]
+        if (site, round_id) in self.nan_at:  # failure injection: this site's update is NaN
+            delta.fill_(float("nan"))
+        if self.private is not None:
+            self.private.average(delta, round_id)
+            return
+        if self.elastic is not None:
+            if self.elastic.round(delta) is None:
+                raise RoundPostponed(f"round {round_id}")
+            return
+        if self.num_sites == 1:
+            return
+        included = [True] * self.num_sites
+        if self.guard is not None:
+            included = self.guard.include(delta, key, round_id)
+            if not any(included):
+                raise RoundFailed(f"round {round_id}: every site's update was rejected by the guard")
+            if not included[self.comm.groups.me.site_index]:
+                delta.zero_()
+                reducer.forget_residual()  # else its old error feedback would still be sent
+        if self.weight_by_tokens:
+            mine = float(steps * self.tokens_per_step) if included[self.comm.groups.me.site_index] else 0.0
+            total = torch.tensor([mine], dtype=torch.float64)
+            self.comm.all_reduce_across_sites(total)
+            delta.mul_(mine / float(total.item()))
+            reducer(delta)
+        else:
+            reducer(delta)
+            delta.div_(sum(included))
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        return self.global_params
+
+    @torch.no_grad()
+    def _roll_back(self, indices: Sequence[int], why: str) -> None:
+        """A failed round: nothing of it is applied; the parameters ``indices`` go back to the global ones."""
+        for i in indices:
+            self.params[i].copy_(self.global_params[i])
+        self.rounds_rolled_back += 1
+        self.rollback_reasons.append(why)
+
+    def _privacy_allows_round(self) -> bool:
+        return self.private is None or self.private.can_afford()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            **super().checkpoint_state(),
+            "global_params": [g.clone() for g in self.global_params],
+            "guard": None if self.guard is None else self.guard.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        for g, saved in zip(self.global_params, state["global_params"], strict=True):
+            g.copy_(saved)
+        if self.guard is not None and state["guard"] is not None:
+            self.guard.load_state_dict(state["guard"])

@@ -1,0 +1,105 @@
+"""The cross-site reducer: sums a vector that is identical on every rank of a site across
+sites, encoded with the configured codec, keeping the codec's error-feedback state.
+
+Byte codecs run on each local rank's 1/G shard (hierarchical: only S/G per rank crosses the slow
+links). PowerSGD needs matrices, so each local rank takes a contiguous run of whole tensors,
+all-reduces their P and Q factors across sites, and the site all-gathers the runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from geotrain.codecs import Codec, Residual, build_codec
+from geotrain.codecs.powersgd import PowerSGD
+from geotrain.comm.collectives import Collectives
+from geotrain.config import SyncConfig
+
+
+def make_codec(cfg: SyncConfig) -> Codec | None:
+    """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec)."""
+    if cfg.codec in ("none", "powersgd"):
+        return None
+    return build_codec(cfg.codec, sigma_range=cfg.sigma_range, block_size=cfg.block_size, topk_fraction=cfg.topk_fraction)
+
+
+def contiguous_split(sizes: Sequence[int], parts: int) -> list[int]:
+    """Cut ``sizes`` (in order) into ``parts`` contiguous runs of near-equal total; the run totals."""
+    total = sum(sizes)
+    runs = [0] * parts
+    acc = 0
+    for n in sizes:
+        j = min(parts - 1, (acc * parts) // max(1, total)) if total else 0
+        # a tensor goes to the part its start falls in
+        runs[j] += n
+        acc += n
+    return runs
+
+
+class SiteReducer:
+    """Sums a flat fp32 vector that is identical on every rank of a site across sites, encoded.
+
+    Byte codecs run on each local rank's 1/G shard (:meth:`Collectives.all_reduce_across_sites`).
+    PowerSGD needs matrices, so each local rank takes a contiguous run of whole tensors, all-reduces
+    their P and Q factors across sites, and the site all-gathers the runs.
+    """
+
+    def __init__(self, cfg: SyncConfig, comm: Collectives, shapes: Sequence[torch.Size], seed: int = 0) -> None:
+        if cfg.codec != "none" and comm.groups.device.type != "cpu":
+            raise ValueError(
+                f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {comm.groups.backend} backend use sync.codec=none for now"
+            )
+        self.comm = comm
+        self.codec = make_codec(cfg)
+        self.residual = Residual() if (self.codec is not None and cfg.uses_error_feedback) else None
+        self.shapes = list(shapes)
+        self.powersgd: PowerSGD | None = None
+        if cfg.codec == "powersgd":
+            self.powersgd = PowerSGD(cfg.rank, cfg.uses_error_feedback, seed)
+            g = comm.groups
+            numels = [int(s.numel()) for s in self.shapes]
+            self.run_sizes = contiguous_split(numels, len(g.intra_ranks))
+            # which tensors this local rank owns: the run its index falls in
+            start = sum(self.run_sizes[: g.me.local_rank])
+            stop = start + self.run_sizes[g.me.local_rank]
+            offsets = list(itertools.accumulate(numels, initial=0))[:-1]  # where each tensor starts
+            self.mine = [i for i, (o, n) in enumerate(zip(offsets, numels, strict=True)) if start <= o < stop and n]
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        """Replace ``flat`` by its sum over sites (every rank of every site ends with the same values)."""
+        if self.powersgd is None:
+            self.comm.all_reduce_across_sites(flat, self.codec, self.residual)
+            return
+        g = self.comm.groups
+        stats = self.comm.stats
+        raw0 = stats.inter_raw_bytes
+        views = [v.view(shape) for v, shape in zip(flat.split([s.numel() for s in self.shapes]), self.shapes, strict=True)]
+        self.powersgd.all_reduce([views[i] for i in self.mine], self.comm.all_reduce_inter)
+        # reference for the compression ratio: an fp32 ring all-reduce of the same tensors
+        n, mine = len(g.inter_ranks), sum(views[i].numel() for i in self.mine)
+        stats.inter_raw_bytes = raw0 + round(2 * (n - 1) / n * 4 * mine)
+        self.comm.all_gather_intra(flat, self.run_sizes)
+
+    def forget_residual(self) -> None:
+        """Drop the error-feedback residual (a site left out of a round must send exactly nothing)."""
+        if self.residual is not None:
+            self.residual.tensor = None
+        if self.powersgd is not None:
+            self.powersgd.errors = [None] * len(self.powersgd.errors)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Error-feedback / warm-start state: belongs to the site, goes into its checkpoint."""
+        return {
+            "residual": None if self.residual is None else self.residual.tensor,
+            "powersgd": None if self.powersgd is None else self.powersgd.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.residual is not None:
+            self.residual.tensor = state["residual"]
+        if self.powersgd is not None and state["powersgd"] is not None:
+            self.powersgd.load_state_dict(state["powersgd"])

@@ -1,0 +1,274 @@
+"""Streaming DiLoCo: fragments synced at staggered steps and merged τ steps later.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication", arXiv:2501.18512: the
+parameters are split into F fragments (strided groups of layers); fragment p syncs when the step
+count is ≡ p·H/F (mod H), so only 1/F of the model crosses sites at any sync point; its averaged
+pseudo-gradient is applied τ inner steps later (the communication has τ steps of compute to
+hide behind), and the fresh global fragment is mixed into the local one:
+θ_local ← α·θ_local + (1 − α)·θ_global. The eager variant is Kale et al., arXiv:2502.12996.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.config import SyncConfig
+from geotrain.errors import RoundFailed
+from geotrain.sync.base import views_like
+from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
+from geotrain.sync.reducer import SiteReducer
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)\.")
+
+
+def strided_fragments(names: Sequence[str], sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Parameter indices per fragment: layer i goes to fragment i mod F (strided, as in the paper);
+    parameters outside numbered layers (embeddings, final norm, head) go to the smallest fragment."""
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    load = [0] * fragments
+    loose = []
+    for i, name in enumerate(names):
+        m = _LAYER.search(name)
+        if m is None:
+            loose.append(i)
+            continue
+        f = int(m.group(1)) % fragments
+        out[f].append(i)
+        load[f] += sizes[i]
+    for i in sorted(loose, key=lambda i: -sizes[i]):
+        f = min(range(fragments), key=lambda f: load[f])
+        out[f].append(i)
+        load[f] += sizes[i]
+    return [sorted(f) for f in out]
+
+
+class StreamingDiLoCo(OuterSync):
+    """Streaming DiLoCo: F fragments sync at staggered steps; each merges τ steps after its sync.
+
+    Fragment p syncs after inner step t when t ≡ p·H/F (mod H), t > 0: its pseudo-gradient Δ_p
+    is computed and handed to a background thread, which averages it across sites while the
+    inner steps go on. At step t + τ the training thread waits for the average (if it is not in
+    yet — that wait is the only time compute stalls on the network), the outer optimizer
+    applies it to the global fragment and θ_local,p ← α·θ_local,p + (1 − α)·θ_global,p. Every
+    fragment has its own outer optimizer.
+
+    Eager variant (``cfg.eager``, Kale et al. arXiv:2502.12996): a fragment's exchange gets a
+    whole round. At its sync the outer step is applied at once with the eager pseudo-gradient
+    Δ_local/M + (the previous round's average − the previous Δ_local/M): this site's fresh
+    pseudo-gradient stands in for its share, the other sites' one-round-old ones for theirs (in
+    the first round there are none yet). Sites' global models differ by their own fresh share
+    until :meth:`finish` applies what is still owed and averages them.
+    """
+
+    name = "streaming"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        cfg: SyncConfig,
+        tokens_per_step: int = 1,
+    ) -> None:
+        super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.F = min(cfg.fragments, len(self.params))
+        self.tau = cfg.tau
+        self.alpha = cfg.alpha
+        self.eager = cfg.eager
+        self.fragments = strided_fragments(names, [p.numel() for p in self.params], self.F)
+        self.offsets = [(f * self.H) // self.F for f in range(self.F)]
+        self.outer = [self._outer_optimizer([self.global_params[i] for i in frag]) for frag in self.fragments]
+        self.reducers = [
+            SiteReducer(cfg, comm, [self.params[i].shape for i in frag], seed=f) for f, frag in enumerate(self.fragments)
+        ]
+        self.last_sync = [0] * self.F
+        # fragment -> (merge at step, the exchange in flight, its averaged Δ when done)
+        self.pending: dict[int, tuple[int, Future[None], torch.Tensor]] = {}
+        self.previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (local Δ, its exchange result)
+        self._network = ThreadPoolExecutor(1, thread_name_prefix="wan-exchange")
+
+    def after_step(self) -> None:
+        super().after_step()
+        t = self.local_steps
+        if not self.eager:
+            for f in [f for f, (at, _, _) in self.pending.items() if at <= t]:
+                self._merge(f)
+        for f in range(self.F):
+            if t % self.H == self.offsets[f] and t > 0 and (self.eager or f not in self.pending):
+                self._sync(f, t)
+
+    def budget_exhausted(self) -> bool:
+        t = self.local_steps + 1
+        due = any(t % self.H == self.offsets[f] for f in range(self.F))
+        return due and not self._privacy_allows_round()
+
+    def in_flight_bytes(self) -> int:
+        """fp32 bytes of pseudo-gradient fragments whose exchange has not finished."""
+        return sum(4 * d.numel() for _, fut, d in self.pending.values() if not fut.done())
+
+    def _start(self, f: int, delta: torch.Tensor, steps: int) -> Future[None]:
+        return self._network.submit(self._average_across_sites, delta, self.reducers[f], steps, self.rounds, f)
+
+    def _wait(self, fut: Future[None]) -> None:
+        """Block the training thread until ``fut`` is done; the time counts as waiting on the network."""
+        t0 = time.perf_counter()
+        fut.result()
+        self.comm.add_wait(time.perf_counter() - t0)
+
+    def _globals(self, f: int) -> list[torch.Tensor]:
+        return [self.global_params[i] for i in self.fragments[f]]
+
+    def _add_others_last_share(self, f: int, into: torch.Tensor) -> None:
+        """Eager: add the other sites' part of fragment ``f``'s last exchanged average (average − own
+        Δ/M) to ``into``; nothing before the fragment's first exchange."""
+        if f in self.previous:
+            old_local, old_avg = self.previous[f]
+            into.add_(old_avg).sub_(old_local, alpha=1 / self.num_sites)
+
+    @torch.no_grad()
+    def _sync(self, f: int, t: int) -> None:
+        frag = self.fragments[f]
+        delta = pseudo_gradient(self._globals(f), [self.params[i] for i in frag])
+        steps = t - self.last_sync[f]
+        self.last_sync[f] = t
+        if self.eager:
+            self.rounds += 1  # for streaming, a round is one fragment's sync
+            self._eager_step(f, delta, steps)
+            return
+        if self.private is not None:
+            self.private.reserve()
+        fut = self._start(f, delta, steps)
+        self.rounds += 1
+        self.pending[f] = (t + self.tau, fut, delta)
+        if self.tau == 0:
+            self._merge(f)
+
+    @torch.no_grad()
+    def _merge(self, f: int) -> None:
+        _, fut, delta = self.pending.pop(f)
+        try:
+            self._wait(fut)
+        except RoundFailed as exc:
+            self._roll_back(self.fragments[f], str(exc))
+            return
+        globals_ = self._globals(f)
+        outer_step_(self.outer[f], globals_, delta)
+        for g, i in zip(globals_, self.fragments[f], strict=True):
+            p = self.params[i]
+            p.mul_(self.alpha).add_(g.to(p.dtype), alpha=1 - self.alpha)
+
+    @torch.no_grad()
+    def _eager_step(self, f: int, local: torch.Tensor, steps: int) -> None:
+        if f in self.pending:  # last round's exchange of this fragment: it had a whole round
+            self._wait(self.pending.pop(f)[1])
+        eager = local / self.num_sites
+        self._add_others_last_share(f, eager)
+        outgoing = local.clone()
+        self.pending[f] = (0, self._start(f, outgoing, steps), outgoing)
+        self.previous[f] = (local, outgoing)  # ``outgoing`` becomes the average once the exchange is done
+        globals_ = self._globals(f)
+        outer_step_(self.outer[f], globals_, eager)
+        for g, i in zip(globals_, self.fragments[f], strict=True):
+            self.params[i].copy_(g)
+
+    def finish(self) -> None:
+        """Bring every site onto one model: wait for what is in flight, then (τ variant) merge it and
+        sync every fragment with unsynced steps, or (eager) apply what is still owed and average
+        the sites' global models."""
+        if self.eager:
+            self._finish_eager()
+        else:
+            for f in list(self.pending):
+                self._merge(f)
+            t = self.local_steps
+            for f in range(self.F):
+                if self.last_sync[f] < t and not self._privacy_allows_round():
+                    self._roll_back(self.fragments[f], "privacy budget: the last partial round is not released")
+                    self.last_sync[f] = t
+                elif self.last_sync[f] < t:
+                    self._sync(f, t)
+                    if f in self.pending:
+                        self._merge(f)
+        self._network.shutdown()
+
+    @torch.no_grad()
+    def _finish_eager(self) -> None:
+        """Per fragment, one last outer step, blocking: the other sites' shares of the last eager
+        round (now arrived) plus, if the fragment trained since its last sync, the exact average of
+        the fresh pseudo-gradients; then the sites' global models are averaged."""
+        t = self.local_steps
+        for f in range(self.F):
+            if f in self.pending:
+                self._wait(self.pending.pop(f)[1])
+            globals_ = self._globals(f)
+            step = torch.zeros(sum(g.numel() for g in globals_))
+            self._add_others_last_share(f, step)
+            if self.last_sync[f] < t:
+                delta = pseudo_gradient(globals_, [self.params[i] for i in self.fragments[f]])
+                fut = self._start(f, delta, t - self.last_sync[f])
+                self._wait(fut)
+                step.add_(delta)
+                self.last_sync[f] = t
+                self.rounds += 1
+            outer_step_(self.outer[f], globals_, step)
+        self._average_global_models()
+
+    @torch.no_grad()
+    def _average_global_models(self) -> None:
+        flat = torch.cat([g.reshape(-1) for g in self.global_params])
+        self.comm.all_reduce_across_sites(flat)
+        flat.div_(self.num_sites)
+        for g, v, p in zip(self.global_params, views_like(flat, self.global_params), self.params, strict=True):
+            g.copy_(v)
+            p.copy_(g)
+
+    def close(self) -> None:
+        self._network.shutdown(wait=True)
+        super().close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reducers": [r.state_dict() for r in self.reducers]}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Exchanges in flight are waited for: their averaged Δ and merge step are saved."""
+        if self.eager:
+            raise ValueError("checkpoints of the eager streaming variant are not supported")
+        pending = {}
+        for f, (at, fut, delta) in self.pending.items():
+            try:
+                self._wait(fut)
+                pending[f] = (at, delta.clone(), True)
+            except RoundFailed:
+                pending[f] = (at, delta.clone(), False)  # merging it will roll the fragment back
+        return {
+            **super().checkpoint_state(),
+            "outer": [o.state_dict() for o in self.outer],
+            "last_sync": list(self.last_sync),
+            "pending": pending,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        for o, saved in zip(self.outer, state["outer"], strict=True):
+            o.load_state_dict(saved)
+        self.last_sync = list(state["last_sync"])
+        for r, saved in zip(self.reducers, state["reducers"], strict=True):
+            r.load_state_dict(saved)
+        self.pending = {}
+        for f, (at, delta, ok) in state["pending"].items():
+            fut: Future[None] = Future()
+            if ok:
+                fut.set_result(None)
+            else:
+                fut.set_exception(RoundFailed("the exchange failed before the checkpoint"))
+            self.pending[int(f)] = (at, fut, delta)
