@@ -53,7 +53,7 @@ def _overhead_rank(rank: int, sites: int, numel: int, reps: int, bandwidth: floa
     import torch.distributed as dist
 
     from geotrain.config import PrivacyConfig
-    from geotrain.privacy import PrivateAggregation
+    from geotrain.privacy.aggregation import PrivateAggregation
 
     topo = link_topology(sites, 1, bandwidth, latency)
     out: dict[str, Any] = {"plain": [], "secure": [], "cpu_plain": [], "cpu_secure": [], "bytes_plain": 0, "bytes_secure": 0}
@@ -125,14 +125,14 @@ def bench_overhead(
 def bench_key_agreement(sizes: tuple[int, ...] = (4, 8, 16), numel: int | None = None, reps: int = 3) -> dict[str, Any]:
     """Per-site cost of a round's set-up and masking, in one process (the crypto, not the network)."""
     from geotrain.config import ModelConfig
+    from geotrain.config.privacy import sparse_degree
     from geotrain.models import build_model, count_params
-    from geotrain.secagg import (
+    from geotrain.privacy.masking import (
         SHARE_BYTES,
         Participant,
         default_threshold,
         encode_fixed,
         neighbours,
-        sparse_degree,
     )
 
     numel = numel or count_params(build_model(ModelConfig()))

@@ -41,7 +41,7 @@ from geotrain.errors import ConfigError, MembershipRefused
 from geotrain.membership import HealHooks, SiteMember
 from geotrain.metrics import MetricsSink, log
 from geotrain.models import build_model, count_params
-from geotrain.privacy import Privacy, setup_privacy
+from geotrain.privacy.build import Privacy, build_privacy
 from geotrain.sync import DiLoCo, SyncAlgorithm, build_sync
 from geotrain.sync.guard import UpdateGuard
 
@@ -142,7 +142,20 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             grad_clip=cfg.optim.grad_clip,
             tokens_per_step=tokens_per_rank_step * topo.workers_per_site,
         )
-        privacy = setup_privacy(cfg, model, sync, comm, groups, data, out)
+        privacy = build_privacy(
+            cfg.privacy,
+            comm,
+            model,
+            out,
+            seed=cfg.train.seed,
+            steps=cfg.train.steps,
+            rounds_planned=getattr(sync, "F", 1) * math.ceil(cfg.train.steps / cfg.sync.H),
+            sample_rate=cfg.train.batch_size / (data.train.tokens.numel() - cfg.model.block_size - 1),
+        )
+        if privacy.aggregation is not None:
+            sync.private = privacy.aggregation  # type: ignore[attr-defined]
+        if privacy.example is not None:
+            sync.example_dp = privacy.example
         if cfg.sync.algorithm != "ddp":  # guarded updates act on pseudo-gradients
             sync.nan_at = cfg.fault.nan_at()
             if cfg.guard.enabled and topo.num_sites > 1:

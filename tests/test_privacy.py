@@ -14,7 +14,7 @@ import torch
 from geotrain.config import DataConfig, ModelConfig
 from geotrain.data import build_rank_data
 from geotrain.models import build_model
-from geotrain.privacy import Accountant, ExampleDP, calibrate_noise
+from geotrain.privacy.dp import Accountant, ExampleDP, calibrate_noise
 from tests.helpers import FOUR_SITES, read_summary, run_ranks, train_cli, uniform_topology
 
 pytestmark = pytest.mark.timeout(240)
@@ -73,7 +73,7 @@ def test_site_private_corpus_is_the_only_training_data(tmp_path: Path) -> None:
 def _private_average_rank(rank: int, secure: bool, noise: float | None):
     from geotrain.benchnet import rank_comm
     from geotrain.config import PrivacyConfig
-    from geotrain.privacy import PrivateAggregation
+    from geotrain.privacy.aggregation import PrivateAggregation
 
     topo = uniform_topology(2, 2)
     dp = {"unit": "site", "noise_multiplier": noise, "clip_norm": 50.0} if noise is not None else {}

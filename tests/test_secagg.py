@@ -9,9 +9,10 @@ import pytest
 import torch
 from cryptography.exceptions import InvalidTag
 
-from geotrain.secagg import (
+from geotrain.config.privacy import sparse_degree
+from geotrain.errors import SecAggAborted
+from geotrain.privacy.masking import (
     Participant,
-    SecAggAborted,
     decode_fixed,
     default_threshold,
     encode_fixed,
@@ -22,7 +23,6 @@ from geotrain.secagg import (
     ring_add_,
     shamir_reconstruct,
     shamir_share,
-    sparse_degree,
     unmask_chunk,
 )
 from tests.helpers import run_ranks, uniform_topology
@@ -169,7 +169,7 @@ def test_tampered_share_is_refused() -> None:
 def _aggregate_rank(rank: int, sites: int, workers: int, injections: dict, threshold, graph: str):
     from geotrain.benchnet import rank_comm
     from geotrain.errors import SecAggAborted
-    from geotrain.secagg import SecureAggregator
+    from geotrain.privacy.secagg import SecureAggregator
 
     topo = uniform_topology(sites, workers)
     with rank_comm(topo, "off") as (groups, comm):

@@ -1,0 +1,184 @@
+"""Private aggregation of pseudo-gradients: clip, add this site's share of the noise (site-level
+DP), and sum across sites securely (:mod:`geotrain.privacy.secagg`) or in the clear; account
+ε; write the audit log (one JSON line per aggregation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from geotrain.comm.collectives import Collectives
+from geotrain.config import PrivacyConfig
+from geotrain.errors import RoundFailed, SecAggAborted
+from geotrain.privacy.dp import Accountant, calibrate_noise, gaussian_noise, secure_generator
+from geotrain.privacy.secagg import RoundReport, SecureAggregator
+
+
+class PrivateAggregation:
+    """Clip, noise (site DP) and sum pseudo-gradients across sites, securely or in the clear.
+
+    Every rank of every site calls :meth:`average` with the same round number and its site's
+    pseudo-gradient (identical on the ranks of a site); it becomes the average over the sites
+    that survived. Raises :class:`SecAggAborted` when the round cannot complete: the caller
+    must roll it back.
+    """
+
+    def __init__(self, cfg: PrivacyConfig, comm: Collectives, seed: int, rounds_planned: int, audit: Path | None) -> None:
+        self.cfg = cfg
+        self.comm = comm
+        g = comm.groups
+        self.num_sites = g.topology.num_sites
+        self.site_names = list(g.topology.site_names)
+        self.site = g.me.site_index
+        self.site_dp = cfg.dp.unit == "site"
+        self.bound = cfg.dp.clip_norm if self.site_dp else cfg.update_bound
+        self.secagg = (
+            SecureAggregator(comm, cfg.graph, cfg.threshold, self.bound, seed)
+            if cfg.secure_aggregation and self.num_sites > 1
+            else None
+        )
+        self.threshold = self.secagg.t if self.secagg is not None else self.num_sites
+        self.accountant = Accountant(cfg.dp.accountant, cfg.dp.delta, cfg.dp.epsilon) if self.site_dp else None
+        self.noise_multiplier = 0.0
+        if self.site_dp:
+            d = cfg.dp
+            nm = d.noise_multiplier
+            if nm is None:  # calibrated so that even rounds with only `threshold` survivors fit the budget
+                nm = calibrate_noise(d.epsilon or 0.0, d.delta, 1.0, rounds_planned, d.accountant)
+                nm *= math.sqrt(self.num_sites / self.threshold)
+            self.noise_multiplier = nm
+        # fixed-point range per value: the clip bound plus 8 standard deviations of this site's noise
+        self.noise_std = self.noise_multiplier * self.bound / math.sqrt(self.num_sites)
+        if self.secagg is not None:
+            self.secagg.set_range(self.bound + 8 * self.noise_std)
+        self.gen = secure_generator()
+        self.injections = {(s, r): k for (s, r), k in cfg.injections().items() if s == self.site_names[self.site]}
+        self.audit = audit
+        self.aggregations = 0
+        self.dropouts = 0
+        self.failed = 0
+        self._pending = 0  # reserved (background) aggregations not yet accounted
+        self._lock = threading.Lock()
+
+    def min_noise_multiplier(self) -> float:
+        """The aggregate's noise multiplier when only ``threshold`` sites survive (the worst case)."""
+        return self.noise_multiplier * math.sqrt(self.threshold / self.num_sites)
+
+    def can_afford(self) -> bool:
+        """Whether one more aggregation fits the ε budget, counting those still in flight at the
+        worst-case noise (same answer on every rank)."""
+        if self.accountant is None:
+            return True
+        with self._lock:
+            pending = self._pending
+        return self.accountant.fits(self.min_noise_multiplier(), 1.0, pending + 1)
+
+    def reserve(self) -> None:
+        """Called by the training thread when it hands an aggregation to a background exchange."""
+        with self._lock:
+            self._pending += 1
+
+    @torch.no_grad()
+    def average(self, delta: torch.Tensor, round_id: int) -> int:
+        """Replace ``delta`` by the average over surviving sites; returns how many survived.
+        A non-finite update is withdrawn (secure aggregation) or left out (plain), never summed."""
+        finite = bool(torch.isfinite(delta).all())
+        if not finite:
+            delta.zero_()
+        norm = float(delta.norm())
+        if norm > self.bound:
+            delta.mul_(self.bound / (norm + 1e-12))
+        g = self.comm.groups
+        G, me = len(g.intra_ranks), g.me.local_rank
+        shard = delta.tensor_split(G)[me]  # what this rank carries across sites
+        if self.noise_std > 0:
+            shard.add_(gaussian_noise(self.gen, shard, self.noise_std))
+        inject = self.injections.get((self.site_names[self.site], round_id))
+        if not finite:
+            inject = "drop"
+        report: RoundReport | None = None
+        if self.secagg is not None:
+            try:
+                summed, report = self.secagg.aggregate(shard.contiguous(), round_id, inject)
+            except SecAggAborted as exc:
+                self._failed(round_id, exc)
+            shard.copy_(summed)
+            self.comm.all_gather_intra(delta, [s.numel() for s in delta.tensor_split(G)])
+            survivors = len(report.survivors)
+        else:
+            survivors = int(sum(self.comm.site_values(1.0 if finite else 0.0)))
+            if survivors == 0:
+                self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"))
+            self.comm.all_reduce_across_sites(delta)
+        delta.div_(survivors)
+        with self._lock:
+            self._pending = max(0, self._pending - 1)
+            self.aggregations += 1
+            self.dropouts += self.num_sites - survivors
+            if self.accountant is not None:
+                self.accountant.step(self.noise_multiplier * math.sqrt(survivors / self.num_sites), 1.0)
+        self._write_audit(round_id, report, None)
+        return survivors
+
+    def _failed(self, round_id: int, exc: RoundFailed) -> NoReturn:
+        """Count and audit a round that cannot complete, then raise ``exc`` for the caller to roll back."""
+        with self._lock:
+            self.failed += 1
+            self._pending = max(0, self._pending - 1)
+        self._write_audit(round_id, None, str(exc))
+        raise exc
+
+    def _write_audit(self, round_id: int, report: RoundReport | None, error: str | None) -> None:
+        g = self.comm.groups
+        if self.audit is None or g.me.local_rank != 0:
+            return
+        names = self.site_names
+        rec: dict[str, Any] = {
+            "round": round_id,
+            "site": names[self.site],
+            "secure_aggregation": self.secagg is not None,
+            "clip_norm": self.bound,
+            "dp_unit": self.cfg.dp.unit,
+            "noise_multiplier": self.noise_multiplier if self.site_dp else None,
+            "epsilon": self.accountant.epsilon() if self.accountant is not None else None,
+            "delta": self.cfg.dp.delta if self.accountant is not None else None,
+        }
+        if report is not None:
+            rec.update(
+                participants=[names[i] for i in report.participants],
+                survivors=[names[i] for i in report.survivors],
+                dropped=[names[i] for i in report.dropped],
+                malformed=[names[i] for i in report.malformed],
+                masks_recovered=[names[i] for i in report.masks_recovered],
+                threshold=report.threshold,
+                graph=report.graph,
+                neighbours=report.degree,
+                fixed_point_frac_bits=report.frac_bits,
+                key_agreement_seconds=round(report.key_agreement_seconds, 6),
+                notes=report.notes,
+            )
+        elif error is None:
+            rec.update(participants=names, survivors=names, dropped=[])
+        if error is not None:
+            rec.update(status="rolled_back", error=error)
+        else:
+            rec["status"] = "committed"
+        with self._lock, self.audit.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "secagg": self.secagg is not None,
+            "threshold": self.threshold if self.secagg is not None else None,
+            "graph": self.cfg.graph if self.secagg is not None else None,
+            "dropouts": self.dropouts,
+            "rounds_rolled_back": self.failed,
+            "clip_norm": self.bound,
+            "noise_multiplier": self.noise_multiplier if self.site_dp else None,
+        }

@@ -1,0 +1,128 @@
+"""A rank's privacy machinery for one run, built from the privacy section: what the training
+loop (the ε budget stop), the sync algorithm (private aggregation, DP-SGD) and the summary need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.config import PrivacyConfig
+from geotrain.privacy.aggregation import PrivateAggregation
+from geotrain.privacy.dp import Accountant, ExampleDP, calibrate_noise
+
+
+def global_max(value: float, group: dist.ProcessGroup) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+class Privacy:
+    """A rank's privacy machinery for one run: what the training loop and the summary need."""
+
+    def __init__(
+        self, cfg: PrivacyConfig, aggregation: PrivateAggregation | None, example: ExampleDP | None, max_steps: int
+    ) -> None:
+        self.cfg = cfg
+        self.aggregation = aggregation
+        self.example = example
+        self.max_steps = max_steps  # the ε budget allows this many inner steps (example unit)
+        self.stopped_at: int | None = None
+        self.stop_reason = ""
+
+    @property
+    def active(self) -> bool:
+        return self.aggregation is not None or self.example is not None
+
+    def accountant(self) -> Accountant | None:
+        if self.example is not None:
+            return self.example.accountant
+        return self.aggregation.accountant if self.aggregation is not None else None
+
+    def epsilon(self) -> float | None:
+        acc = self.accountant()
+        return acc.epsilon() if acc is not None else None
+
+    def accountant_state(self) -> dict[str, Any] | None:
+        acc = self.accountant()
+        return None if acc is None else acc.state_dict()
+
+    def load_accountant_state(self, state: dict[str, Any] | None) -> None:
+        acc = self.accountant()
+        if acc is not None and state is not None:
+            acc.load_state_dict(state)
+
+    def summary(self) -> dict[str, Any]:
+        d = self.cfg.dp
+        out: dict[str, Any] = {
+            "secagg": False,
+            "dp_unit": d.unit,
+            "epsilon": self.epsilon(),
+            "epsilon_budget": d.epsilon,
+            "delta": d.delta if d.unit != "none" else None,
+            "accountant": d.accountant if d.unit != "none" else None,
+            "noise_multiplier": None,
+            "clip_norm": None,
+            "dropouts": 0,
+            "privacy_stopped_at_step": self.stopped_at,
+        }
+        if self.aggregation is not None:
+            out.update(self.aggregation.summary())
+        if self.example is not None:
+            out.update(
+                noise_multiplier=self.example.noise_multiplier,
+                clip_norm=self.example.clip_norm,
+                sample_rate=self.example.sample_rate,
+            )
+        return out
+
+
+def build_privacy(
+    cfg: PrivacyConfig,
+    comm: Collectives,
+    model: nn.Module,
+    out: Path,
+    *,
+    seed: int,
+    steps: int,
+    rounds_planned: int,
+    sample_rate: float,
+) -> Privacy:
+    """The privacy machinery ``cfg`` asks for on this rank (nothing when privacy is off).
+
+    Args:
+        comm: this rank's collectives (secure aggregation runs over them).
+        model: wrapped for per-example gradients when ``cfg.dp.unit == 'example'``.
+        out: the run directory (the audit logs go there).
+        seed: the run's public seed (the SecAgg+ graph of each round derives from it).
+        steps: inner steps planned; ``rounds_planned``: cross-site aggregations planned.
+        sample_rate: this rank's sampling rate (batch ÷ windows of its shard); the largest over
+            all ranks is used, so every rank stops at the same step.
+    """
+    groups = comm.groups
+    aggregation = None
+    if cfg.secure_aggregation or cfg.dp.unit == "site":
+        me = groups.me
+        audit = None
+        if me.local_rank == 0:
+            audit = out / ("audit.jsonl" if me.rank == 0 else f"audit-{me.site}.jsonl")
+            audit.unlink(missing_ok=True)
+        aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit)
+    example = None
+    max_steps = steps
+    if cfg.dp.unit == "example":
+        d = cfg.dp
+        q = global_max(min(1.0, sample_rate), groups.world)
+        nm = d.noise_multiplier
+        if nm is None:
+            nm = calibrate_noise(d.epsilon or 0.0, d.delta, q, steps, d.accountant)
+        accountant = Accountant(d.accountant, d.delta, d.epsilon)
+        example = ExampleDP(model, d.clip_norm, nm, groups.topology.workers_per_site, q, accountant)
+        max_steps = accountant.max_steps(nm, q, steps) if nm > 0 else (0 if d.epsilon else steps)
+    return Privacy(cfg, aggregation, example, max_steps)
