@@ -43,14 +43,16 @@ def plain_loop(steps: int) -> float:
     from geotrain.config import load_config
     from geotrain.data import build_rank_data
     from geotrain.models import GPT
-    from geotrain.worker import build_optimizer
+    from geotrain.run.optim import build_optimizer
 
     cfg = load_config(None, _cfg(steps))
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
     data = build_rank_data(cfg.data, 0, 1, 1, cfg.model.block_size, cfg.train.batch_size, 1, cfg.train.seed)
-    opt, sched = build_optimizer(cfg, model)  # same optimizer and schedule; not part of the framework overhead
+    opt, sched = build_optimizer(
+        cfg.optim, model, cfg.train.steps
+    )  # same optimizer and schedule; not part of the framework overhead
     model.train()
     start = time.perf_counter()
     for _ in range(steps):
@@ -69,7 +71,7 @@ def geotrain_loop(steps: int) -> float:
     """geotrain's real worker (process group, hooks, metrics) on 1x1; returns seconds per step."""
     from geotrain.comm.procs import free_port
     from geotrain.config import load_config
-    from geotrain.worker import train
+    from geotrain.run.worker import train
 
     env = {
         "RANK": "0",

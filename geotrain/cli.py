@@ -75,7 +75,7 @@ def _last_step(path: Path) -> int:
 
 
 def _run_one(cfg: Config, out: Path, progress: Progress) -> dict[str, Any]:
-    from geotrain.launch import launch_local
+    from geotrain.launch.local import launch_local
 
     task = progress.add_task(f"{cfg.sync.algorithm:>6}", total=cfg.train.steps)
     metrics = out / "metrics" / "rank0.jsonl"
@@ -98,7 +98,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     from geotrain.comm.topology import Topology
     from geotrain.data import check_data
     from geotrain.errors import LaunchError
-    from geotrain.report import print_table, write_outputs
+    from geotrain.report.tables import print_table, write_outputs
 
     topo = Topology.from_config(cfg.topology)
     try:
@@ -106,16 +106,16 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     except ValueError as exc:
         _fail(f"config error: {exc}")
     if cfg.checkpoint.resume not in (None, "auto"):
-        from geotrain.checkpoint import verify
         from geotrain.errors import CheckpointError
+        from geotrain.run.checkpoint import verify
 
         try:
             verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size)
         except CheckpointError as exc:
             _fail(f"checkpoint.resume: refused: {exc}")
     if cfg.elastic.enabled and cfg.elastic.secret_file:
+        from geotrain.elastic.auth import load_secret
         from geotrain.errors import MembershipRefused
-        from geotrain.membership import load_secret
 
         try:
             load_secret(cfg.elastic)
@@ -234,7 +234,7 @@ def lighthouse(
     Run it under a supervisor that restarts it (systemd Restart=always, a Kubernetes Deployment):
     while it is down, sites keep doing inner steps and postpone their rounds.
     """
-    from geotrain.membership import lighthouse_main
+    from geotrain.elastic.lighthouse import lighthouse_main
 
     raise typer.Exit(
         lighthouse_main(["--bind", bind, "--min-sites", str(min_sites), "--heartbeat-timeout", str(heartbeat_timeout)])
@@ -257,7 +257,7 @@ def chaos(
     """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency."""
     from rich.table import Table
 
-    from geotrain.chaos import run_chaos
+    from geotrain.bench.chaos import run_chaos
     from geotrain.errors import LaunchError
 
     try:
@@ -290,7 +290,7 @@ def bench_codecs_cmd(
     rank: Annotated[int, typer.Option(min=1, max=1024, help="PowerSGD rank.")] = 4,
 ) -> None:
     """Every codec: compression ratio, reconstruction error, one-core encode/decode GB/s vs a torch-ops reference."""
-    from geotrain.bench import bench_codecs, print_codecs
+    from geotrain.bench.codecs import bench_codecs, print_codecs
 
     out = bench_codecs(size_mib, reps, rank, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     print_codecs(out, _wide(160))
@@ -307,7 +307,7 @@ def bench_codec_quality_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Eval loss vs inter-site bytes at equal tokens: ddp, diloco with every codec, streaming with fp4."""
-    from geotrain.bench import codec_quality, plot_quality, print_quality
+    from geotrain.bench.quality import codec_quality, plot_quality, print_quality
     from geotrain.errors import LaunchError
 
     _load(None, set_)  # bad overrides fail here, before any run starts
@@ -333,7 +333,7 @@ def bench_privacy_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Secure aggregation overhead (bytes, time) vs plain, key-agreement cost by site count, eval loss with and without privacy."""
-    from geotrain.benchprivacy import bench_key_agreement, bench_overhead, bench_quality, print_privacy
+    from geotrain.bench.privacy import bench_key_agreement, bench_overhead, bench_quality, print_privacy
     from geotrain.errors import LaunchError
 
     chosen = {p.strip() for p in parts.split(",") if p.strip()}
@@ -385,7 +385,7 @@ def bench_link_cmd(
     reps: Annotated[int, typer.Option(min=1, max=50, help="Timed transfers per point (median).")] = 3,
 ) -> None:
     """Transfer time over an emulated link vs size/bandwidth + latency, in-process and kernel (root) modes."""
-    from geotrain.benchnet import bench_link, print_link
+    from geotrain.bench.link import bench_link, print_link
 
     out = bench_link(_speeds(speeds, "--speeds"), latency, reps=reps)
     print_link(out, _wide(140))
@@ -404,7 +404,7 @@ def bench_allreduce_cmd(
     chunk_mib: Annotated[float, typer.Option("--chunk-mib", min=0.01, max=1024, help="Chunk size (sync.chunk_bytes).")] = 4,
 ) -> None:
     """Hierarchical vs flat all-reduce on emulated links: busbw, link utilisation, α-β prediction."""
-    from geotrain.benchnet import bench_allreduce, print_allreduce
+    from geotrain.bench.allreduce import bench_allreduce, print_allreduce
 
     sizes = _speeds(sizes_mib, "--sizes-mib")
     out = bench_allreduce(sizes, bandwidth, latency, reps=reps, lanes=lanes, chunk_bytes=int(chunk_mib * (1 << 20)))
@@ -426,7 +426,7 @@ def bench_wan_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Compute utilisation, inter-site bytes and loss of ddp, diloco, streaming and eager streaming across link speeds."""
-    from geotrain.benchnet import bench_wan, plot_timeline, plot_wan, print_wan
+    from geotrain.bench.wan import bench_wan, plot_timeline, plot_wan, print_wan
     from geotrain.errors import LaunchError
 
     set_ = [f"sync.tau={tau}", *(set_ or [])]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.benchnet import alpha_beta_seconds, bench_wan, plot_timeline, plot_wan, wan_targets
+from geotrain.bench.allreduce import alpha_beta_seconds
+from geotrain.bench.wan import bench_wan, plot_timeline, plot_wan, wan_targets
 
 CLI = [sys.executable, "-m", "geotrain"]
 

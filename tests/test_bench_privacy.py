@@ -8,7 +8,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from geotrain.benchprivacy import bench_key_agreement, bench_overhead, print_privacy, quality_runs
+from geotrain.bench.privacy import bench_key_agreement, bench_overhead, print_privacy, quality_runs
 
 
 @pytest.mark.timeout(240)

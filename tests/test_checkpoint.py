@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.checkpoint import verify
 from geotrain.errors import CheckpointError
+from geotrain.run.checkpoint import verify
 from tests.helpers import read_summary, train_cli
 
 pytestmark = pytest.mark.timeout(300)

@@ -20,8 +20,8 @@ import yaml
 
 from geotrain.comm.procs import free_port
 from geotrain.config import ElasticConfig
-from geotrain.launch import worker_cmd
-from geotrain.membership import LighthouseProcess
+from geotrain.elastic.lighthouse import LighthouseProcess
+from geotrain.launch.spawn import worker_cmd
 from tests.helpers import TINY, read_summary, train_args, train_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -143,7 +143,7 @@ def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
 def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
     from geotrain.comm.topology import Topology
     from geotrain.config import TopologyConfig
-    from geotrain.elastic import site_env
+    from geotrain.launch.sites import site_env
 
     out = tmp_path / "auth"
     env = {**os.environ, "GEOTRAIN_SECRET": "the-right-shared-secret-0123456789"}
@@ -183,8 +183,8 @@ def test_chaos_reports_every_round(tmp_path: Path) -> None:
 
 
 def test_join_proof_binds_secret_round_nonce_and_prover(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from geotrain.elastic.auth import join_proof, load_secret
     from geotrain.errors import MembershipRefused
-    from geotrain.membership import join_proof, load_secret
 
     p = join_proof(b"s" * 32, "7-1-2", "nonce", "A")
     assert p == join_proof(b"s" * 32, "7-1-2", "nonce", "A") and len(p) == 64
@@ -204,7 +204,7 @@ def test_join_proof_binds_secret_round_nonce_and_prover(tmp_path: Path, monkeypa
 
 
 def test_fault_plan_respects_spacing() -> None:
-    from geotrain.chaos import plan_faults
+    from geotrain.bench.chaos import plan_faults
 
     plan = plan_faults(["A", "B", "C", "D"], rounds=30, H=100, failures=10, spacing=6, seed=3)
     assert len(plan) == 10 and len({(step - 1) // 100 for _, step, _ in plan}) == 10
@@ -215,7 +215,7 @@ def test_fault_plan_respects_spacing() -> None:
 
 
 def test_round_outcomes_flag_a_committed_round_with_two_models() -> None:
-    from geotrain.elastic import round_outcomes
+    from geotrain.elastic.records import round_outcomes
 
     def rec(key: str, outcome: str, committed: int, h: str) -> dict[str, Any]:
         return {"key": key, "outcome": outcome, "committed": committed, "hash": h}

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _guard_rank(rank: int, scales: list[list[float]]):
-    from geotrain.benchnet import rank_comm
+    from geotrain.comm.session import rank_comm
     from geotrain.config import GuardConfig
     from geotrain.sync.guard import UpdateGuard
 
@@ -71,7 +71,7 @@ def test_a_nan_sending_site_is_excluded_and_the_run_finishes(tmp_path: Path, sec
 
 
 def _excluded_sends_nothing(rank: int, forget: bool) -> float:
-    from geotrain.benchnet import rank_comm
+    from geotrain.comm.session import rank_comm
     from geotrain.config import SyncConfig
     from geotrain.sync import SiteReducer
 

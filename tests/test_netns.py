@@ -14,7 +14,7 @@ import pytest
 
 from geotrain.comm.emulate import kernel as netns
 from geotrain.config import load_config
-from geotrain.launch import launch_local
+from geotrain.launch.local import launch_local
 from tests.helpers import REPO, TINY, uniform_topology
 
 _WHY = netns.unavailable()

@@ -71,7 +71,7 @@ def test_site_private_corpus_is_the_only_training_data(tmp_path: Path) -> None:
 
 
 def _private_average_rank(rank: int, secure: bool, noise: float | None):
-    from geotrain.benchnet import rank_comm
+    from geotrain.comm.session import rank_comm
     from geotrain.config import PrivacyConfig
     from geotrain.privacy.aggregation import PrivateAggregation
 

@@ -167,7 +167,7 @@ def test_tampered_share_is_refused() -> None:
 
 
 def _aggregate_rank(rank: int, sites: int, workers: int, injections: dict, threshold, graph: str):
-    from geotrain.benchnet import rank_comm
+    from geotrain.comm.session import rank_comm
     from geotrain.errors import SecAggAborted
     from geotrain.privacy.secagg import SecureAggregator
 

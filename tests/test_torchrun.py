@@ -25,7 +25,7 @@ def test_torchrun_standalone_2x2(tmp_path: Path) -> None:
         "--local-addr",
         "127.0.0.1",
         "-m",
-        "geotrain.worker",
+        "geotrain.run.worker",
         "--out",
         str(tmp_path),
         "--set",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geotrain.config import load_config
-from geotrain.launch import launch_local
+from geotrain.launch.local import launch_local
 from tests.helpers import TINY
 
 SGD = [

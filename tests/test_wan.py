@@ -51,7 +51,8 @@ def test_reservations_are_atomic_across_processes(tmp_path: Path) -> None:
 
 
 def _timed_across(rank: int, sites: int, workers: int, nbytes: int, bw: float, lat: float, lanes: int) -> float:
-    from geotrain.benchnet import link_topology, rank_comm
+    from geotrain.bench.common import link_topology
+    from geotrain.comm.session import rank_comm
 
     with rank_comm(link_topology(sites, workers, bw, lat), "inprocess", lanes) as (_, comm):
         x = torch.ones(nbytes // 4)
@@ -81,7 +82,7 @@ def test_ranks_of_a_site_share_the_link() -> None:
 
 
 def _laned_rank(rank: int, sites: int, workers: int) -> list:
-    from geotrain.benchnet import rank_comm
+    from geotrain.comm.session import rank_comm
 
     topo = uniform_topology(sites, workers)
     errors = []

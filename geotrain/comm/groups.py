@@ -8,6 +8,8 @@ in the same order on every rank (``new_group`` is itself collective):
 * the **global** group (the default world group).
 
 The object is passed explicitly to whoever needs a group; there are no module globals.
+:func:`round_group` creates the one other kind: a Gloo group over a store, outside any world
+(elastic mode, where sites that are separate jobs meet once per round).
 """
 
 from __future__ import annotations
@@ -122,3 +124,10 @@ class ProcessGroups:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def round_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroupGloo:
+    """A Gloo group of ``size`` members rendezvousing in ``store`` (which the caller prefixes so
+    every membership gets fresh keys), outside the torch.distributed world of this process.
+    Gloo takes CPU tensors, whatever backend the world uses."""
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))

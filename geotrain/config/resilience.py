@@ -51,7 +51,7 @@ class FaultConfig(Section):
 
 
 class ElasticConfig(Section):
-    """Elastic cross-site membership (geotrain.membership): a quorum per outer round, rollback of
+    """Elastic cross-site membership (geotrain.elastic): a quorum per outer round, rollback of
     failed rounds, heartbeats, live healing, HMAC-authenticated joins."""
 
     enabled: bool = Field(

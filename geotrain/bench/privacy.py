@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from geotrain.benchnet import link_topology, rank_comm
+from geotrain.bench.common import link_topology
 from geotrain.comm.procs import run_ranks
+from geotrain.comm.session import rank_comm
 
 TARGETS = {"bytes_ratio": 1.1, "round_time_ratio": 1.3}
 
@@ -31,12 +32,12 @@ def _step_seconds(steps: int) -> float:
     from geotrain.config import load_config
     from geotrain.data import build_rank_data
     from geotrain.models import build_model
-    from geotrain.worker import build_optimizer
+    from geotrain.run.optim import build_optimizer
 
     cfg = load_config(None, ["train.eval_batches=1"])
     model = build_model(cfg.model)
     data = build_rank_data(cfg.data, 0, 1, 1, cfg.model.block_size, cfg.train.batch_size, 1, 0)
-    opt, _ = build_optimizer(cfg, model)
+    opt, _ = build_optimizer(cfg.optim, model, cfg.train.steps)
     times = []
     for _ in range(steps + 1):
         t = time.perf_counter()
@@ -207,7 +208,7 @@ def bench_quality(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     from geotrain.config import load_config
-    from geotrain.launch import launch_local
+    from geotrain.launch.local import launch_local
 
     say = progress or (lambda _m: None)
     points = []

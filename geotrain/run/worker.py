@@ -1,6 +1,6 @@
 """The per-rank training entry point: the same code under geotrain's launcher and torchrun.
 
-Run as ``python -m geotrain.worker --config FILE [--set K=V ...] --out DIR`` with the usual
+Run as ``python -m geotrain.run.worker --config FILE [--set K=V ...] --out DIR`` with the usual
 torch.distributed environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT). The rank's site comes from the topology (ranks are numbered site by site).
 
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from geotrain import checkpoint as ckpt
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.emulate import describe_links, link_emulator
 from geotrain.comm.emulate.inprocess import WanEmulator
@@ -37,11 +36,14 @@ from geotrain.comm.procs import die_with_parent
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
 from geotrain.data import build_rank_data
+from geotrain.elastic.member import SiteMember
+from geotrain.elastic.view import HealHooks
 from geotrain.errors import ConfigError, MembershipRefused
-from geotrain.membership import HealHooks, SiteMember
-from geotrain.metrics import MetricsSink, log
 from geotrain.models import build_model, count_params
 from geotrain.privacy.build import Privacy, build_privacy
+from geotrain.report.metrics import MetricsSink, log
+from geotrain.run import checkpoint as ckpt
+from geotrain.run.optim import build_optimizer
 from geotrain.sync import DiLoCo, SyncAlgorithm, build_sync
 from geotrain.sync.guard import UpdateGuard
 
@@ -53,27 +55,6 @@ def rank_threads(requested: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, cores // max(1, local_world))
-
-
-def build_optimizer(cfg: Config, model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    o = cfg.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt: torch.optim.Optimizer
-    if o.name == "adamw":
-        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=(o.betas[0], o.betas[1]))
-    else:
-        opt = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    total = cfg.train.steps
-
-    def factor(step: int) -> float:
-        if o.warmup_steps and step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 @torch.no_grad()
@@ -129,7 +110,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             cfg.train.seed,
             site_corpus=cfg.topology.sites[where.site_index].corpus,
         )
-        optimizer, scheduler = build_optimizer(cfg, model)
+        optimizer, scheduler = build_optimizer(cfg.optim, model, cfg.train.steps)
         comm = Collectives(groups, chunk_bytes=cfg.sync.chunk_bytes, wan=wan)
         if cfg.train.timeline:
             comm.stats.intervals = []
@@ -247,7 +228,7 @@ def _elastic_member(
     data: Any,
     wan: WanEmulator | None,
 ) -> tuple[SiteMember, Callable[[int], None]]:
-    """Join the elastic membership (geotrain.membership); a restarted site (``incarnation`` > 0)
+    """Join the elastic membership (geotrain.elastic); a restarted site (``incarnation`` > 0)
     heals from a live peer first. Returns the member and the per-step failure-injection hook."""
     faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
     (out / "elastic").mkdir(parents=True, exist_ok=True)
@@ -288,7 +269,8 @@ def _elastic_member(
         load=load,
     )
     member = SiteMember(
-        cfg,
+        cfg.elastic,
+        [s.name for s in cfg.topology.sites],
         where.site,
         where.site_index,
         where.local_rank,
@@ -628,7 +610,7 @@ def _summarise(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m geotrain.worker", description="One geotrain rank (use under torchrun or geotrain's launcher)."
+        prog="python -m geotrain.run.worker", description="One geotrain rank (use under torchrun or geotrain's launcher)."
     )
     parser.add_argument("--config", default=None, help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -75,7 +75,7 @@ def run_chaos(
     console_print: Any = print,
 ) -> dict[str, Any]:
     """Run the soak; the report (also the summary's essentials)."""
-    from geotrain.launch import launch_local
+    from geotrain.launch.local import launch_local
 
     cfg = chaos_config(sites, rounds, H, failures, seed, restart_after, spacing)
     summary = launch_local(cfg, out, console_print=console_print)

@@ -2,7 +2,7 @@
 the failure injection that kills, hangs and restarts whole sites with real signals.
 
 * Each site's G ranks form their own torch.distributed world (their own rendezvous port); sites
-  meet only through :mod:`geotrain.membership`, so a dead site never breaks a survivor's groups.
+  meet only through :mod:`geotrain.elastic`, so a dead site never breaks a survivor's groups.
 * The Lighthouse runs in its own process on 127.0.0.1 (unless ``elastic.lighthouse`` names one)
   and is restarted if it dies: the launcher is its supervisor (in production, run
   ``geotrain lighthouse`` under systemd or Kubernetes with restart=always on a machine of its own).
@@ -23,7 +23,6 @@ import json
 import os
 import secrets
 import signal
-import statistics
 import subprocess
 import threading
 import time
@@ -36,9 +35,10 @@ from geotrain.comm.emulate.inprocess import state_path
 from geotrain.comm.procs import free_port
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
+from geotrain.elastic.lighthouse import LighthouseProcess
+from geotrain.elastic.records import merge_summaries
 from geotrain.errors import LaunchError
-from geotrain.launch import GRACE_SECONDS, _describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
-from geotrain.membership import LighthouseProcess
+from geotrain.launch.spawn import GRACE_SECONDS, describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
 
 REFUSED_EXIT = 3  # a worker that failed membership authentication
 
@@ -177,10 +177,10 @@ def launch_elastic(
                 elif any(c not in (None, 0) for c in codes):
                     code = next(c for c in codes if c not in (None, 0))
                     kind = "refused" if code == REFUSED_EXIT else "crash"
-                    crashes.append({"site": s.name, "kind": kind, "injected_at": now, "exit": _describe_exit(int(code))})
+                    crashes.append({"site": s.name, "kind": kind, "injected_at": now, "exit": describe_exit(int(code))})
                     signal_site(s, signal.SIGKILL)
                     s.state = "down"
-                    say(f"[launcher] site {s.name} {_describe_exit(int(code))}; the other sites carry on")
+                    say(f"[launcher] site {s.name} {describe_exit(int(code))}; the other sites carry on")
             if lighthouse is not None and lighthouse.supervise():
                 say("[launcher] the Lighthouse had died: restarted it on the same address")
                 _write_pids(out, sites, lighthouse)
@@ -219,133 +219,3 @@ def _write_pids(out: Path, sites: list[_Site], lighthouse: LighthouseProcess | N
         "lighthouse": lighthouse.proc.pid if lighthouse is not None and lighthouse.proc is not None else None,
     }
     (out / "pids.json").write_text(json.dumps(pids))
-
-
-def read_rounds(out: Path) -> dict[str, list[dict[str, Any]]]:
-    """Every site's round records (all incarnations), in order."""
-    logs = {}
-    for f in sorted((out / "elastic").glob("rounds-*.jsonl")):
-        logs[f.stem.removeprefix("rounds-")] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return logs
-
-
-def round_outcomes(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """What the sites' records say about every round: committed, rolled back, split, and whether
-    every committed round count maps to one global model (``consistent``)."""
-    by_key: dict[str, set[str]] = {}
-    hashes: dict[int, set[str]] = {}
-    for recs in logs.values():
-        for r in recs:
-            if r.get("key"):
-                by_key.setdefault(r["key"], set()).add(r["outcome"])
-            if r["outcome"] == "committed":
-                hashes.setdefault(r["committed"], set()).add(r["hash"])
-    committed = sum(1 for o in by_key.values() if o == {"committed"})
-    rolled = sum(1 for o in by_key.values() if o == {"rolled_back"})
-    return {
-        "rounds": len(by_key),
-        "committed": committed,
-        "rolled_back": rolled,
-        "split": len(by_key) - committed - rolled,
-        "consistent_history": all(len(h) == 1 for h in hashes.values()),
-    }
-
-
-def seconds_lost(logs: dict[str, list[dict[str, Any]]]) -> float:
-    """Wall time the surviving sites lost to failures (mean over sites): the whole of every
-    rolled-back round (its inner steps are discarded) plus quorum waits beyond the usual."""
-    per_site = []
-    for recs in logs.values():
-        if not recs:
-            continue
-        waits = [r.get("quorum_s", 0.0) for r in recs if r["outcome"] == "committed"]
-        usual = statistics.median(waits) if waits else 0.0
-        lost = 0.0
-        for prev, r in zip(recs, recs[1:], strict=False):
-            if r["outcome"] == "rolled_back":
-                lost += r["end"] - prev["end"]
-            else:
-                lost += max(0.0, r.get("quorum_s", 0.0) - usual)
-        per_site.append(lost)
-    return statistics.mean(per_site) if per_site else 0.0
-
-
-def round_seconds(logs: dict[str, list[dict[str, Any]]]) -> float:
-    """Median wall time of one committed round (inner steps + exchange), over all sites."""
-    spans = [
-        r["end"] - prev["end"]
-        for recs in logs.values()
-        for prev, r in zip(recs, recs[1:], strict=False)
-        if r["outcome"] == "committed"
-    ]
-    return statistics.median(spans) if spans else 0.0
-
-
-def merge_summaries(out: Path, topo: Topology, failures: list[dict[str, Any]], cfg: Config, wall: float) -> dict[str, Any] | None:
-    """One run summary from the finished sites' summaries, their round logs and the failures."""
-    finished = {}
-    for name in topo.site_names:
-        f = out / "elastic" / f"summary-{name}.json"
-        if f.exists():
-            finished[name] = json.loads(f.read_text())
-    if not finished:
-        return None
-    logs = read_rounds(out)
-    events = [e for s in finished.values() for e in s.get("detected", [])]
-    detected = []
-    for fail in sorted(failures, key=lambda x: x["injected_at"]):
-        t = fail["injected_at"]
-        seen = [e["time"] - t for e in events if e["site"] == fail["site"] and e["time"] >= t]
-        seen += [  # a round with the site in it that failed after the fault: the survivors noticed
-            r["end"] - t
-            for recs in logs.values()
-            for r in recs
-            if r["outcome"] == "rolled_back" and r["end"] >= t and fail["site"] in r.get("admitted", [])
-        ]
-        excluded = [
-            r["start"] + r.get("quorum_s", 0.0) - t
-            for recs in logs.values()
-            for r in recs
-            if r["start"] + r.get("quorum_s", 0.0) >= t and fail["site"] not in r.get("admitted", [fail["site"]])
-        ]
-        seen += excluded  # a quorum without it: the survivors have acted on the failure
-        detected.append(
-            {
-                "site": fail["site"],
-                "kind": fail["kind"],
-                **({"step": fail["step"]} if "step" in fail else {}),
-                "detection_seconds": min(seen) if seen else None,
-                "excluded_after_seconds": min(excluded) if excluded else None,
-            }
-        )
-    first = finished[next(iter(finished))]
-    hashes = {name: s["global_param_hash"][name] for name, s in finished.items()}
-    outcomes = round_outcomes(logs)
-    lost = seconds_lost({k: v for k, v in logs.items() if k in finished})
-    return {
-        **first,
-        "sites": list(topo.site_names),
-        "survivors": list(finished),
-        "world_size": topo.world_size,
-        "tokens": first["tokens"] * topo.num_sites,  # nominal: as if every site had trained every step
-        "steps": max(s["steps"] for s in finished.values()),
-        "rounds": outcomes["rounds"],
-        "rounds_committed": max(s["rounds_committed"] for s in finished.values()),
-        "rounds_rolled_back": outcomes["rolled_back"],
-        "rounds_split": outcomes["split"],
-        "consistent": outcomes["consistent_history"] and len(set(hashes.values())) == 1,
-        "failures": detected,
-        "seconds_lost": lost,
-        "round_seconds": round_seconds(logs),
-        "heartbeat_timeout_s": cfg.elastic.heartbeat_timeout_s,
-        "global_param_hash": hashes,
-        "hashes_agree_within_sites": all(s["hashes_agree_within_sites"] for s in finished.values()),
-        "inter_site_bytes": sum(s["inter_site_bytes"] for s in finished.values()),
-        "intra_site_bytes": sum(s["intra_site_bytes"] for s in finished.values()),
-        "wall_seconds": wall,
-        "per_site": {
-            name: {k: s[k] for k in ("steps", "rounds", "rounds_committed", "started_at_step", "final_eval_loss")}
-            for name, s in finished.items()
-        },
-        "per_rank": [r for s in finished.values() for r in s["per_rank"]],
-    }

@@ -1,0 +1,104 @@
+"""The membership coordinator: torchft's Lighthouse, as a process of its own.
+
+The Lighthouse (:mod:`torchft.coordination`, a small Rust server) forms a quorum per round from
+the sites that heartbeat to it, drops a site silent for the heartbeat timeout, and holds rounds
+below the minimum number of sites. :func:`lighthouse_main` runs one until SIGTERM
+(``geotrain lighthouse``, or ``python -m geotrain.elastic.lighthouse``);
+:class:`LighthouseProcess` runs one beside a local launcher and restarts it if it dies (in
+production: systemd or Kubernetes with restart=always, on a machine of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from geotrain.comm.procs import die_with_parent
+from geotrain.config import ElasticConfig
+
+
+def lighthouse_main(argv: list[str] | None = None) -> int:
+    """``python -m geotrain.elastic.lighthouse --bind 127.0.0.1:PORT ...``: run a Lighthouse until SIGTERM."""
+    from torchft.coordination import LighthouseServer
+
+    ap = argparse.ArgumentParser(prog="geotrain lighthouse", description="geotrain's membership coordinator (torchft Lighthouse)")
+    ap.add_argument("--bind", required=True, help="HOST:PORT (use a loopback or private address)")
+    ap.add_argument("--min-sites", type=int, default=1)
+    ap.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds")
+    ap.add_argument("--join-timeout", type=float, default=60.0, help="seconds")
+    args = ap.parse_args(argv)
+    die_with_parent()  # under geotrain's launcher: never outlive it
+    server = LighthouseServer(
+        bind=args.bind,
+        min_replicas=args.min_sites,
+        join_timeout_ms=int(args.join_timeout * 1000),
+        quorum_tick_ms=50,
+        heartbeat_timeout_ms=int(args.heartbeat_timeout * 1000),
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"geotrain lighthouse on {args.bind} (min sites {args.min_sites})", flush=True)
+    stop.wait()
+    server.shutdown()
+    return 0
+
+
+class LighthouseProcess:
+    """A Lighthouse in its own process on ``127.0.0.1:port``, restarted by :meth:`supervise` if it dies."""
+
+    def __init__(self, port: int, cfg: ElasticConfig, log: Path) -> None:
+        self.port, self.cfg, self.log = port, cfg, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "geotrain.elastic.lighthouse",
+            "--bind",
+            self.address,
+            "--min-sites",
+            str(self.cfg.min_sites),
+        ]
+        cmd += ["--heartbeat-timeout", str(self.cfg.heartbeat_timeout_s)]
+        env = {**os.environ, "GEOTRAIN_PARENT_PID": str(os.getpid())}
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def kill(self) -> None:
+        """SIGKILL it (failure injection); :meth:`supervise` brings it back."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def supervise(self) -> bool:
+        """Restart it if it died; True if it had to."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.restarts += 1
+            self.start()
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(lighthouse_main())

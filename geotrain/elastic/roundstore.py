@@ -1,0 +1,92 @@
+"""The round store: a ``TCPStore`` hosted by a site, where the sites of a round meet to
+authenticate, watch each other's heartbeats and vote.
+
+Gloo waits cannot be interrupted, so every wait here polls: :func:`wait_keys` ends at its
+deadline, as soon as a present key settles it, or when the :class:`Monitor` has failed the round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from geotrain.errors import RoundFailed
+
+
+def connect(address: str, timeout: float) -> dist.TCPStore:
+    """A client of the store at ``HOST:PORT`` (every operation times out after ``timeout`` s)."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+class Monitor:
+    """Heartbeats of this rank and its ring peers through the round store, in a thread: a peer
+    whose counter stops for ``timeout`` seconds (or an unreachable store) fails the round."""
+
+    def __init__(self, store: dist.Store, me: str, peers: list[str], interval: float, timeout: float) -> None:
+        self.store, self.me, self.peers = store, me, peers
+        self.interval, self.timeout = interval, timeout
+        self.failed: str | None = None
+        self.culprit: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat-monitor")
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen = {p: (-1, time.monotonic()) for p in self.peers}
+        last_ok = time.monotonic()
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self.store.add(f"hb/{self.me}", 1)
+                for p in self.peers:
+                    v = self.store.add(f"hb/{p}", 0)
+                    if v != seen[p][0]:
+                        seen[p] = (v, now)
+                    elif now - seen[p][1] > self.timeout:
+                        self._fail(f"no heartbeat from {p.split('/')[0]} for {now - seen[p][1]:.1f}s", p)
+                        return
+                last_ok = now
+            except Exception as exc:  # the store's host is gone or stopped
+                if now - last_ok > self.timeout:
+                    self._fail(f"round store unreachable ({type(exc).__name__})", None)
+                    return
+
+    def _fail(self, why: str, who: str | None) -> None:
+        self.culprit = who.split("/")[0] if who else None
+        self.failed = why
+
+    def check(self) -> None:
+        """Raise :class:`RoundFailed` if a peer went silent."""
+        if self.failed is not None:
+            raise RoundFailed(self.failed)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def wait_keys(
+    store: dist.Store,
+    keys: list[str],
+    deadline: float,
+    monitor: Monitor | None = None,
+    stop_if: Callable[[str], bool] | None = None,
+) -> list[str]:
+    """The keys present by ``deadline`` (polling, so a heartbeat failure ends it early), or as
+    soon as a present key satisfies ``stop_if``."""
+    pending = list(keys)
+    while pending and time.monotonic() < deadline:
+        present = [k for k in pending if store.check([k])]
+        pending = [k for k in pending if k not in present]
+        if stop_if is not None and any(stop_if(k) for k in present):
+            break
+        if monitor is not None:
+            monitor.check()
+        if pending:
+            time.sleep(0.005)
+    return [k for k in keys if k not in pending]

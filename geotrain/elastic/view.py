@@ -1,0 +1,79 @@
+"""What a round is about, decided from the quorum alone: its members, the site the others heal
+from, and who heals. Pure functions, the same on every site given the same quorum.
+
+The *source* is the member with the most committed rounds (ties: the global hash most of those
+members hold, then the smallest name). *Healers* are the admitted members whose (committed,
+hash) differ from the source's, plus any restarted (joining) site: they receive the source's
+state and contribute zeros to the round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Member:
+    """One site in a quorum, as the Lighthouse reported it."""
+
+    site: str
+    store: str
+    committed: int
+    hash: str
+    joining: bool = False
+
+
+@dataclass
+class RoundView:
+    """What every rank of a site knows about the round (decided by local rank 0, broadcast)."""
+
+    key: str = ""
+    members: list[Member] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    source: str = ""
+    healers: list[str] = field(default_factory=list)
+    postponed: bool = False
+    error: str = ""
+
+
+@dataclass
+class HealHooks:
+    """How the member reads and replaces this rank's training state (provided by the worker)."""
+
+    committed: Callable[[], int]
+    global_hash: Callable[[], str]
+    step: Callable[[], int]
+    state: Callable[[], dict[str, Any]]
+    load: Callable[[dict[str, Any]], None]
+
+
+def members_of(quorum: Any) -> list[Member]:
+    """The members of a torchft quorum, with what each advertised."""
+    return [
+        Member(
+            p.replica_id,
+            p.store_address,
+            p.step,
+            str((p.data or {}).get("hash", "")),
+            bool((p.data or {}).get("joining", False)),
+        )
+        for p in quorum.participants
+    ]
+
+
+def heal_source(members: list[Member]) -> str:
+    """The site every other heals from (see the module docstring)."""
+    top = max(m.committed for m in members)
+    leaders = sorted((m for m in members if m.committed == top), key=lambda m: m.site)
+    held = [m.hash for m in leaders]
+    best = max(held, key=lambda h: (held.count(h), -held.index(h)))  # most held, then first by name
+    return next(m.site for m in leaders if m.hash == best)
+
+
+def healers(members: list[Member], source: str, admitted: list[str]) -> list[str]:
+    """The admitted sites that take the source's state this round."""
+    by = {m.site: m for m in members}
+    ref = (by[source].committed, by[source].hash)
+    return [s for s in admitted if (by[s].committed, by[s].hash) != ref or by[s].joining]
