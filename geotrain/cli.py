@@ -98,7 +98,8 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     from geotrain.comm.topology import Topology
     from geotrain.data import check_data
     from geotrain.errors import LaunchError
-    from geotrain.report.tables import print_table, write_outputs
+    from geotrain.report.outputs import write_outputs
+    from geotrain.report.tables import print_table
 
     topo = Topology.from_config(cfg.topology)
     try:

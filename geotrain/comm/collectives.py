@@ -106,8 +106,10 @@ class Collectives:
         self._pool = ThreadPoolExecutor(len(self.lanes), thread_name_prefix="lane") if len(self.lanes) > 1 else None
 
     def close(self) -> None:
+        """Stop the lane threads. Does not wait: after a normal run they are idle, and after a
+        failure one may be blocked in a wait on a dead peer, which must not hold up the exit."""
         if self._pool is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
     # ------------------------------------------------------------------ primitives

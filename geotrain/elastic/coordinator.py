@@ -44,6 +44,7 @@ class Coordinator:
         self._back_at = -1e9
         self._hb_stop = threading.Event()
         self._hb_gen = 0
+        self._hb_threads: list[threading.Thread] = []
         self._hb_started = self._hb_last_ok = time.monotonic()
         self._start_heartbeat()
 
@@ -65,7 +66,9 @@ class Coordinator:
         self._hb_gen += 1
         self._hb_started = time.monotonic()
         gen = self._hb_gen
-        threading.Thread(target=self._heartbeat, args=(gen,), daemon=True, name=f"lighthouse-heartbeat-{gen}").start()
+        t = threading.Thread(target=self._heartbeat, args=(gen,), daemon=True, name=f"lighthouse-heartbeat-{gen}")
+        t.start()
+        self._hb_threads = [x for x in self._hb_threads if x.is_alive()] + [t]
 
     def _heartbeat(self, gen: int) -> None:
         """Heartbeat every ``heartbeat_s`` with this thread's own client, until replaced (``gen``)."""
@@ -150,4 +153,11 @@ class Coordinator:
                 time.sleep(self.cfg.heartbeat_s * 4)
 
     def close(self) -> None:
+        """Stop heartbeating and wait (bounded) for the heartbeat threads to leave torchft's client:
+        a thread still inside its native code when the interpreter shuts down aborts the process."""
         self._hb_stop.set()
+        self._hb_gen += 1
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+        for t in self._hb_threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._client = None

@@ -1,4 +1,5 @@
-"""Per-rank metrics sinks: a JSONL line per step, TensorBoard events, and the console log line.
+"""Per-rank metrics sinks: a JSONL line per step, TensorBoard events, the console log line, and
+the timeline of compute and network intervals.
 
 Every rank writes ``OUT/metrics/rank{r}.jsonl``; global rank 0 also writes TensorBoard events to
 ``OUT/tb``; local rank 0 of each site prints one fixed-format line every ``log_every`` steps
@@ -83,3 +84,16 @@ class MetricsSink:
     def close(self) -> None:
         self._jsonl.close()
         self._tb.close()
+
+
+def write_timeline(
+    out: Path, rank: int, compute: list[tuple[float, float]], network: list[tuple[float, float]], t0: float
+) -> None:
+    """This rank's compute and wide-area intervals (seconds since the first step) for the timeline plot."""
+    (out / "timeline").mkdir(exist_ok=True)
+    data = {
+        "rank": rank,
+        "compute": [(a - t0, b - t0) for a, b in compute],
+        "network": [(a - t0, b - t0) for a, b in network if b >= t0],
+    }
+    (out / "timeline" / f"rank{rank}.json").write_text(json.dumps(data))

@@ -1,39 +1,13 @@
-"""What a person sees at the end: the side-by-side table, the loss-curve PNG, the merged summary.
-
-``OUT/summary.json`` holds the primary run's record at the top level and every run (primary
-first, then the baseline) under ``runs``; ``comparison`` compares the two when a baseline ran.
-Schema: docs/SUMMARY.md.
-"""
+"""What a person sees at the end of ``geotrain train``: the side-by-side table and its comparison line."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-
-def compare(primary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """Ratios of the primary run against the baseline at equal tokens."""
-    inter_p, inter_b = primary["inter_site_bytes"], baseline["inter_site_bytes"]
-    return {
-        "primary": primary["algorithm"],
-        "baseline": baseline["algorithm"],
-        "equal_tokens": primary["tokens"] == baseline["tokens"],
-        "eval_loss_ratio": primary["final_eval_loss"] / baseline["final_eval_loss"],
-        "inter_site_bytes_ratio": (inter_b / inter_p) if inter_p else None,
-        "wall_seconds_ratio": primary["wall_seconds"] / baseline["wall_seconds"],
-    }
-
-
-def merged_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    top = {k: v for k, v in runs[0].items() if k not in ("per_rank", "config", "eval_curve")}
-    top["runs"] = runs
-    if len(runs) > 1:
-        top["comparison"] = compare(runs[0], runs[1])
-    return top
+from geotrain.report.summary import compare
 
 
 def run_label(r: dict[str, Any]) -> str:
@@ -84,34 +58,3 @@ def print_table(runs: list[dict[str, Any]], console: Console) -> None:
             + (f"{ratio:,.1f}x fewer inter-site bytes" if ratio else "no inter-site bytes")
             + f", wall time x{c['wall_seconds_ratio']:.2f}"
         )
-
-
-def plot_curves(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in runs:
-        xs = [p["tokens"] for p in r["eval_curve"]]
-        ys = [p["eval_loss"] for p in r["eval_curve"]]
-        label = run_label(r)
-        label += f" ({r['inter_site_bytes'] / 1e6:,.1f} MB inter-site)"
-        ax.plot(xs, ys, marker="o", markersize=3, label=label)
-    ax.set_xlabel("tokens (all ranks)")
-    ax.set_ylabel("held-out loss (nats/byte)")
-    sites = runs[0]["sites"]
-    ax.set_title(f"{len(sites)} sites x {runs[0]['workers_per_site']} workers")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(runs: list[dict[str, Any]], out: Path) -> dict[str, Any]:
-    summary = merged_summary(runs)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curves(runs, out / "loss.png")
-    return summary

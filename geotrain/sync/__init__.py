@@ -17,14 +17,26 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
-from geotrain.sync.base import SyncAlgorithm, params_hash
+from geotrain.sync.base import GradientPrivatizer, PrivateAverage, SyncAlgorithm, params_hash
 from geotrain.sync.ddp import DDP
 from geotrain.sync.diloco import DiLoCo
+from geotrain.sync.guard import UpdateGuard
 from geotrain.sync.outer import OuterSync
 from geotrain.sync.reducer import SiteReducer
-from geotrain.sync.streaming import StreamingDiLoCo
+from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
 
-__all__ = ["DDP", "DiLoCo", "OuterSync", "SiteReducer", "StreamingDiLoCo", "SyncAlgorithm", "build_sync", "params_hash"]
+__all__ = [
+    "DDP",
+    "DiLoCo",
+    "OuterSync",
+    "SiteReducer",
+    "StreamingDiLoCo",
+    "SyncAlgorithm",
+    "UpdateGuard",
+    "build_sync",
+    "fragment_count",
+    "params_hash",
+]
 
 
 def build_sync(
@@ -35,9 +47,28 @@ def build_sync(
     *,
     grad_clip: float,
     tokens_per_step: int,
+    example_dp: GradientPrivatizer | None = None,
+    private: PrivateAverage | None = None,
+    guard: UpdateGuard | None = None,
+    nan_at: set[tuple[str, int]] | None = None,
 ) -> SyncAlgorithm:
-    """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section."""
+    """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section, hooked
+    onto ``optimizer``.
+
+    Args:
+        grad_clip: clip the averaged gradient's norm to this (0: off).
+        tokens_per_step: tokens this site processes per inner step (token weighting).
+        example_dp: DP-SGD on the inner steps (any algorithm).
+        private, guard, nan_at: for the pseudo-gradients of DiLoCo and Streaming DiLoCo: private
+            aggregation, the update guard, and failure injection ({(site, round)} sent as NaN).
+    """
+    alg: SyncAlgorithm
     if cfg.algorithm == "ddp":
-        return DDP(model, optimizer, comm, grad_clip, cfg.allreduce, cfg)
-    cls = StreamingDiLoCo if cfg.algorithm == "streaming" else DiLoCo
-    return cls(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        alg = DDP(model, optimizer, comm, grad_clip, cfg.allreduce, cfg)
+    else:
+        cls = StreamingDiLoCo if cfg.algorithm == "streaming" else DiLoCo
+        outer = cls(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        outer.private, outer.guard, outer.nan_at = private, guard, set(nan_at or ())
+        alg = outer
+    alg.example_dp = example_dp
+    return alg

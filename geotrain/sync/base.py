@@ -112,6 +112,7 @@ class SyncAlgorithm:
     """Base class: owns the optimizer hooks. Use as a context manager or call :meth:`close`."""
 
     name = "base"
+    F = 1  # fragments synced separately (Streaming DiLoCo: its F)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float) -> None:
         self.model = model

@@ -26,6 +26,12 @@ from geotrain.sync.base import views_like
 from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
 from geotrain.sync.reducer import SiteReducer
 
+
+def fragment_count(cfg: SyncConfig, tensors: int) -> int:
+    """How many fragments sync separately: the configured F for streaming (at most one per tensor), else 1."""
+    return min(cfg.fragments, tensors) if cfg.algorithm == "streaming" else 1
+
+
 _LAYER = re.compile(r"(?:^|\.)(\d+)\.")
 
 
@@ -81,7 +87,7 @@ class StreamingDiLoCo(OuterSync):
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.F = min(cfg.fragments, len(self.params))
+        self.F = fragment_count(cfg, len(self.params))
         self.tau = cfg.tau
         self.alpha = cfg.alpha
         self.eager = cfg.eager

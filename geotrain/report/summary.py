@@ -1,0 +1,120 @@
+"""The run summary (``OUT/summary.json``, schema: docs/SUMMARY.md): one record per rank, the run's
+record built from them on global rank 0, and the merged summary of several runs.
+
+``OUT/summary.json`` of ``geotrain train`` holds the primary run's record at the top level and
+every run (primary first, then the baseline) under ``runs``; ``comparison`` compares the two
+when a baseline ran. Nothing here communicates: the caller gathers the rank records.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import torch
+
+from geotrain.comm.collectives import CommStats
+from geotrain.comm.topology import RankInfo, Topology
+
+
+def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_hash: str) -> dict[str, Any]:
+    """One rank's numbers: bytes by link class, times, utilisation, and its global-model hash."""
+    return {
+        "rank": me.rank,
+        "site": me.site,
+        "local_rank": me.local_rank,
+        "inter_site_bytes": stats.inter_bytes,
+        "inter_site_raw_bytes": stats.inter_raw_bytes,
+        "intra_site_bytes": stats.intra_bytes,
+        "peak_inter_site_bytes_per_step": result["peak_inter_site_bytes_per_step"],
+        "final_sync_inter_site_bytes": result["final_sync_inter_site_bytes"],
+        "compute_seconds": result["compute_seconds"],
+        "utilization": result["utilization"],
+        "network_seconds": stats.network_seconds,
+        "comm_wait_seconds": stats.comm_seconds,
+        "wan_wait_seconds": stats.wan_wait_seconds,
+        "eval_seconds": result["eval_seconds"],
+        "wall_seconds": result["wall_seconds"],
+        "global_param_hash": global_hash,
+    }
+
+
+def run_summary(
+    gathered: list[dict[str, Any]], topo: Topology, result: dict[str, Any], run: dict[str, Any], privacy: dict[str, Any]
+) -> dict[str, Any]:
+    """The run's record from every rank's :func:`rank_record` (any order).
+
+    Args:
+        topo: the topology of the ranks gathered.
+        result: global rank 0's training-loop result (steps, curve, final loss).
+        run: what the run was: algorithm, H, fragments, rounds, rounds_rolled_back,
+            guard_rejections, guard_events, codec, params, link_emulation, threads_per_rank,
+            backend, config.
+        privacy: the privacy machinery's summary.
+    """
+    ranks = sorted(gathered, key=lambda r: r["rank"])
+    hashes = {name: ranks[topo.site_ranks(i)[0]]["global_param_hash"] for i, name in enumerate(topo.site_names)}
+    agree = all(r["global_param_hash"] == hashes[r["site"]] for r in ranks)
+    n = len(ranks)
+    inter = sum(r["inter_site_bytes"] for r in ranks)
+    raw = sum(r["inter_site_raw_bytes"] for r in ranks)
+    return {
+        "algorithm": run["algorithm"],
+        "sites": list(topo.site_names),
+        "workers_per_site": topo.workers_per_site,
+        "world_size": topo.world_size,
+        "steps": result["steps_done"],
+        "H": run["H"],
+        "fragments": run["fragments"],
+        "rounds": run["rounds"],
+        "rounds_rolled_back": run["rounds_rolled_back"],
+        "guard_rejections": run["guard_rejections"],
+        "guard_events": run["guard_events"],
+        "codec": run["codec"],
+        "tokens": result["curve"][-1]["tokens"],
+        "params": run["params"],
+        "final_eval_loss": result["final_eval_loss"],
+        "inter_site_bytes": inter,
+        "compression_ratio": raw / inter if inter else 1.0,
+        "utilization": min(r["utilization"] for r in ranks),
+        "link_emulation": run["link_emulation"],
+        "peak_inter_site_bytes_per_step": sum(r["peak_inter_site_bytes_per_step"] for r in ranks),
+        "final_sync_inter_site_bytes": sum(r["final_sync_inter_site_bytes"] for r in ranks),
+        "intra_site_bytes": sum(r["intra_site_bytes"] for r in ranks),
+        "wall_seconds": max(r["wall_seconds"] for r in ranks),
+        "compute_seconds": sum(r["compute_seconds"] for r in ranks) / n,
+        "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in ranks) / n,
+        "wan_wait_seconds": sum(r["wan_wait_seconds"] for r in ranks) / n,
+        "eval_seconds": sum(r["eval_seconds"] for r in ranks) / n,
+        "global_param_hash": hashes,
+        "hashes_agree_within_sites": agree,
+        **privacy,
+        "eval_curve": result["curve"],
+        "per_rank": ranks,
+        "threads_per_rank": run["threads_per_rank"],
+        "backend": run["backend"],
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "config": run["config"],
+    }
+
+
+def compare(primary: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """Ratios of the primary run against the baseline at equal tokens."""
+    inter_p, inter_b = primary["inter_site_bytes"], baseline["inter_site_bytes"]
+    return {
+        "primary": primary["algorithm"],
+        "baseline": baseline["algorithm"],
+        "equal_tokens": primary["tokens"] == baseline["tokens"],
+        "eval_loss_ratio": primary["final_eval_loss"] / baseline["final_eval_loss"],
+        "inter_site_bytes_ratio": (inter_b / inter_p) if inter_p else None,
+        "wall_seconds_ratio": primary["wall_seconds"] / baseline["wall_seconds"],
+    }
+
+
+def merged_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    top = {k: v for k, v in runs[0].items() if k not in ("per_rank", "config", "eval_curve")}
+    top["runs"] = runs
+    if len(runs) > 1:
+        top["comparison"] = compare(runs[0], runs[1])
+    return top

@@ -1,0 +1,122 @@
+"""A rank joining the elastic membership: its round member, healing on restart, and the
+failure injection that asks the launcher to kill or hang this site at a given step.
+
+A fresh site waits at the start rendezvous (no site trains rounds alone while others start); a
+restarted site (incarnation > 0) heals from a live peer before its first step. Either way, local
+rank 0 then marks the site live for the launcher (``OUT/elastic/live-<site>.<incarnation>``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from geotrain.comm.topology import RankInfo
+from geotrain.config import ElasticConfig
+from geotrain.elastic.member import SiteMember
+from geotrain.elastic.view import HealHooks
+from geotrain.errors import MembershipRefused
+from geotrain.report.metrics import log
+from geotrain.run.state import RankObjects
+from geotrain.sync import DiLoCo
+
+
+def join_elastic(
+    cfg: ElasticConfig,
+    site_names: list[str],
+    faults: dict[int, str],
+    out: Path,
+    where: RankInfo,
+    incarnation: int,
+    objs: RankObjects,
+) -> tuple[SiteMember, Callable[[int], None]]:
+    """Join the elastic membership (:mod:`geotrain.elastic`); a restarted site (``incarnation`` > 0)
+    heals from a live peer first. Returns the member and the per-step failure-injection hook.
+
+    Args:
+        faults: {step: 'kill' | 'hang'} injected into this site.
+        where: this rank's place in the whole run.
+        objs: this rank's training state (healing reads and replaces it).
+    """
+    sync, data, groups = objs.sync, objs.data, objs.comm.groups
+    assert isinstance(sync, DiLoCo)  # the config allows elastic mode with diloco only
+    faults = dict(faults)
+    (out / "elastic").mkdir(parents=True, exist_ok=True)
+
+    def inject(step: int) -> None:
+        kind = faults.pop(step, None)
+        if kind is None or (incarnation and member.healed_at_step is None):  # not before a restarted site healed
+            return
+        request = out / "elastic" / f"fault-{where.site}-{step}.json"
+        if where.local_rank == 0:  # the launcher signals every process of this site
+            request.write_text(json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}))
+            log(where, step, f"fault injection: {kind} this site now")
+        skip = request.with_suffix(".skip")  # the launcher declined: it is the last live site
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if skip.exists():
+                return
+            time.sleep(0.01)
+        raise RuntimeError(f"fault injection: the launcher did not {kind} site {where.site}")
+
+    def load(state: dict[str, Any]) -> None:
+        objs.load_training(state)
+        if member.joining:  # a restarted site takes the source's step: its data stream catches up
+            data.train.skip(int(state["step"]))
+
+    def note(message: str) -> None:
+        if where.local_rank == 0:
+            log(where, sync.local_steps, message)
+
+    def committed() -> int:
+        return sync.rounds - sync.rounds_rolled_back
+
+    hooks = HealHooks(
+        committed=committed,
+        global_hash=sync.global_hash,
+        step=lambda: sync.local_steps,
+        state=lambda: {**objs.training_state(sync.local_steps), "committed": committed()},
+        load=load,
+    )
+    member = SiteMember(
+        cfg,
+        site_names,
+        where.site,
+        where.site_index,
+        where.local_rank,
+        groups.topology.workers_per_site,
+        groups.world,
+        objs.comm.wan,
+        hooks,
+        note,
+        on_mid_round=lambda: inject(sync.local_steps),
+        stats=objs.comm.stats,
+    )
+    if where.local_rank == 0:
+        member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
+    sync.elastic = member
+    live = out / "elastic" / f"live-{where.site}.{incarnation}"  # tells the launcher this site takes part
+    try:
+        if not incarnation:
+            member.rendezvous(len(site_names), cfg.start_timeout_s)
+        else:  # restarted: heal from a live peer at the next round boundary, before any step
+            member.joining = True
+            note(f"incarnation {incarnation}: joining the run and healing from a live peer")
+            deadline = time.monotonic() + cfg.start_timeout_s
+            while member.healed_at_step is None:
+                sync.outer_step()
+                if member.healed_at_step is None:
+                    if time.monotonic() > deadline:
+                        raise MembershipRefused(
+                            f"no live site to heal from within elastic.start_timeout_s={cfg.start_timeout_s:g}s"
+                        )
+                    time.sleep(cfg.heartbeat_s)
+    except BaseException:
+        member.close()  # its heartbeat thread must not outlive the interpreter
+        raise
+    if where.local_rank == 0:
+        live.touch()
+    return member, inject

@@ -1,0 +1,210 @@
+"""The training loop of one rank: batch, forward, backward, step, log.
+
+The sync algorithm acts through optimizer hooks (:mod:`geotrain.sync`), so the loop is plain
+PyTorch. Around it: evaluation of the global model (:class:`Evaluator`), and the time
+accounting behind compute utilisation (:class:`StepClock`): compute = step time minus the time
+the training thread was blocked on communication that crosses sites.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from geotrain.comm.collectives import CommStats
+from geotrain.comm.groups import ProcessGroups
+from geotrain.data import RankData
+from geotrain.privacy.build import Privacy
+from geotrain.report.metrics import MetricsSink, log
+from geotrain.sync import SyncAlgorithm
+
+
+@torch.no_grad()
+def load_parameters(module: nn.Module, params: list[torch.Tensor]) -> None:
+    """Copy ``params`` (e.g. the global parameters of a sync algorithm) into ``module``."""
+    for dst, src in zip(module.parameters(), params, strict=True):
+        dst.copy_(src)
+
+
+class Evaluator:
+    """Mean held-out loss of the parameters every site agrees on, in a separate copy of the model
+    (evaluating mid-round does not disturb local training). Batches are split over all ranks;
+    the sums are control plane (an all-reduce on the world group), not payload.
+
+    Args:
+        model: a copy of the model to load the global parameters into.
+        batches: the fixed evaluation batches (identical on every rank).
+        tokens_per_step: tokens one step processes over all ranks (the curve's x axis).
+    """
+
+    def __init__(
+        self, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups, tokens_per_step: int
+    ) -> None:
+        self.model, self.batches, self.groups = model, batches, groups
+        self.tokens_per_step = tokens_per_step
+        self.curve: list[dict[str, float]] = []
+        self.seconds = 0.0
+
+    @torch.no_grad()
+    def loss(self, params: list[torch.Tensor]) -> float:
+        g = self.groups
+        load_parameters(self.model, params)
+        self.model.eval()
+        world, rank = g.topology.world_size, g.me.rank
+        acc = torch.zeros(2, dtype=torch.float64)
+        for x, y in self.batches[rank::world]:
+            acc[0] += float(self.model(x.to(g.device), y.to(g.device)))
+            acc[1] += 1
+        dist.all_reduce(acc, group=g.world)
+        return float(acc[0] / acc[1])
+
+    def __call__(self, params: list[torch.Tensor], step: int) -> float:
+        """Evaluate after ``step``, timed, and add the point to the curve."""
+        t = time.perf_counter()
+        loss = self.loss(params)
+        self.seconds += time.perf_counter() - t
+        self.curve.append({"step": step, "tokens": step * self.tokens_per_step, "eval_loss": loss})
+        return loss
+
+
+class StepClock:
+    """Compute time, network waits and inter-site bytes per step, from the collectives' counters.
+
+    ``utilisation`` = compute ÷ wall over the training steps, evaluations excluded from both.
+    """
+
+    def __init__(self, stats: CommStats, intervals: bool) -> None:
+        self.stats = stats
+        self.compute = 0.0
+        self.peak_inter = 0
+        self.intervals: list[tuple[float, float]] | None = [] if intervals else None
+        self._t0 = self._m0 = self._wait0 = 0.0
+        self._inter0 = 0
+        self.seconds = self.waited = 0.0
+
+    def start(self) -> None:
+        self._t0, self._m0 = time.perf_counter(), time.monotonic()
+        self._wait0, self._inter0 = self.stats.wan_wait_seconds, self.stats.inter_bytes
+
+    def stop(self) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        self.waited = self.stats.wan_wait_seconds - self._wait0  # blocked on inter-site communication
+        self.compute += self.seconds - self.waited
+        if self.intervals is not None:
+            self.intervals.append((self._m0, self._m0 + self.seconds - self.waited))
+        self.peak_inter = max(self.peak_inter, self.stats.inter_bytes - self._inter0)
+
+
+def train_loop(
+    model: nn.Module,
+    data: RankData,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    sync: SyncAlgorithm,
+    evaluator: Evaluator,
+    sink: MetricsSink,
+    privacy: Privacy,
+    *,
+    steps: int,
+    start: int = 0,
+    eval_every: int,
+    timeline: bool = False,
+    after_step: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Train from ``start`` to ``steps``; the numbers the summary needs.
+
+    Args:
+        eval_every: evaluate the global model every this many steps (and at the start and end).
+        timeline: record this rank's compute intervals (for the timeline plot).
+        after_step: called after every step's log (checkpoints, failure injection).
+    """
+    stats = sync.comm.stats
+    device = sync.comm.groups.device
+    me = sync.comm.groups.me
+    tokens_per_rank_step = evaluator.tokens_per_step // sync.comm.groups.topology.world_size
+    evaluator(sync.global_parameters(), start)
+    eval_at_start = evaluator.seconds
+    model.train()
+    clock = StepClock(stats, timeline)
+    t_start, t_origin = time.perf_counter(), time.monotonic()
+    record: dict[str, Any] = {"step": 0, "tokens": 0}
+    last = steps
+    for step in range(start + 1, steps + 1):
+        if privacy.active and (step > privacy.max_steps or sync.budget_exhausted()):
+            last = privacy.stopped_at = step - 1  # same decision on every rank
+            if me.rank == 0:
+                log(me, step, f"privacy budget ε={privacy.cfg.dp.epsilon} reached: stopping after step {last}")
+            break
+        clock.start()
+        x, y = data.train.next()
+        loss = model(x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()  # the sync algorithm's hooks average gradients / run the outer step
+        scheduler.step()
+        clock.stop()
+        record = {
+            "step": step,
+            "loss": loss.item(),
+            "lr": scheduler.get_last_lr()[0],
+            "tokens": step * evaluator.tokens_per_step,
+            "round": sync.rounds,
+            "inter_site_bytes": stats.inter_bytes,
+            "intra_site_bytes": stats.intra_bytes,
+            "comm_seconds": stats.comm_seconds,
+            "wait_seconds": clock.waited,
+            "in_flight_bytes": sync.in_flight_bytes(),
+            "compute_seconds": clock.compute,
+            "step_seconds": clock.seconds,
+            "tokens_per_second": tokens_per_rank_step / clock.seconds,
+        }
+        eps = privacy.epsilon()
+        if eps is not None:
+            record["epsilon"] = eps
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+        if step % eval_every == 0 and step != last:
+            record["eval_loss"] = evaluator(sync.global_parameters(), step)
+            model.train()
+        sink.step(record)
+        if after_step is not None:
+            after_step(step)
+    t_fin = time.perf_counter()
+    compute_steps, eval_at_fin = clock.compute, evaluator.seconds
+    wait0, inter0 = stats.wan_wait_seconds, stats.inter_bytes
+    sync.finish()  # a last round so every site ends on the global model
+    compute = clock.compute + (time.perf_counter() - t_fin) - (stats.wan_wait_seconds - wait0)
+    final_sync_inter = stats.inter_bytes - inter0
+    final = evaluator(sync.global_parameters(), last)
+    eps = privacy.epsilon()
+    sink.step(
+        {
+            **record,
+            **({"epsilon": eps} if eps is not None else {}),
+            "eval_loss": final,
+            "inter_site_bytes": stats.inter_bytes,
+            "intra_site_bytes": stats.intra_bytes,
+            "comm_seconds": stats.comm_seconds,
+        },
+        step_line=False,
+    )
+    return {
+        "compute_intervals": clock.intervals or [],
+        "t0": t_origin,
+        # compute time / wall time over the training steps (evaluations excluded from both)
+        "utilization": compute_steps / max(1e-9, t_fin - t_start - (eval_at_fin - eval_at_start)),
+        "curve": evaluator.curve,
+        "final_eval_loss": final,
+        "compute_seconds": compute,
+        "eval_seconds": evaluator.seconds,
+        "wall_seconds": time.perf_counter() - t_start,
+        "peak_inter_site_bytes_per_step": clock.peak_inter,
+        "final_sync_inter_site_bytes": final_sync_inter,
+        "steps_done": last,
+    }

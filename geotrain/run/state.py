@@ -1,0 +1,100 @@
+"""What a rank's checkpoint holds, saved and restored side by side so the two stay in step;
+resuming from a checkpoint; and writing one.
+
+The state: the model (local parameters), inner optimizer and LR schedule, the sync algorithm's
+state (global parameters, outer optimizer, codec error feedback, exchanges in flight), the data
+sampler's position, torch's RNG, byte counters and the privacy accountant. The files, their
+manifest and verification are :mod:`geotrain.run.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.data import RankData
+from geotrain.privacy.build import Privacy
+from geotrain.report.metrics import log
+from geotrain.run import checkpoint as ckpt
+from geotrain.sync import SyncAlgorithm
+
+
+@dataclass
+class RankObjects:
+    """What a checkpoint holds for one rank: saved and restored side by side, so the two stay in step."""
+
+    model: nn.Module
+    optimizer: Any
+    scheduler: Any
+    sync: SyncAlgorithm
+    data: RankData
+    comm: Collectives
+    privacy: Privacy
+
+    def training_state(self, step: int) -> dict[str, Any]:
+        """Model, optimizers, schedule and sync state after ``step`` (what a healing site receives)."""
+        return {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sync": self.sync.checkpoint_state(),
+        }
+
+    def load_training(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sync.load_checkpoint_state(state["sync"])
+
+    def state(self, step: int) -> dict[str, Any]:
+        """Everything this rank needs to continue exactly after ``step``."""
+        st = self.comm.stats
+        return {
+            **self.training_state(step),
+            "data": self.data.train.state(),
+            "rng": torch.get_rng_state(),
+            "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes],
+            "accountant": self.privacy.accountant_state(),
+        }
+
+    def load(self, state: dict[str, Any]) -> int:
+        """Restore :meth:`state`'s output; the step it was taken after."""
+        st = self.comm.stats
+        self.load_training(state)
+        self.data.train.set_state(state["data"])
+        torch.set_rng_state(state["rng"])
+        st.intra_bytes, st.inter_bytes, st.inter_raw_bytes = state["bytes"]
+        self.privacy.load_accountant_state(state["accountant"])
+        return int(state["step"])
+
+    def resume(self, spec: str, root: Path) -> int:
+        """Load the checkpoint ``spec`` ('auto' or a path) into this rank's objects; the step it was
+        taken after (0 when 'auto' finds none). Every rank verifies every file, so all choose alike."""
+        groups = self.comm.groups
+        me = groups.me
+
+        def warn(msg: str) -> None:
+            if me.rank == 0:
+                log(me, 0, msg)
+
+        d = ckpt.find(spec, root, groups.topology.world_size, warn)
+        if d is None:
+            warn(f"no valid checkpoint under {root}: starting from step 0")
+            return 0
+        step = self.load(ckpt.load(d, me.rank))
+        warn(f"resumed from {d} (after step {step})")
+        return step
+
+    def save(self, root: Path, step: int, keep: int) -> None:
+        """Write this rank's checkpoint after ``step`` under ``root`` (collective over the world)."""
+        groups = self.comm.groups
+        me = groups.me
+        d = ckpt.save(root, step, self.state(step), me.rank, groups.topology.world_size, groups.world, keep)
+        if me.rank == 0:
+            log(me, step, f"checkpoint {d}")
