@@ -96,38 +96,18 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     """Train (by default DiLoCo on 2 sites x 2 workers, plus the DDP baseline on the same tokens)."""
     cfg = _load(config, set_)
     from geotrain.comm.topology import Topology
-    from geotrain.data import check_data
-    from geotrain.errors import LaunchError
+    from geotrain.errors import CheckpointError, LaunchError
+    from geotrain.launch.preflight import preflight
     from geotrain.report.outputs import write_outputs
     from geotrain.report.tables import print_table
 
-    topo = Topology.from_config(cfg.topology)
     try:
-        check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites])
-    except ValueError as exc:
+        preflight(cfg)
+    except ConfigError as exc:
         _fail(f"config error: {exc}")
-    if cfg.checkpoint.resume not in (None, "auto"):
-        from geotrain.errors import CheckpointError
-        from geotrain.run.checkpoint import verify
-
-        try:
-            verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size)
-        except CheckpointError as exc:
-            _fail(f"checkpoint.resume: refused: {exc}")
-    if cfg.elastic.enabled and cfg.elastic.secret_file:
-        from geotrain.elastic.auth import load_secret
-        from geotrain.errors import MembershipRefused
-
-        try:
-            load_secret(cfg.elastic)
-        except MembershipRefused as exc:
-            _fail(f"config error: {exc}")
-    from geotrain.comm.groups import choose_backend
-
-    if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
-        _fail(
-            f"config error: sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})"
-        )
+    except CheckpointError as exc:
+        _fail(f"checkpoint.resume: refused: {exc}")
+    topo = Topology.from_config(cfg.topology)
     algorithms: list[str] = [cfg.sync.algorithm]
     if cfg.run.baseline not in ("none", cfg.sync.algorithm):
         algorithms.append(cfg.run.baseline)

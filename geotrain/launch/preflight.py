@@ -1,0 +1,40 @@
+"""Checks that need more than the config's own fields, run before any process starts, so bad
+input is refused with one line and nothing is launched: the corpus can feed every rank, a
+checkpoint to resume from verifies, the membership secret file is readable, and codecs are not
+combined with the NCCL backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from geotrain.comm.groups import choose_backend
+from geotrain.comm.topology import Topology
+from geotrain.config import Config
+from geotrain.data import check_data
+from geotrain.elastic.auth import load_secret
+from geotrain.errors import ConfigError, MembershipRefused
+from geotrain.run.checkpoint import verify
+
+
+def preflight(cfg: Config) -> None:
+    """Refuse ``cfg`` before launch if it cannot run here.
+
+    Raises:
+        ConfigError: with a one-line message naming the field.
+        CheckpointError: ``checkpoint.resume`` names a checkpoint that does not verify.
+    """
+    topo = Topology.from_config(cfg.topology)
+    try:
+        check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.checkpoint.resume not in (None, "auto"):
+        verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size)
+    if cfg.elastic.enabled and cfg.elastic.secret_file:
+        try:
+            load_secret(cfg.elastic)
+        except MembershipRefused as exc:
+            raise ConfigError(str(exc)) from None
+    if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
+        raise ConfigError(f"sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})")
