@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,47 @@ def test_coded_all_reduce_identical_everywhere_with_exact_bytes(sites: int, work
             assert first["err"] <= bound, (key, first["err"])
 
 
+class _Linear(torch.nn.Module):
+    """loss = Σ ⟨p_i, t_i⟩, so the gradient of p_i is exactly t_i."""
+
+    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(t)) for t in like])
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([(p * t).sum() for p, t in zip(self.params, tensors, strict=True)]).sum()
+
+
+def torch_powersgd(tensors: Sequence[torch.Tensor], rank: int, rounds: int = 1, seed: int = 0) -> list[torch.Tensor]:
+    """PyTorch's PowerSGD hook applied ``rounds`` times (warm start, no error feedback) to ``tensors``.
+
+    Call on every rank of an initialised process group, each with the same ``tensors``. The hook
+    only runs inside DistributedDataParallel (which skips it on a single process), so this wraps
+    a module whose gradients are exactly ``tensors`` and reads the gradients back after each
+    backward: the hook averages over ranks, so what comes back is its rank-``rank`` approximation.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(_Linear(tensors), bucket_cap_mb=1 << 14)  # one bucket
+    state = psgd.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=2,
+        min_compression_rate=2,
+        use_error_feedback=False,
+        warm_start=True,
+        random_seed=seed,
+    )
+    ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    out: list[torch.Tensor] = []
+    for _ in range(2 + rounds):  # iterations below start_powerSGD_iter (2) are sent uncompressed
+        ddp.zero_grad()
+        ddp(tensors).backward()  # the forward must go through DDP to arm its reducer
+        out = [p.grad.detach().clone() for p in ddp.module.params]  # type: ignore[union-attr]
+    return out
+
+
 def _torch_powersgd_rank(rank: int) -> dict:
     import torch.distributed as dist
 
@@ -212,7 +254,7 @@ def _torch_powersgd_rank(rank: int) -> dict:
 
         res = {}
         for rounds in (1, 3):
-            theirs = R.torch_powersgd(ts, 4, rounds)
+            theirs = torch_powersgd(ts, 4, rounds)
             ps = PowerSGD(4, error_feedback=False)
             for _ in range(rounds):
                 ours = [t.clone() for t in ts]

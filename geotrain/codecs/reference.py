@@ -2,14 +2,11 @@
 
 Same formats and the same arithmetic as :mod:`geotrain.codecs` (the tests check the codes agree),
 written the way one would with tensor ops: every step is a full pass with a temporary. The
-benchmark measures the fused kernels against these. Also here: PyTorch's own PowerSGD
-(``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``) run on given tensors, to check
-:mod:`geotrain.codecs.powersgd` against it.
+benchmark measures the fused kernels against these. (PyTorch's own PowerSGD hook, the yardstick
+of :mod:`geotrain.codecs.powersgd`, needs a process group, so it runs in tests/test_codecs.py.)
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -81,44 +78,3 @@ def block4_decode(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int
         mag = torch.where(e > 0, s * torch.pow(2.0, (e - 7).float()), torch.zeros_like(s))
         return torch.where(codes & 8 > 0, -mag, mag)
     return (codes - 8).float() * (s / 7.0)
-
-
-class _Linear(torch.nn.Module):
-    """loss = Σ ⟨p_i, t_i⟩, so the gradient of p_i is exactly t_i."""
-
-    def __init__(self, like: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-        self.params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(t)) for t in like])
-
-    def forward(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([(p * t).sum() for p, t in zip(self.params, tensors, strict=True)]).sum()
-
-
-def torch_powersgd(tensors: Sequence[torch.Tensor], rank: int, rounds: int = 1, seed: int = 0) -> list[torch.Tensor]:
-    """PyTorch's PowerSGD hook applied ``rounds`` times (warm start, no error feedback) to ``tensors``.
-
-    Call on every rank of an initialised process group, each with the same ``tensors``. The hook
-    only runs inside DistributedDataParallel (which skips it on a single process), so this wraps
-    a module whose gradients are exactly ``tensors`` and reads the gradients back after each
-    backward: the hook averages over ranks, so what comes back is its rank-``rank`` approximation.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel(_Linear(tensors), bucket_cap_mb=1 << 14)  # one bucket
-    state = psgd.PowerSGDState(
-        process_group=None,
-        matrix_approximation_rank=rank,
-        start_powerSGD_iter=2,
-        min_compression_rate=2,
-        use_error_feedback=False,
-        warm_start=True,
-        random_seed=seed,
-    )
-    ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    out: list[torch.Tensor] = []
-    for _ in range(2 + rounds):  # iterations below start_powerSGD_iter (2) are sent uncompressed
-        ddp.zero_grad()
-        ddp(tensors).backward()  # the forward must go through DDP to arm its reducer
-        out = [p.grad.detach().clone() for p in ddp.module.params]  # type: ignore[union-attr]
-    return out
