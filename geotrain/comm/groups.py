@@ -69,6 +69,8 @@ class ProcessGroups:
         inter: this rank's cross-site group (its local rank in every site).
         backend: 'gloo' or 'nccl'.
         lanes: groups for the pipelined collectives (see :class:`Lane`).
+        owns_world: whether :meth:`build` initialised torch.distributed (then :meth:`destroy`
+            tears it down; else only the groups it created).
     """
 
     topology: Topology
@@ -78,6 +80,7 @@ class ProcessGroups:
     inter: dist.ProcessGroup
     backend: str
     lanes: list[Lane]
+    owns_world: bool = True
 
     @property
     def intra_ranks(self) -> list[int]:
@@ -96,34 +99,49 @@ class ProcessGroups:
     @classmethod
     def build(cls, topology: Topology, backend: str = "auto", timeout_s: float = 300, lanes: int = 1) -> ProcessGroups:
         """Initialise torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-        MASTER_PORT, as set by geotrain's launcher or torchrun) and build every group, plus
-        ``lanes`` sets of groups for the pipelined collectives.
+        MASTER_PORT, as set by geotrain's launcher or torchrun) unless the caller already did, and
+        build every group, plus ``lanes`` sets of groups for the pipelined collectives.
 
         Raises:
-            RuntimeError: if WORLD_SIZE does not match the topology.
+            RuntimeError: the environment is missing, or WORLD_SIZE does not match the topology.
         """
-        backend = choose_backend(backend)
-        world_size = int(os.environ["WORLD_SIZE"])
-        rank = int(os.environ["RANK"])
+        owns_world = not dist.is_initialized()
+        if not owns_world:
+            backend, world_size, rank = str(dist.get_backend()), dist.get_world_size(), dist.get_rank()
+        else:
+            missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing:
+                raise RuntimeError(
+                    f"the torch.distributed environment is not set ({', '.join(missing)} missing): start every rank "
+                    "with torchrun or geotrain's launcher"
+                )
+            backend = choose_backend(backend)
+            world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world_size != topology.world_size:
             raise RuntimeError(
                 f"WORLD_SIZE={world_size} but the topology has {topology.world_size} ranks "
                 f"({topology.describe()}); start exactly that many processes"
             )
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if not dist.is_initialized():
+        if owns_world:
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         me = topology.info(rank)
         intra, inter = _site_groups(topology, me)
         world = dist.group.WORLD
         assert world is not None
         lane_list = [Lane(*_site_groups(topology, me), world=dist.new_group(topology.all_ranks())) for _ in range(lanes)]
-        return cls(topology=topology, me=me, world=world, intra=intra, inter=inter, backend=backend, lanes=lane_list)
+        return cls(topology, me, world, intra, inter, backend, lane_list, owns_world)
 
     def destroy(self) -> None:
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.owns_world:
             dist.destroy_process_group()
+            return
+        for g in {self.intra, self.inter, *(x for lane in self.lanes for x in (lane.intra, lane.inter, lane.world))}:
+            if g is not self.world:
+                dist.destroy_process_group(g)
 
 
 def round_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroupGloo:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.emulate import describe_links
+from geotrain.comm.emulate import describe_links, link_mode
 from geotrain.comm.procs import die_with_parent
 from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
@@ -82,15 +82,6 @@ class Placement:
     def where(self, me: RankInfo) -> RankInfo:
         """This rank's place in the whole run (``me``: its place in its own world)."""
         return self.full.info(self.site_index * self.full.workers_per_site + me.local_rank) if self.elastic else me
-
-
-def link_mode(requested: str) -> tuple[str, str | None]:
-    """The link emulation the launcher set up (it states it in GEOTRAIN_WAN_MODE: kernel mode needs
-    its namespaces); without the launcher, kernel mode falls back to in-process pacing with a notice."""
-    mode = os.environ.get("GEOTRAIN_WAN_MODE", requested)
-    if mode == "kernel" and "GEOTRAIN_WAN_MODE" not in os.environ:
-        return "inprocess", "kernel link emulation needs geotrain's launcher (network namespaces); using in-process emulation"
-    return mode, None
 
 
 def train(cfg: Config, out: Path) -> dict[str, Any] | None:

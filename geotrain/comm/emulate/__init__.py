@@ -5,14 +5,27 @@
 - :mod:`.kernel`: a network namespace per site behind a bridge, ``tc`` HTB limits per
   destination site; latency still in-process (no ``netem`` here). Needs root and iproute2.
 
-:func:`link_emulator` gives a rank the emulator of a mode; :func:`describe_links` the line the
-run log prints.
+:func:`link_mode` says which mode a rank can use, :func:`link_emulator` gives it the emulator
+of that mode, :func:`describe_links` the line the run log prints.
 """
 
 from __future__ import annotations
 
+import os
+
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.topology import Topology
+
+
+def link_mode(requested: str) -> tuple[str, str | None]:
+    """The mode this rank emulates links in, and a notice when it differs from ``requested``.
+
+    geotrain's launcher states the mode it set up in GEOTRAIN_WAN_MODE (kernel mode needs the
+    namespaces it creates); without it, kernel mode falls back to in-process pacing."""
+    mode = os.environ.get("GEOTRAIN_WAN_MODE", requested)
+    if mode == "kernel" and "GEOTRAIN_WAN_MODE" not in os.environ:
+        return "inprocess", "kernel link emulation needs geotrain's launcher (network namespaces); using in-process emulation"
+    return mode, None
 
 
 def link_emulator(topo: Topology, site_index: int, mode: str, run_key: str) -> WanEmulator | None:
