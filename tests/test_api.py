@@ -30,7 +30,7 @@ def _run(*overrides: str, steps: int = 40) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("algorithm,rounds", [("diloco", 4), ("ddp", 40)])
+@pytest.mark.parametrize("algorithm,rounds", [("diloco", 4), pytest.param("ddp", 40, marks=pytest.mark.slow)])
 def test_plain_loop_with_the_public_api_across_two_sites(algorithm: str, rounds: int) -> None:
     a, b = _run(f"sync.algorithm={algorithm}", "sync.H=10")
     assert (a["site"], b["site"]) == ("A", "B") and a["algorithm"] == b["algorithm"] == algorithm

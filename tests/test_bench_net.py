@@ -39,6 +39,7 @@ def test_wan_targets_pick_the_fastest_link_where_ddp_is_starved() -> None:
     assert [q["met"] for q in t["peak_bytes_streaming_over_diloco"]] == [True, False, True]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_allreduce_and_link_cli(tmp_path: Path) -> None:
     out = tmp_path / "ar.json"
@@ -58,6 +59,7 @@ def test_bench_allreduce_and_link_cli(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "--speeds: every bandwidth must be > 0" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_wan_small_sweep_writes_points_and_plots(tmp_path: Path) -> None:
     tiny = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16", "train.batch_size=4",

@@ -11,6 +11,7 @@ from rich.console import Console
 from geotrain.bench.privacy import bench_key_agreement, bench_overhead, print_privacy, quality_runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_overhead_and_key_agreement_measure_and_print() -> None:
     o = bench_overhead(sites=2, reps=1, latency_s=0.005, H=4, step_reps=2, numel=20_001)

@@ -13,7 +13,7 @@ from geotrain.errors import CheckpointError
 from geotrain.run.checkpoint import verify
 from tests.helpers import read_summary, train_cli
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _train(out: Path, *overrides: str, expect_rc: int = 0) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,7 @@ import pytest
 from tests.test_training import TINY
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_train_with_baseline_writes_table_summary_and_plot(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "geotrain", "train", "--out", str(tmp_path), "--set", "train.steps=8", "--set", "sync.H=4"]

@@ -167,7 +167,7 @@ def _coded_rank(rank: int, sites: int, workers: int) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sites,workers", [(2, 2), (3, 1)])
+@pytest.mark.parametrize("sites,workers", [(2, 2), pytest.param(3, 1, marks=pytest.mark.slow)])
 def test_coded_all_reduce_identical_everywhere_with_exact_bytes(sites: int, workers: int) -> None:
     results = run_ranks(sites * workers, _coded_rank, sites, workers)
     topo = uniform_topology(sites, workers)
@@ -301,6 +301,7 @@ def test_bad_codec_config_is_one_line(override: str, message: str) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_codecs_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "codecs.json"

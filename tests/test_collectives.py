@@ -78,7 +78,7 @@ def _expected(sites: int, workers: int, how: str) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sites,workers", [(2, 2), (3, 2), (2, 1)])
+@pytest.mark.parametrize("sites,workers", [(2, 2), pytest.param(3, 2, marks=pytest.mark.slow), (2, 1)])
 def test_collectives_match_all_reduce_and_count_bytes(sites: int, workers: int) -> None:
     results = run_ranks(sites * workers, _collectives_rank, sites, workers)
     for r, res in enumerate(results):

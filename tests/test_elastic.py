@@ -37,6 +37,7 @@ def records(out: Path, site: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_kill_mid_allreduce_rolls_back_and_survivors_agree(tmp_path: Path) -> None:
     out = tmp_path / "kill"
     proc = train_cli(out, [*ELASTIC, "train.steps=80", 'fault.kill=["B@30"]', 'fault.nan=["C@5"]'], THREE)
@@ -62,6 +63,7 @@ def test_kill_mid_allreduce_rolls_back_and_survivors_agree(tmp_path: Path) -> No
     assert not (out / "summary.json").read_text().count("NaN")
 
 
+@pytest.mark.slow
 def test_hang_is_detected_then_the_site_heals_and_all_agree(tmp_path: Path) -> None:
     """SIGSTOP B mid-all-reduce with min_sites=3: A and C detect it by heartbeat, roll back, pause
     (too few sites), and carry on when B's new incarnation has healed from a peer."""
@@ -84,6 +86,7 @@ def test_hang_is_detected_then_the_site_heals_and_all_agree(tmp_path: Path) -> N
     assert s["per_site"]["B"]["final_eval_loss"] == s["per_site"]["A"]["final_eval_loss"]
 
 
+@pytest.mark.slow
 def test_sites_of_two_workers_heal_every_rank(tmp_path: Path) -> None:
     """G=2: each local rank carries its shard across sites and heals from the same local rank."""
     out = tmp_path / "g2"
@@ -122,6 +125,7 @@ def _run_with_own_lighthouse(
         lh.stop()
 
 
+@pytest.mark.slow
 def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
     """The coordinator dies mid-run: sites keep doing inner steps, postpone the round, and carry
     on when it is restarted on the same address; all end identical."""
@@ -140,6 +144,7 @@ def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
     assert steps[-1] == 600
 
 
+@pytest.mark.slow
 def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
     from geotrain.comm.topology import Topology
     from geotrain.config import TopologyConfig
@@ -168,6 +173,7 @@ def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
     assert seen and all(r["admitted"] == ["A", "B"] and r["outcome"] == "committed" for r in seen)
 
 
+@pytest.mark.slow
 def test_chaos_reports_every_round(tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"
     args = [sys.executable, "-m", "geotrain", "chaos", "--json", str(report), "--out", str(tmp_path / "run")]

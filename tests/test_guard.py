@@ -57,6 +57,7 @@ def _train(out: Path, *overrides: str) -> dict:
     return read_summary(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("secure", [False, True], ids=["plain", "secagg"])
 def test_a_nan_sending_site_is_excluded_and_the_run_finishes(tmp_path: Path, secure: bool) -> None:
     extra = ["privacy.secure_aggregation=true"] if secure else []

@@ -53,6 +53,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
     raise AssertionError("training did not start")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_killed_rank_fails_the_job_naming_site_and_rank(tmp_path: Path) -> None:
     proc, pids = _start(tmp_path)
@@ -67,6 +68,7 @@ def test_killed_rank_fails_the_job_naming_site_and_rank(tmp_path: Path) -> None:
     assert not any(_alive(p) for p in pids)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_killing_the_launcher_takes_the_ranks_down(tmp_path: Path) -> None:
     proc, pids = _start(tmp_path)

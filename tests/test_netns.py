@@ -80,6 +80,7 @@ def test_stale_namespaces_of_dead_runs_are_removed() -> None:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.timeout(300)
 def test_training_in_kernel_mode(tmp_path: Path) -> None:
@@ -92,6 +93,7 @@ def test_training_in_kernel_mode(tmp_path: Path) -> None:
     assert [n for n in netns.list_namespaces() if n.startswith(f"{netns.PREFIX}{os.getpid()}-")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kernel_mode_falls_back_with_a_notice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -85,7 +85,7 @@ def _private_average_rank(rank: int, secure: bool, noise: float | None):
         return n, x.tolist(), agg.accountant.epsilon() if agg.accountant else None
 
 
-@pytest.mark.parametrize("secure", [True, False])
+@pytest.mark.parametrize("secure", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_private_average_equals_mean_and_is_identical_on_every_rank(secure: bool) -> None:
     res = run_ranks(4, _private_average_rank, secure, None, timeout=120)
     want = (
@@ -98,6 +98,7 @@ def test_private_average_equals_mean_and_is_identical_on_every_rank(secure: bool
     assert all(r[1] == res[0][1] for r in res)  # bit-identical on all four ranks
 
 
+@pytest.mark.slow
 def test_site_level_noise_is_calibrated_and_accounted() -> None:
     res = run_ranks(4, _private_average_rank, True, 0.4, timeout=120)
     mean = (
@@ -117,6 +118,7 @@ def _train(out: Path, *overrides: str, topology: str | None = None) -> tuple[sub
     return proc, read_summary(out)
 
 
+@pytest.mark.slow
 def test_four_sites_secure_aggregation_with_site_dp_dropout_and_rollback(tmp_path: Path) -> None:
     _, s = _train(
         tmp_path,
@@ -144,6 +146,7 @@ def test_four_sites_secure_aggregation_with_site_dp_dropout_and_rollback(tmp_pat
     assert (tmp_path / "audit-B.jsonl").exists()  # every organisation keeps its own record
 
 
+@pytest.mark.slow
 def test_epsilon_budget_stops_training_cleanly(tmp_path: Path) -> None:
     proc, s = _train(
         tmp_path,
@@ -163,6 +166,7 @@ def test_epsilon_budget_stops_training_cleanly(tmp_path: Path) -> None:
     assert all("epsilon" in r for r in steps) and steps[-1]["epsilon"] == pytest.approx(s["epsilon"])
 
 
+@pytest.mark.slow
 def test_streaming_with_secure_aggregation_rolls_back_a_failed_fragment(tmp_path: Path) -> None:
     _, s = _train(
         tmp_path,

@@ -186,6 +186,7 @@ def _aggregate_rank(rank: int, sites: int, workers: int, injections: dict, thres
         return groups.me.site_index, groups.me.local_rank, out, comm.stats.inter_bytes
 
 
+@pytest.mark.slow
 def test_protocol_over_gloo_recovers_dropped_and_malformed_sites() -> None:
     sites, workers = 4, 2
     inject = {(1, 1): "drop", (2, 2): "malformed"}

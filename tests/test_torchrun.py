@@ -14,6 +14,7 @@ import pytest
 from tests.test_training import TINY
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_standalone_2x2(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")

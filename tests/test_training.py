@@ -12,6 +12,8 @@ from geotrain.config import load_config
 from geotrain.launch.local import launch_local
 from tests.helpers import TINY
 
+pytestmark = pytest.mark.slow  # every test here trains end to end through the launcher
+
 SGD = [
     "optim.name=sgd",
     "optim.momentum=0.0",

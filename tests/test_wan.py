@@ -72,6 +72,7 @@ def test_pacing_and_latency_of_real_sends() -> None:
     assert min(times) >= 0.44 and max(times) < 0.8, times
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_of_a_site_share_the_link() -> None:
     # 2 sites x 2 ranks: each rank carries half the tensor, but both halves cross the same A->B
@@ -97,7 +98,7 @@ def _laned_rank(rank: int, sites: int, workers: int) -> list:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("sites,workers", [(2, 2), (3, 2)])
+@pytest.mark.parametrize("sites,workers", [(2, 2), pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_chunked_laned_collectives_match_all_reduce(sites: int, workers: int) -> None:
     for r, errors in enumerate(run_ranks(sites * workers, _laned_rank, sites, workers)):
         assert errors == [], f"rank {r}: {errors}"

@@ -1,0 +1,63 @@
+"""What the README and the docs name exists: every ``geotrain.x.y`` import path resolves, every
+file path is there, and the README's file tree lists every source file (one line per file)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+
+from tests.helpers import REPO
+
+DOCS = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").glob("*.md"))]
+DOTTED = re.compile(r"(?<![\w/.-])geotrain(?:\.[A-Za-z_]\w*)+")
+PATH = re.compile(r"(?<![\w/.-])((?:geotrain|tests|benchmarks|examples|configs|scenarios|docs)/[\w./*-]*[\w/*])")
+SOURCE_DIRS = ("geotrain", "tests", "benchmarks", "examples")
+
+
+def _resolves(dotted: str) -> bool:
+    """``dotted`` is a module, or a module followed by attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_import_paths_in_docs_resolve() -> None:
+    bad = []
+    for doc in DOCS:
+        for name in sorted(set(DOTTED.findall(doc.read_text()))):
+            if not _resolves(name.rstrip(".")):
+                bad.append(f"{doc.name}: {name}")
+    assert bad == []
+
+
+def test_file_paths_in_docs_exist() -> None:
+    bad = []
+    for doc in DOCS:
+        for path in sorted(set(PATH.findall(doc.read_text()))):
+            if not ((REPO / path).exists() if "*" not in path else any(REPO.glob(path))):
+                bad.append(f"{doc.name}: {path}")
+    assert bad == []
+
+
+def test_readme_tree_lists_every_source_file() -> None:
+    tracked = subprocess.run(["git", "ls-files", *SOURCE_DIRS], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    untracked = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard", *SOURCE_DIRS], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    files = sorted({f for f in (tracked + untracked).splitlines() if f.endswith(".py") and (REPO / f).exists()})
+    assert files, "no source files found"
+    tree = (REPO / "README.md").read_text()
+    tree = tree[tree.index("## Files") :]
+    listed = {line.split()[0] for line in tree.splitlines() if line.strip() and not line.startswith(("#", "`"))}
+    missing = [f for f in files if f not in listed and f != "tests/__init__.py"]
+    assert missing == [], "README ## Files misses: " + ", ".join(missing)
