@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from geotrain.comm.topology import Topology
-from geotrain.config import Config
 
 
 def read_rounds(out: Path) -> dict[str, list[dict[str, Any]]]:
@@ -78,7 +77,9 @@ def round_seconds(logs: dict[str, list[dict[str, Any]]]) -> float:
     return statistics.median(spans) if spans else 0.0
 
 
-def merge_summaries(out: Path, topo: Topology, failures: list[dict[str, Any]], cfg: Config, wall: float) -> dict[str, Any] | None:
+def merge_summaries(
+    out: Path, topo: Topology, failures: list[dict[str, Any]], heartbeat_timeout_s: float, wall: float
+) -> dict[str, Any] | None:
     """One run summary from the finished sites' summaries, their round logs and the failures."""
     finished = {}
     for name in topo.site_names:
@@ -134,7 +135,7 @@ def merge_summaries(out: Path, topo: Topology, failures: list[dict[str, Any]], c
         "failures": detected,
         "seconds_lost": lost,
         "round_seconds": round_seconds(logs),
-        "heartbeat_timeout_s": cfg.elastic.heartbeat_timeout_s,
+        "heartbeat_timeout_s": heartbeat_timeout_s,
         "global_param_hash": hashes,
         "hashes_agree_within_sites": all(s["hashes_agree_within_sites"] for s in finished.values()),
         "inter_site_bytes": sum(s["inter_site_bytes"] for s in finished.values()),

@@ -204,7 +204,7 @@ def launch_elastic(
         for t in pumps:
             t.join(timeout=GRACE_SECONDS)
         state_path(wan_key).unlink(missing_ok=True)
-    summary = merge_summaries(out, topo, injected + crashes, cfg, time.time() - t_start)
+    summary = merge_summaries(out, topo, injected + crashes, ecfg.heartbeat_timeout_s, time.time() - t_start)
     if summary is None:
         raise LaunchError(f"no site finished the run; logs under {out / 'logs'}")
     summary["faults_skipped"] = skipped
