@@ -102,6 +102,30 @@ def test_sites_of_two_workers_heal_every_rank(tmp_path: Path) -> None:
     assert hashes["A"] == hashes["B"] and len(hashes["A"]) == 1  # all four ranks hold one model
 
 
+@pytest.mark.slow
+def test_a_site_that_healed_in_a_failed_round_heals_the_others(tmp_path: Path) -> None:
+    """The chaos-soak deadlock: B restarts and heals in a round that C's death rolls back; then A,
+    the last site never restarted, dies too. B (and C, healed in the next failed round) hold a
+    valid state although no round with them committed: they must heal A, and all finish alike.
+    Before the fix every remaining site counted as 'joining', nobody could be a heal source, and
+    all gave up after elastic.start_timeout_s."""
+    out = tmp_path / "deadlock"
+    faults = ['fault.kill=["B@30", "C@40", "A@50"]', "fault.restart_after=0.5", "elastic.min_sites=3"]
+    proc = train_cli(out, [*ELASTIC, "train.steps=80", *faults, "elastic.start_timeout_s=40"], THREE, timeout=200)
+    s = read_summary(out)
+    assert "no live site to heal from" not in proc.stdout + proc.stderr
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"], s.get("failures")
+    assert sorted(f["site"] for f in s["failures"]) == ["A", "B", "C"]
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert all(p["steps"] == 80 for p in s["per_site"].values())
+    b = records(out, "B")
+    healed_then_failed = [r for r in b if "B" in r["healers"] and r["outcome"] == "rolled_back"]
+    assert healed_then_failed, "B's healing round should have been rolled back (C killed in it)"
+    # after A died, A healed from a site that had only ever healed in rolled-back rounds (B or C)
+    a = records(out, "A")
+    assert any("A" in r["healers"] and r["outcome"] == "committed" for r in a)
+
+
 @contextlib.contextmanager
 def _run_with_own_lighthouse(
     tmp_path: Path, out: Path, topology: str, overrides: list[str], env: dict[str, str] | None = None, rounds: int = 1

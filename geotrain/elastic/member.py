@@ -54,17 +54,15 @@ import torch.distributed as dist
 
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.emulate.inprocess import WanEmulator
-from geotrain.comm.groups import round_group
+from geotrain.comm.topology import Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic import roundstore
 from geotrain.elastic.auth import authenticate, load_secret
 from geotrain.elastic.coordinator import Coordinator
+from geotrain.elastic.exchange import Exchange
 from geotrain.elastic.roundstore import Monitor, wait_keys
 from geotrain.elastic.view import HealHooks, RoundView, heal_source, healers, members_of
 from geotrain.errors import MembershipRefused, RoundFailed
-
-_DATA_TAG, _HEADER_TAG, _HEAL_TAG = 0, 1, 2
-
 
 # --------------------------------------------------------------------------- one site's member
 
@@ -73,7 +71,7 @@ class SiteMember:
     """This rank's part in the elastic rounds (see the module docstring).
 
     Args:
-        cfg: the elastic section; ``site_names``: every site of the run, in config order.
+        cfg: the elastic section; ``topology``: the whole run (site names, links).
         site: this site's name; ``local_rank``/``workers``: this rank within the site.
         intra: the site's process group (the site's own torch.distributed world).
         wan: the link emulation (None: loopback speed); ``site_index`` names our end of a link.
@@ -86,7 +84,7 @@ class SiteMember:
     def __init__(
         self,
         cfg: ElasticConfig,
-        site_names: list[str],
+        topology: Topology,
         site: str,
         site_index: int,
         local_rank: int,
@@ -101,14 +99,18 @@ class SiteMember:
         self.cfg = cfg
         self.stats = stats if stats is not None else CommStats()
         self.site, self.site_index, self.local, self.G = site, site_index, local_rank, workers
-        self.names = list(site_names)
+        self.names = list(topology.site_names)
+        links = [topology.link(a, b) for a in range(topology.num_sites) for b in range(a + 1, topology.num_sites)]
+        # the slowest inter-site link (bandwidth, latency): sizes the exchange's backstop timeouts
+        self.slowest_link = (min((x.bandwidth_bps for x in links), default=1e9), max((x.latency_s for x in links), default=0.0))
         self.intra, self.wan, self.hooks, self.log = intra, wan, hooks, log
         self.on_mid_round = on_mid_round
         self.secret = load_secret(self.cfg)
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
+        self._bytes_lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # failures this site detected
         self.healed_at_step: int | None = None
-        self.joining = False  # a restarted site: it heals in its first round and contributes from the next
+        self.joining = False  # a restarted site with no valid state yet: it heals before it trains
         self.record_file: Path | None = None  # local rank 0: one JSON line per round
         self._current: dict[str, Any] = {}
         self._pg: tuple[tuple[str, ...], Any] | None = None
@@ -172,7 +174,8 @@ class SiteMember:
             return RoundView(postponed=True)
         members = members_of(q)
         names = sorted(m.site for m in members)
-        if self.joining and all(m.joining for m in members):  # nobody to heal from (yet)
+        source = heal_source(members)
+        if source is None:  # every member is a restarted site without a state: nobody to heal from (yet)
             return RoundView(postponed=True)
         gone = [s for s in self._last_members if s not in names]
         for s in gone:
@@ -180,7 +183,6 @@ class SiteMember:
         self._last_members = names
         key = f"{q.quorum_id}-{q.created.seconds}-{q.created.nanos}"
         by = {m.site: m for m in members}
-        source = heal_source(members)
         view = RoundView(key=key, members=members, source=source)
         try:
             auth = dist.PrefixStore(f"auth/{key}", self._store(by[source].store))
@@ -216,102 +218,23 @@ class SiteMember:
 
     # ------------------------------------------------------------------ the round (every rank)
 
-    def _group(self, view: RoundView, store: dist.Store) -> Any:
-        """The round's Gloo group, reused while the admitted sites are the same processes (a
-        restarted site has a new store address, so its old connections are never reused)."""
-        by = {m.site: m.store for m in view.members}
-        names = tuple(f"{s}@{by[s]}" for s in view.admitted)
-        if self._pg is not None and self._pg[0] == names:
-            return self._pg[1]
-        self._drop_group()
-        pg = round_group(
-            dist.PrefixStore(f"pg/{view.key}/{self.local}", store),
-            view.admitted.index(self.site),
-            len(names),
-            self.cfg.collective_timeout_s,
-        )
-        self._pg = (names, pg)
-        return pg
+    def _count(self, nbytes: int) -> None:
+        """Bytes this rank sent to other sites (called by exchange threads)."""
+        with self._bytes_lock:
+            self.inter_bytes += nbytes
+
+    def _backstop(self, nbytes: int, sites: int) -> float:
+        """Seconds one wait of ``nbytes`` may take before it fails on its own. Heartbeats detect a
+        dead or hung peer sooner; this bounds how long an abandoned exchange thread can live."""
+        bps, latency = self.slowest_link
+        transfer = nbytes * 8 / bps + latency
+        return min(self.cfg.collective_timeout_s, 5 * self.cfg.heartbeat_timeout_s + 4 * sites * transfer)
 
     def _drop_group(self) -> None:
         if self._pg is not None:
             with contextlib.suppress(Exception):
                 self._pg[1].abort()
             self._pg = None
-
-    @staticmethod
-    def _wait(works: list[Any], monitor: Monitor) -> None:
-        """Wait for Gloo works (in the exchange thread; the main thread watches the heartbeats)."""
-        for w in works:
-            w.wait()
-        monitor.check()
-
-    def _send_recv(
-        self,
-        pg: dist.ProcessGroup,
-        view: RoundView,
-        send: torch.Tensor,
-        dst: int,
-        recv: torch.Tensor,
-        src: int,
-        monitor: Monitor,
-        tag: int = _DATA_TAG,
-    ) -> None:
-        """One paced exchange over the round group (group ranks = positions in ``view.admitted``)."""
-        nbytes = send.numel() * send.element_size()
-        self.inter_bytes += nbytes
-        works = [pg.recv([recv], src, tag), pg.send([send], dst, tag)]
-        if self.wan is not None:
-            dst_site = self.names.index(view.admitted[dst])
-            arrival = self.wan.pace([(dst_site, nbytes)])[0]
-            header_in = torch.zeros(1, dtype=torch.float64)
-            works += [
-                pg.recv([header_in], src, _HEADER_TAG),
-                pg.send([torch.tensor([arrival], dtype=torch.float64)], dst, _HEADER_TAG),
-            ]
-            self._wait(works, monitor)
-            self.wan.hold_until(float(header_in.item()))
-        else:
-            self._wait(works, monitor)
-
-    def _ring_sum(self, pg: dist.ProcessGroup, view: RoundView, x: torch.Tensor, monitor: Monitor) -> None:
-        n = len(view.admitted)
-        i = view.admitted.index(self.site)
-        nxt, prv = (i + 1) % n, (i - 1) % n
-        chunks = x.tensor_split(n)
-        scratch = torch.empty_like(chunks[0])
-        for s in range(n - 1):
-            into = chunks[(i - s - 2) % n]
-            buf = scratch[: into.numel()]
-            self._send_recv(pg, view, chunks[(i - s - 1) % n], nxt, buf, prv, monitor)
-            into.add_(buf)
-        if self.on_mid_round is not None:
-            self.on_mid_round()
-        for s in range(n - 1):
-            self._send_recv(pg, view, chunks[(i - s) % n], nxt, chunks[(i - s - 1) % n], prv, monitor)
-
-    def _heal(self, pg: dist.ProcessGroup, view: RoundView, monitor: Monitor) -> None:
-        """The source sends its state to every healer (same local rank), who loads it."""
-        src = view.admitted.index(view.source)
-        if self.site == view.source:
-            buf = io.BytesIO()
-            torch.save(self.hooks.state(), buf)
-            blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([blob.numel()], dtype=torch.int64)
-            for h in view.healers:
-                dst = view.admitted.index(h)
-                self._wait([pg.send([size], dst, _HEAL_TAG), pg.send([blob], dst, _HEAL_TAG + 1)], monitor)
-                self.inter_bytes += blob.numel() + 8
-        elif self.site in view.healers:
-            size = torch.zeros(1, dtype=torch.int64)
-            self._wait([pg.recv([size], src, _HEAL_TAG)], monitor)
-            blob = torch.empty(int(size.item()), dtype=torch.uint8)
-            self._wait([pg.recv([blob], src, _HEAL_TAG + 1)], monitor)
-            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True, map_location="cpu")
-            self.hooks.load(state)
-            self.healed_at_step = int(state["step"])
-            if self.local == 0:
-                self.log(f"healed from {view.source}: {state['committed']} committed rounds, step {state['step']}")
 
     def round(self, delta: torch.Tensor, can_postpone: bool = True) -> int | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
@@ -353,44 +276,65 @@ class SiteMember:
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
         hb_store = dist.PrefixStore(f"round/{view.key}", roundstore.connect(by[view.source].store, self.cfg.heartbeat_timeout_s))
         monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
-        ext = torch.cat([delta.detach().to("cpu", torch.float32), torch.zeros(1)])  # Gloo: CPU, also under NCCL
+        try:
+            return self._exchange_and_vote(delta, view, store, monitor)
+        finally:
+            monitor.stop()
+            if monitor.culprit:
+                self._event(monitor.culprit, "heartbeat timeout")
+
+    def _exchange_and_vote(self, delta: torch.Tensor, view: RoundView, store: dist.Store, monitor: Monitor) -> int:
+        # the main thread prepares everything the exchange thread reads (it must not touch the model)
+        finite = bool(torch.isfinite(delta).all())
+        if not finite:
+            self.log("pseudo-gradient is not finite: withdrawn from this round")
+        ext = torch.zeros(delta.numel() + 1)  # Gloo: CPU, also under NCCL; the last element counts contributors
+        if self.site not in view.healers and finite:
+            ext[:-1].copy_(delta.detach().to("cpu", torch.float32))
+            ext[-1] = 1.0
+        outgoing = None
+        if self.site == view.source and view.healers:
+            buf = io.BytesIO()
+            torch.save(self.hooks.state(), buf)
+            outgoing = buf.getvalue()
+        stores = {m.site: m.store for m in view.members}
+        members = tuple(f"{s}@{stores[s]}" for s in view.admitted)
+        if self._pg is not None and self._pg[0] != members:
+            self._drop_group()  # a new membership gets a new group (a restarted site has a new store address)
+        x = Exchange(
+            view,
+            self.site,
+            self.local,
+            self.names,
+            self.wan,
+            monitor,
+            store,
+            self._pg[1] if self._pg is not None else None,
+            self._shard(ext),
+            outgoing,
+            lambda nbytes: self._backstop(nbytes, len(view.admitted)),
+            self.cfg.collective_timeout_s,
+            self._count,
+            self.on_mid_round,
+        )
+        x.start()
+        finished = x.wait()
         ok = torch.ones(1)
         why = ""
-        errors: list[BaseException] = []
-
-        def exchange() -> None:
-            try:
-                pg = self._group(view, store)
-                self._heal(pg, view, monitor)
-                finite = bool(torch.isfinite(delta).all())
-                if not finite:
-                    self.log("pseudo-gradient is not finite: withdrawn from this round")
-                if self.site not in view.healers and finite:
-                    ext[:-1].copy_(delta.cpu())
-                    ext[-1] = 1.0
-                else:
-                    ext.zero_()
-                self._ring_sum(pg, view, self._shard(ext), monitor)
-            except BaseException as exc:  # reported to the main thread
-                errors.append(exc)
-
-        # Gloo waits cannot be interrupted, so the exchange runs in a thread and the main thread
-        # watches the heartbeats; a hung peer abandons the thread (it ends at the group's timeout)
-        worker = threading.Thread(target=exchange, daemon=True, name="cross-site-exchange")
-        worker.start()
-        while worker.is_alive() and monitor.failed is None:
-            worker.join(timeout=0.01)
-        if worker.is_alive():
+        if not finished:
             ok.zero_()
             why = monitor.failed or "aborted"
             self._drop_group()
-        elif errors:
-            ok.zero_()
-            exc = errors[0]
-            if isinstance(exc, MembershipRefused):
-                raise exc
-            first = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
-            why = str(exc) if isinstance(exc, RoundFailed) else f"collective failed ({first})"
+        else:
+            self._pg = (members, x.group) if x.group is not None else None
+            if x.error is not None:
+                ok.zero_()
+                if isinstance(x.error, MembershipRefused):
+                    raise x.error
+                first = str(x.error).splitlines()[0][:100] if str(x.error) else type(x.error).__name__
+                why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
+        if x.heal_blob is not None:  # complete: the source's state at the start of this round
+            self._load_healing(x.heal_blob, view.source)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
         if ok.item() and self.G > 1:  # Gloo's all-gather wants equal parts: pad the last shard
             c = -(-ext.numel() // self.G)
@@ -401,23 +345,30 @@ class SiteMember:
             dist.all_gather(gathered, mine, group=self.intra)
             ext.copy_(torch.cat(gathered)[: ext.numel()])
         committed = self._vote(dist.PrefixStore(f"round/{view.key}", store), view, monitor, bool(ok.item()))
-        monitor.stop()
-        if monitor.culprit:
-            self._event(monitor.culprit, "heartbeat timeout")
         if not committed:
             self._drop_group()
-            self._stores.pop(by[view.source].store, None)  # reconnect next time: its host may be gone
+            self._stores.pop(stores[view.source], None)  # reconnect next time: its host may be gone
             reason = why or monitor.failed or "a participant did not confirm the round"
             if self.local == 0:
                 self.log(f"round {view.key} rolled back: {reason}")
             raise RoundFailed(reason)
-        self.joining = False
         count = int(round(float(ext[-1].item())))
         if count == 0:
             raise RoundFailed("no site contributed to the round")
         delta.copy_(ext[:-1].to(delta.device)).div_(count)
         self._current["contributors"] = count
         return count
+
+    def _load_healing(self, blob: bytes, source: str) -> None:
+        """Main thread: load the state a source sent. From now on this site holds a valid state (the
+        source's at the round's start, which a rollback returns to), so it is no longer joining: it
+        can be a heal source for others even if this round fails."""
+        state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        self.hooks.load(state)
+        self.healed_at_step = int(state["step"])
+        self.joining = False
+        if self.local == 0:
+            self.log(f"healed from {source}: {state['committed']} committed rounds, step {state['step']}")
 
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
         """This local rank's contiguous 1/G of ``x`` (ceil-sized parts; the last may be shorter)."""

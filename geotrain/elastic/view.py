@@ -2,7 +2,11 @@
 from, and who heals. Pure functions, the same on every site given the same quorum.
 
 The *source* is the member with the most committed rounds (ties: the global hash most of those
-members hold, then the smallest name). *Healers* are the admitted members whose (committed,
+members hold, then the smallest name) among those that hold a valid state: a *joining* member (a
+restarted process that has not loaded any peer's state yet) is never a source, whatever it
+advertises. A member stops joining as soon as it has loaded a source's state, even if that round
+is then rolled back (its state is then the source's at the round's start, which is where the
+rollback leaves every site) — so a site that healed can heal others. *Healers* are the admitted members whose (committed,
 hash) differ from the source's, plus any restarted (joining) site: they receive the source's
 state and contribute zeros to the round.
 """
@@ -63,10 +67,13 @@ def members_of(quorum: Any) -> list[Member]:
     ]
 
 
-def heal_source(members: list[Member]) -> str:
-    """The site every other heals from (see the module docstring)."""
-    top = max(m.committed for m in members)
-    leaders = sorted((m for m in members if m.committed == top), key=lambda m: m.site)
+def heal_source(members: list[Member]) -> str | None:
+    """The site every other heals from (see the module docstring); None if every member is joining."""
+    valid = [m for m in members if not m.joining]
+    if not valid:
+        return None
+    top = max(m.committed for m in valid)
+    leaders = sorted((m for m in valid if m.committed == top), key=lambda m: m.site)
     held = [m.hash for m in leaders]
     best = max(held, key=lambda h: (held.count(h), -held.index(h)))  # most held, then first by name
     return next(m.site for m in leaders if m.hash == best)

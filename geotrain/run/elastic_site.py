@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from geotrain.comm.topology import RankInfo
+from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic.member import SiteMember
 from geotrain.elastic.view import HealHooks
@@ -26,7 +26,7 @@ from geotrain.sync import DiLoCo
 
 def join_elastic(
     cfg: ElasticConfig,
-    site_names: list[str],
+    topology: Topology,
     faults: dict[int, str],
     out: Path,
     where: RankInfo,
@@ -37,7 +37,9 @@ def join_elastic(
     heals from a live peer first. Returns the member and the per-step failure-injection hook.
 
     Args:
-        faults: {step: 'kill' | 'hang'} injected into this site.
+        topology: the whole run.
+        faults: {step: 'kill' | 'hang'} injected into this site. A restarted incarnation injects only
+            those after the step it healed at (the earlier ones happened to its predecessors).
         where: this rank's place in the whole run.
         objs: this rank's training state (healing reads and replaces it).
     """
@@ -48,7 +50,7 @@ def join_elastic(
 
     def inject(step: int) -> None:
         kind = faults.pop(step, None)
-        if kind is None or (incarnation and member.healed_at_step is None):  # not before a restarted site healed
+        if kind is None or (incarnation and (member.healed_at_step is None or step <= member.healed_at_step)):
             return
         request = out / "elastic" / f"fault-{where.site}-{step}.json"
         if where.local_rank == 0:  # the launcher signals every process of this site
@@ -83,7 +85,7 @@ def join_elastic(
     )
     member = SiteMember(
         cfg,
-        site_names,
+        topology,
         where.site,
         where.site_index,
         where.local_rank,
@@ -101,7 +103,7 @@ def join_elastic(
     live = out / "elastic" / f"live-{where.site}.{incarnation}"  # tells the launcher this site takes part
     try:
         if not incarnation:
-            member.rendezvous(len(site_names), cfg.start_timeout_s)
+            member.rendezvous(topology.num_sites, cfg.start_timeout_s)
         else:  # restarted: heal from a live peer at the next round boundary, before any step
             member.joining = True
             note(f"incarnation {incarnation}: joining the run and healing from a live peer")

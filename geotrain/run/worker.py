@@ -156,8 +156,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         inject = None
         if place.elastic:
             faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
-            names = [s.name for s in cfg.topology.sites]
-            member, inject = join_elastic(cfg.elastic, names, faults, out, where, place.incarnation, objs)
+            member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
             start = member.healed_at_step or 0
         n_params = count_params(model)
         suffix = f".{place.incarnation}" if place.incarnation else ""  # a restarted site keeps its earlier metrics
