@@ -222,9 +222,19 @@ def lighthouse(
     )
 
 
+def _ints(text: str, option: str, low: int, high: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        _fail(f"{option}: expected comma-separated whole numbers (got {text!r})")
+    if not values or any(not low <= v <= high for v in values):
+        _fail(f"{option}: every value must be between {low} and {high} (got {text!r})")
+    return values
+
+
 @app.command()
 def chaos(
-    json_out: Annotated[Path, typer.Option("--json", help="Write the report here.")] = Path("benchmarks/results/chaos.json"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here (default: OUT/chaos.json).")] = None,
     out: OutOpt = Path("runs/chaos"),
     sites: Annotated[int, typer.Option(min=3, max=16, help="Sites (one worker each).")] = 4,
     rounds: Annotated[int, typer.Option(min=5, max=1000, help="DiLoCo rounds.")] = 30,
@@ -232,30 +242,57 @@ def chaos(
     failures: Annotated[
         int, typer.Option(min=0, max=1000, help="Site failures to plan (some may be skipped: see the report).")
     ] = 12,
-    seed: Annotated[int, typer.Option(help="Seed of the failure plan.")] = 0,
+    seeds: Annotated[str, typer.Option("--seeds", help="Seeds of the failure plan, comma-separated (a run each).")] = "0",
+    cpu_hogs: Annotated[
+        str, typer.Option("--cpu-hogs", help="Busy-looping processes beside the soak, comma-separated (a run each); 0: quiet.")
+    ] = "0",
     restart_after: Annotated[float, typer.Option(min=0, max=600, help="Seconds until a failed site restarts.")] = 1.0,
 ) -> None:
     """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency."""
     from rich.table import Table
 
-    from geotrain.bench.chaos import run_chaos
+    from geotrain.bench.chaos import run_soaks
     from geotrain.errors import LaunchError
 
+    seed_list, hog_list = _ints(seeds, "--seeds", 0, 2**31), _ints(cpu_hogs, "--cpu-hogs", 0, 64)
     try:
-        report = run_chaos(out, sites, rounds, H, failures, seed, restart_after, console_print=None)
+        report = run_soaks(
+            out,
+            seed_list,
+            hog_list,
+            sites=sites,
+            rounds=rounds,
+            H=H,
+            failures=failures,
+            restart_after=restart_after,
+            console_print=None,
+        )
     except LaunchError as exc:
         _fail(f"chaos run failed: {exc}", 1)
-    table = Table(title=f"chaos: {sites} sites, {rounds} rounds of H={H}, seed {seed}")
-    table.add_column("")
-    table.add_column("value", justify="right")
-    for key in ("rounds", "committed", "rolled_back", "split_then_healed", "failures_injected", "consistent"):
-        table.add_row(key, str(report[key]))
-    table.add_row("seconds lost / failure", f"{report['seconds_lost_per_failure']:.2f}")
-    table.add_row("bound: 2 x heartbeat timeout + one round", f"{report['bound_seconds']:.2f}")
-    table.add_row("survivors", ", ".join(report["survivors"]))
-    _wide(80).print(table)
-    _write_json(report, json_out)
-    if not report["consistent"]:
+    table = Table(title=f"chaos: {sites} sites, {rounds} rounds of H={H}")
+    cols = [
+        "cpu hogs",
+        "seed",
+        "rounds",
+        "committed",
+        "rolled back",
+        "split",
+        "failures",
+        "consistent",
+        "s lost / failure",
+        "max detection s",
+    ]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in report["runs"]:
+        table.add_row(
+            str(r["cpu_hogs"]), str(r["seed"]), str(r["rounds"]), str(r["committed"]), str(r["rolled_back"]),
+            str(r["split_then_healed"]), str(r["failures_injected"]), str(r["consistent"]),
+            f"{r['seconds_lost_per_failure']:.2f}", f"{r['max_detection_seconds']:.2f}",
+        )  # fmt: skip
+    _wide(120).print(table)
+    _write_json(report, json_out or out / "chaos.json")
+    if not all(r["consistent"] for r in report["runs"]):
         _fail("survivors' global models differ", 1)
 
 

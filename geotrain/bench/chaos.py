@@ -1,4 +1,5 @@
-"""``geotrain chaos``: a bounded soak of elastic training under random site failures.
+"""``geotrain chaos``: a bounded soak of elastic training under random site failures, quiet or
+with the machine's cores kept busy.
 
 N sites (one worker each, a small model) train DiLoCo for a fixed number of rounds while
 randomly chosen sites are SIGKILLed or SIGSTOPped — most of them in the middle of the cross-site
@@ -7,11 +8,20 @@ heal from a live peer). The plan is drawn from ``seed`` before the run; a site i
 again before it can have rejoined. The report says, from every site's round records, how many
 rounds committed or rolled back, whether every committed round maps to one global model and all
 survivors end identical, and how much wall time each failure cost the survivors.
+
+With ``cpu_hogs`` > 0, that many busy-looping processes run beside the soak (one per core to
+load the machine fully): each is bounded in time and stopped by its PID when the soak ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +73,31 @@ def chaos_config(sites: int, rounds: int, H: int, failures: int, seed: int, rest
     )
 
 
+_HOG = """
+import os, sys, time
+from geotrain.comm.procs import die_with_parent
+die_with_parent()
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    pass
+"""
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int, seconds: float) -> Iterator[list[int]]:
+    """``n`` busy-looping processes for at most ``seconds`` (they also die with this process);
+    yields their PIDs and stops them by PID on exit."""
+    env = {**os.environ, "GEOTRAIN_PARENT_PID": str(os.getpid())}
+    procs = [subprocess.Popen([sys.executable, "-c", _HOG, str(seconds)], env=env) for _ in range(n)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 def run_chaos(
     out: Path,
     sites: int = 4,
@@ -73,15 +108,22 @@ def run_chaos(
     restart_after: float = 1.0,
     spacing: int = 6,
     console_print: Any = print,
+    hogs: int = 0,
+    hog_seconds: float = 3600.0,
 ) -> dict[str, Any]:
-    """Run the soak; the report (also the summary's essentials)."""
+    """Run the soak (with ``hogs`` busy-looping processes beside it); the report (also the
+    summary's essentials)."""
     from geotrain.launch.local import launch_local
 
     cfg = chaos_config(sites, rounds, H, failures, seed, restart_after, spacing)
-    summary = launch_local(cfg, out, console_print=console_print)
+    with cpu_hogs(hogs, hog_seconds) as hog_pids:
+        summary = launch_local(cfg, out, console_print=console_print)
     injected = [f for f in summary["failures"] if f["kind"] in ("kill", "hang")]
     lost = summary["seconds_lost"]
     return {
+        "seed": seed,
+        "cpu_hogs": hogs,
+        "cpu_hog_pids": hog_pids,
         "sites": sites,
         "H": H,
         "rounds_planned": rounds,
@@ -102,6 +144,33 @@ def run_chaos(
         "survivors": summary["survivors"],
         "global_param_hash": summary["global_param_hash"],
         "failures": summary["failures"],
+        "max_detection_seconds": max((f["detection_seconds"] or 0.0 for f in injected), default=0.0),
+        "max_excluded_after_seconds": max((f["excluded_after_seconds"] or 0.0 for f in injected), default=0.0),
         "final_eval_loss": summary["final_eval_loss"],
         "wall_seconds": summary["wall_seconds"],
     }
+
+
+def run_soaks(out: Path, seeds: list[int], hog_counts: list[int], **kwargs: Any) -> dict[str, Any]:
+    """:func:`run_chaos` for every load in ``hog_counts`` and every seed (each run in its own
+    folder); the runs and, per load, the totals."""
+    runs = [run_chaos(out / f"seed{s}-hogs{h}", seed=s, hogs=h, **kwargs) for h in hog_counts for s in seeds]
+    summary = []
+    for h in hog_counts:
+        rs = [r for r in runs if r["cpu_hogs"] == h]
+        summary.append(
+            {
+                "cpu_hogs": h,
+                "runs": len(rs),
+                "all_consistent": all(r["consistent"] for r in rs),
+                "rounds": sum(r["rounds"] for r in rs),
+                "committed": sum(r["committed"] for r in rs),
+                "rolled_back": sum(r["rolled_back"] for r in rs),
+                "split_then_healed": sum(r["split_then_healed"] for r in rs),
+                "failures_injected": sum(r["failures_injected"] for r in rs),
+                "mean_seconds_lost_per_failure": statistics.mean(r["seconds_lost_per_failure"] for r in rs),
+                "max_detection_seconds": max(r["max_detection_seconds"] for r in rs),
+                "max_excluded_after_seconds": max(r["max_excluded_after_seconds"] for r in rs),
+            }
+        )
+    return {"runs": runs, "summary": summary}
