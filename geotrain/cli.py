@@ -222,6 +222,38 @@ def lighthouse(
     )
 
 
+@app.command()
+def site(
+    site_name: Annotated[str, typer.Option("--site", help="This machine's site: a name from topology.sites.")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    lighthouse_addr: Annotated[
+        str | None, typer.Option("--lighthouse", help="HOST:PORT of the running Lighthouse (default: elastic.lighthouse).")
+    ] = None,
+    bind: Annotated[
+        str, typer.Option(help="This machine's address the other sites reach (its round store and Gloo traffic).")
+    ] = "127.0.0.1",
+    incarnation: Annotated[
+        int, typer.Option(min=0, max=1_000_000, help="0 on the first start; 1, 2, ... when restarting a failed site.")
+    ] = 0,
+    out: OutOpt = Path("runs/site"),
+) -> None:
+    """Run one site of an elastic run on this machine (one command per site; docs/ELASTIC.md)."""
+    cfg = _load(config, set_)
+    from geotrain.errors import CheckpointError, LaunchError
+    from geotrain.launch.site import run_site
+
+    try:
+        summary = run_site(cfg, out, site_name, lighthouse_addr, bind, incarnation)
+    except ConfigError as exc:
+        _fail(f"config error: {exc}")
+    except CheckpointError as exc:
+        _fail(f"checkpoint.resume: refused: {exc}")
+    except LaunchError as exc:
+        _fail(f"site failed: {exc}", 1)
+    console.print(f"site {site_name} finished; wrote {summary}")
+
+
 def _ints(text: str, option: str, low: int, high: int) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -249,9 +281,7 @@ def chaos(
     restart_after: Annotated[float, typer.Option(min=0, max=600, help="Seconds until a failed site restarts.")] = 1.0,
 ) -> None:
     """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency."""
-    from rich.table import Table
-
-    from geotrain.bench.chaos import run_soaks
+    from geotrain.bench.chaos import chaos_table, run_soaks
     from geotrain.errors import LaunchError
 
     seed_list, hog_list = _ints(seeds, "--seeds", 0, 2**31), _ints(cpu_hogs, "--cpu-hogs", 0, 64)
@@ -269,27 +299,7 @@ def chaos(
         )
     except LaunchError as exc:
         _fail(f"chaos run failed: {exc}", 1)
-    table = Table(title=f"chaos: {sites} sites, {rounds} rounds of H={H}")
-    cols = [
-        "cpu hogs",
-        "seed",
-        "rounds",
-        "committed",
-        "rolled back",
-        "split",
-        "failures",
-        "consistent",
-        "s lost / failure",
-        "max detection s",
-    ]
-    for col in cols:
-        table.add_column(col, justify="right")
-    for r in report["runs"]:
-        table.add_row(
-            str(r["cpu_hogs"]), str(r["seed"]), str(r["rounds"]), str(r["committed"]), str(r["rolled_back"]),
-            str(r["split_then_healed"]), str(r["failures_injected"]), str(r["consistent"]),
-            f"{r['seconds_lost_per_failure']:.2f}", f"{r['max_detection_seconds']:.2f}",
-        )  # fmt: skip
+    table = chaos_table(report, f"chaos: {sites} sites, {rounds} rounds of H={H}")
     _wide(120).print(table)
     _write_json(report, json_out or out / "chaos.json")
     if not all(r["consistent"] for r in report["runs"]):

@@ -41,5 +41,10 @@ class MembershipRefused(RuntimeError):
     in no collective."""
 
 
+class ElasticTimeout(RuntimeError):
+    """An elastic site went longer than ``elastic.wait_timeout_s`` without a round (the Lighthouse
+    unreachable, or fewer than ``elastic.min_sites`` sites answering): it stops."""
+
+
 class CoordinatorDown(RuntimeError):
     """The Lighthouse (membership coordinator) cannot be reached."""

@@ -174,3 +174,18 @@ def run_soaks(out: Path, seeds: list[int], hog_counts: list[int], **kwargs: Any)
             }
         )
     return {"runs": runs, "summary": summary}
+
+
+def chaos_table(report: dict[str, Any], title: str) -> Any:
+    """One row per run of :func:`run_soaks`' report (a rich Table)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    cols = ["cpu hogs", "seed", "rounds", "committed", "rolled back", "split", "failures", "consistent"]
+    for col in [*cols, "s lost / failure", "max detection s"]:
+        table.add_column(col, justify="right")
+    for r in report["runs"]:
+        keys = ("cpu_hogs", "seed", "rounds", "committed", "rolled_back", "split_then_healed", "failures_injected", "consistent")
+        cells = [str(r[k]) for k in keys]
+        table.add_row(*cells, f"{r['seconds_lost_per_failure']:.2f}", f"{r['max_detection_seconds']:.2f}")
+    return table

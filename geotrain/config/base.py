@@ -27,6 +27,11 @@ def submodel(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def absolute_path(v: str | None) -> str | None:
+    """A path made absolute (``~`` expanded), not checked: it may exist on another machine only."""
+    return None if v is None else str(Path(v).expanduser().resolve())
+
+
 def existing_path(v: str | None) -> str | None:
     """A file or directory that exists, made absolute (``~`` expanded); None stays None."""
     if v is not None and not Path(v).expanduser().exists():

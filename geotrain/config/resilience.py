@@ -83,6 +83,13 @@ class ElasticConfig(Section):
         le=86_400,
         description="At the start, wait this long for every site before training without the missing ones.",
     )
+    wait_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="Longest a site goes without a round while the Lighthouse is unreachable or fewer than min_sites sites "
+        "answer (at the start, during training and for the last round); then it stops with an error.",
+    )
     collective_timeout_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Backstop timeout of one cross-site operation (heartbeats abort sooner)."
     )

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from geotrain.config.base import Section, existing_path
+from geotrain.config.base import Section, absolute_path
 
 
 class LinkConfig(Section):
@@ -66,10 +66,10 @@ class SiteConfig(Section):
     corpus: str | None = Field(
         default=None,
         description="This site's private training data (file or directory): its workers read only this; "
-        "unset: the site's share of data.corpus.",
+        "unset: the site's share of data.corpus. Checked only where the site runs (its data may exist only there).",
     )
 
-    _site_corpus_exists = field_validator("corpus")(existing_path)
+    _site_corpus_path = field_validator("corpus")(absolute_path)
 
     @field_validator("name")
     @classmethod

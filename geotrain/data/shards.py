@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from geotrain.config import DataConfig
@@ -39,17 +41,27 @@ def site_shard(site_corpus: str, local_rank: int, workers: int, eval_fraction: f
 
 
 def check_data(
-    cfg: DataConfig, world: int, num_sites: int, block_size: int, site_corpora: list[str | None] | None = None
+    cfg: DataConfig,
+    world: int,
+    num_sites: int,
+    block_size: int,
+    site_corpora: list[str | None] | None = None,
+    only_site: int | None = None,
 ) -> None:
-    """Fail early (in the launcher) if the corpus cannot feed every rank."""
+    """Fail early (in the launcher) if the corpus cannot feed every rank (``only_site``: the
+    ranks of that site only; a site's private corpus may exist on its own machine only)."""
     splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
     if splits.eval_tokens.numel() <= block_size + 1:
         raise ValueError(f"data.corpus: held-out split too small for model.block_size={block_size}")
     per_site = world // num_sites
     for r in range(world):
+        if only_site is not None and r // per_site != only_site:
+            continue
         own = (site_corpora or [None] * num_sites)[r // per_site]
         if own is not None:
             where = f"topology.sites[{r // per_site}].corpus"
+            if not Path(own).exists():
+                raise ValueError(f"{where}: file or directory not found on this machine: {own}")
             try:
                 shard = site_shard(own, r % per_site, per_site, cfg.eval_fraction)
             except ValueError as exc:

@@ -8,6 +8,9 @@
   Lighthouse knows every live site before it forms a quorum.
 * Below ``min_sites`` a quorum request times out; the site logs that training is paused and asks
   again.
+* Every wait is bounded: a site that has gone ``wait_timeout_s`` without a quorum (the Lighthouse
+  unreachable, a wrong address, or too few sites) raises :class:`ElasticTimeout`, whether it
+  postpones rounds meanwhile or not; a joining site gives up after ``start_timeout_s``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from geotrain.config import ElasticConfig
-from geotrain.errors import CoordinatorDown, MembershipRefused
+from geotrain.errors import CoordinatorDown, ElasticTimeout, MembershipRefused
 
 
 class Coordinator:
@@ -46,6 +49,8 @@ class Coordinator:
         self._hb_gen = 0
         self._hb_threads: list[threading.Thread] = []
         self._hb_started = self._hb_last_ok = time.monotonic()
+        self._last_quorum = time.monotonic()  # the last quorum (or the start): bounds every wait
+        self._why_waiting = ""
         self._start_heartbeat()
 
     def _connect(self) -> Any:
@@ -120,9 +125,12 @@ class Coordinator:
         while True:
             if joining and time.monotonic() > give_up:
                 raise MembershipRefused(f"no live site to heal from within elastic.start_timeout_s={self.cfg.start_timeout_s:g}s")
+            self._check_bound()
             try:
                 down = self._is_down()
                 settling = time.monotonic() - self._back_at < 4 * self.cfg.heartbeat_s
+                if down:
+                    self._why_waiting = f"the Lighthouse at {self.lighthouse} is unreachable"
                 if (down or settling) and can_postpone:
                     return None
                 q = self._main_client().quorum(
@@ -137,9 +145,11 @@ class Coordinator:
                 )
                 if waited:
                     self.log(f"quorum reached after {waited:.1f}s: training resumes")
+                self._last_quorum, self._why_waiting = time.monotonic(), ""
                 return q
             except TimeoutError:
                 waited += self.cfg.quorum_timeout_s
+                self._why_waiting = f"fewer than elastic.min_sites={self.cfg.min_sites} live sites answer"
                 self.log(
                     f"training paused: fewer than elastic.min_sites={self.cfg.min_sites} live sites answer "
                     f"(waited {waited:.0f}s); retrying"
@@ -147,10 +157,19 @@ class Coordinator:
             except Exception as exc:
                 self._client = None
                 self._set_down(True)
+                first = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+                self._why_waiting = f"the Lighthouse at {self.lighthouse} is unreachable ({first})"
                 if can_postpone:
                     return None
-                self.log(f"Lighthouse unreachable ({str(exc).splitlines()[0][:80]}); retrying")
+                self.log(f"Lighthouse unreachable ({first}); retrying")
                 time.sleep(self.cfg.heartbeat_s * 4)
+
+    def _check_bound(self) -> None:
+        """Raise :class:`ElasticTimeout` once this site has gone ``wait_timeout_s`` without a quorum."""
+        waited = time.monotonic() - self._last_quorum
+        if waited > self.cfg.wait_timeout_s:
+            why = self._why_waiting or "no quorum"
+            raise ElasticTimeout(f"no round for {waited:.0f}s (elastic.wait_timeout_s={self.cfg.wait_timeout_s:g}): {why}")
 
     def close(self) -> None:
         """Stop heartbeating and wait (bounded) for the heartbeat threads to leave torchft's client:

@@ -62,9 +62,14 @@ from geotrain.elastic.coordinator import Coordinator
 from geotrain.elastic.exchange import Exchange
 from geotrain.elastic.roundstore import Monitor, wait_keys
 from geotrain.elastic.view import HealHooks, RoundView, heal_source, healers, members_of
-from geotrain.errors import MembershipRefused, RoundFailed
+from geotrain.errors import ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
+
+
+def _fatal(exc: MembershipRefused | ElasticTimeout) -> RoundView:
+    """A view that stops every rank of the site with ``exc`` (decided by local rank 0)."""
+    return RoundView(fatal=str(exc), fatal_timeout=isinstance(exc, ElasticTimeout))
 
 
 class SiteMember:
@@ -137,20 +142,22 @@ class SiteMember:
         """Before the first step of a fresh run: wait until all ``sites`` sites are in one quorum (or
         ``timeout`` passes, then go on with those present), so no site trains rounds alone while
         the others are still starting. Every rank returns the sites present."""
-        present: list[str] = []
+        view = RoundView()
         if self.local == 0:
             deadline = time.monotonic() + timeout
-            while True:
-                q = self._quorum(can_postpone=False)
-                present = sorted(p.replica_id for p in q.participants)
-                if len(present) >= sites or time.monotonic() > deadline:
-                    break
-                time.sleep(self.cfg.heartbeat_s)
-            self._last_members = present
-            self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
-        box: list[Any] = [present]
-        dist.broadcast_object_list(box, src=0, group=self.intra)
-        return list(box[0])
+            try:
+                while True:
+                    q = self._quorum(can_postpone=False)
+                    present = sorted(p.replica_id for p in q.participants)
+                    if len(present) >= sites or time.monotonic() > deadline:
+                        break
+                    time.sleep(self.cfg.heartbeat_s)
+            except (MembershipRefused, ElasticTimeout) as exc:
+                view = _fatal(exc)
+            else:
+                self._last_members = view.admitted = present
+                self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
+        return self._broadcast(view).admitted
 
     def _quorum(self, can_postpone: bool) -> Any:
         assert self.coordinator is not None  # local rank 0
@@ -212,9 +219,13 @@ class SiteMember:
         self.events.append({"site": site, "how": how, "time": time.time(), "by": self.site})
 
     def _broadcast(self, view: RoundView) -> RoundView:
+        """Local rank 0's view to every rank of the site; a fatal one raises on every rank."""
         box: list[Any] = [view]
         dist.broadcast_object_list(box, src=0, group=self.intra)
-        return box[0]
+        got: RoundView = box[0]
+        if got.fatal:
+            raise (ElasticTimeout if got.fatal_timeout else MembershipRefused)(got.fatal)
+        return got
 
     # ------------------------------------------------------------------ the round (every rank)
 
@@ -257,7 +268,12 @@ class SiteMember:
             st.network_seconds += seconds
 
     def _round(self, delta: torch.Tensor, can_postpone: bool, t0: float) -> int | None:
-        view = self._decide(can_postpone and not self.joining) if self.local == 0 else RoundView()
+        view = RoundView()
+        if self.local == 0:
+            try:
+                view = self._decide(can_postpone and not self.joining)
+            except (MembershipRefused, ElasticTimeout) as exc:
+                view = _fatal(exc)
         view = self._broadcast(view)
         if view.postponed:
             return None

@@ -39,7 +39,9 @@ class RoundView:
     source: str = ""
     healers: list[str] = field(default_factory=list)
     postponed: bool = False
-    error: str = ""
+    error: str = ""  # the round fails (rolled back); the site carries on
+    fatal: str = ""  # local rank 0 must stop (refused, or a wait passed its bound): every rank raises
+    fatal_timeout: bool = False  # fatal is an ElasticTimeout (else MembershipRefused)
 
 
 @dataclass

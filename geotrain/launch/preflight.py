@@ -17,8 +17,9 @@ from geotrain.errors import ConfigError, MembershipRefused
 from geotrain.run.checkpoint import verify
 
 
-def preflight(cfg: Config) -> None:
-    """Refuse ``cfg`` before launch if it cannot run here.
+def preflight(cfg: Config, site: int | None = None) -> None:
+    """Refuse ``cfg`` before launch if it cannot run here (``site``: only that site runs here, so
+    only its private corpus is checked).
 
     Raises:
         ConfigError: with a one-line message naming the field.
@@ -26,7 +27,7 @@ def preflight(cfg: Config) -> None:
     """
     topo = Topology.from_config(cfg.topology)
     try:
-        check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites])
+        check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites], site)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.checkpoint.resume not in (None, "auto"):

@@ -33,7 +33,7 @@ from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
 from geotrain.data import build_rank_data
-from geotrain.errors import ConfigError, MembershipRefused
+from geotrain.errors import ConfigError, ElasticTimeout, MembershipRefused
 from geotrain.models import build_model, count_params
 from geotrain.privacy.build import build_privacy
 from geotrain.report.metrics import MetricsSink, log, write_timeline
@@ -52,6 +52,29 @@ def rank_threads(requested: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, cores // max(1, local_world))
+
+
+ELASTIC_ENV = ("GEOTRAIN_SITE_INDEX", "GEOTRAIN_INCARNATION")
+
+
+def elastic_env(full: Topology) -> tuple[int, int]:
+    """This process's site index and incarnation in elastic mode, from the environment that
+    ``geotrain site`` (or geotrain's local launcher) sets; documented in docs/ELASTIC.md.
+
+    Raises:
+        ConfigError: a variable is missing or out of range (every site claiming to be the first
+            would silently break the run).
+    """
+    values = []
+    for name, high in zip(ELASTIC_ENV, (full.num_sites - 1, 1_000_000), strict=True):
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip().isdigit() or int(raw) > high:
+            raise ConfigError(
+                f"{name}: elastic mode needs it set to 0..{high} (got {raw!r}); start each site with "
+                "`geotrain site --config FILE --site NAME --lighthouse HOST:PORT`"
+            )
+        values.append(int(raw))
+    return values[0], values[1]
 
 
 @dataclass(frozen=True)
@@ -74,8 +97,7 @@ class Placement:
         full = Topology.from_config(cfg.topology)
         if not cfg.elastic.enabled:
             return cls(full, full, False)
-        site = int(os.environ.get("GEOTRAIN_SITE_INDEX", "0"))
-        incarnation = int(os.environ.get("GEOTRAIN_INCARNATION", "0"))
+        site, incarnation = elastic_env(full)
         one = dataclasses.replace(full, site_names=(full.site_names[site],), regions=(full.regions[site],), pair_links=())
         return cls(full, one, True, site, incarnation)
 
@@ -111,6 +133,9 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
         model = build_model(cfg.model).to(groups.device)
         eval_model = copy.deepcopy(model)
+        own = cfg.topology.sites[where.site_index].corpus
+        if own is not None and not Path(own).exists():  # checked here: it may exist on this site's machine only
+            raise ConfigError(f"topology.sites[{where.site_index}].corpus: file or directory not found on this machine: {own}")
         data = build_rank_data(
             cfg.data,
             where.rank,
@@ -243,16 +268,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/geotrain", help="output directory")
     args = parser.parse_args(argv)
     die_with_parent()
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"geotrain: config error: {exc}", file=sys.stderr)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        print(
+            f"geotrain: the worker needs the torch.distributed environment ({', '.join(missing)} not set): "
+            "start it with `geotrain train`, `geotrain site` or torchrun",
+            file=sys.stderr,
+        )
         return 2
     try:
+        cfg = load_config(args.config, args.overrides)
         train(cfg, Path(args.out))
+    except ConfigError as exc:
+        print(f"geotrain: config error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except MembershipRefused as exc:
         print(f"geotrain: membership refused: {exc}", file=sys.stderr, flush=True)
         return 3
+    except ElasticTimeout as exc:
+        print(f"geotrain: elastic wait timed out: {exc}", file=sys.stderr, flush=True)
+        return 4
     return 0
 
 

@@ -59,7 +59,9 @@ class DiLoCo(OuterSync):
         if self._steps_in_round:  # a last, shorter round so every site ends on the global model
             if self._privacy_allows_round():
                 self.outer_step()
-                while self._steps_in_round and self.elastic is not None:  # postponed: wait for the coordinator
+                # postponed: wait for the coordinator (bounded: the membership raises ElasticTimeout
+                # after elastic.wait_timeout_s without a quorum)
+                while self._steps_in_round and self.elastic is not None:
                     time.sleep(self.elastic.retry_seconds)
                     self.outer_step()
             else:

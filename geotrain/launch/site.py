@@ -1,0 +1,167 @@
+"""``geotrain site``: run one site of an elastic job on this machine, the way each datacenter
+starts its part of a real multi-site run (docs/ELASTIC.md, "Deploying across machines").
+
+The site's G ranks are local processes forming the site's own torch.distributed world; the site
+meets the others only through the Lighthouse (``--lighthouse``) and the round store its local
+rank 0 hosts on ``--bind`` (the address the other sites reach this machine at). Every setting a
+worker needs is given here or refused, never defaulted behind the user's back:
+
+==========================  ==============================================================
+``GEOTRAIN_SITE_INDEX``     this site's index in ``topology.sites`` (from ``--site NAME``)
+``GEOTRAIN_INCARNATION``    0 on the first start, N > 0 when restarted (heals before step 1)
+``GEOTRAIN_LIGHTHOUSE``     HOST:PORT of the Lighthouse (``--lighthouse`` or elastic.lighthouse)
+``GEOTRAIN_BIND_ADDR``      where this site's round store and Gloo traffic live (``--bind``)
+``GEOTRAIN_WAN_KEY``        this site's link-emulation state (one per site)
+secret                      ``elastic.secret_env`` (default GEOTRAIN_SECRET) or elastic.secret_file
+==========================  ==============================================================
+
+The site's rendezvous store is hosted here (port 0: no port race) and the workers join it as
+torchrun's workers join their agent's store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
+
+from geotrain.comm.emulate.inprocess import state_path
+from geotrain.comm.topology import Topology
+from geotrain.config import Config
+from geotrain.elastic.auth import load_secret
+from geotrain.errors import ConfigError, LaunchError, MembershipRefused
+from geotrain.launch.preflight import preflight
+from geotrain.launch.spawn import describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(address: str) -> str:
+    """The network interface of this machine that holds IPv4 ``address`` (Gloo binds to it).
+
+    Raises:
+        ConfigError: no interface has it.
+    """
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+        if socket.inet_ntoa(got[20:24]) == address:
+            return name
+    raise ConfigError(f"--bind: no network interface of this machine has the address {address}")
+
+
+def site_settings(cfg: Config, site: str, lighthouse: str | None) -> tuple[int, str]:
+    """The site's index and the Lighthouse address, or a one-line refusal naming what is missing.
+
+    Raises:
+        ConfigError: elastic mode off, unknown site, no Lighthouse, no secret.
+    """
+    if not cfg.elastic.enabled:
+        raise ConfigError("elastic.enabled: geotrain site runs one site of an elastic run; set it to true")
+    names = [s.name for s in cfg.topology.sites]
+    if site not in names:
+        raise ConfigError(f"--site: must be one of {', '.join(names)} (got {site!r})")
+    address = lighthouse or cfg.elastic.lighthouse
+    if not address:
+        raise ConfigError("--lighthouse: give HOST:PORT of the running `geotrain lighthouse` (or set elastic.lighthouse)")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--lighthouse: expected HOST:PORT (got {address!r})")
+    try:
+        load_secret(cfg.elastic)
+    except MembershipRefused as exc:
+        raise ConfigError(f"{exc} (every site needs the same secret)") from None
+    return names.index(site), address
+
+
+def run_site(
+    cfg: Config,
+    out: Path,
+    site: str,
+    lighthouse: str | None,
+    bind: str,
+    incarnation: int,
+    console_print: Callable[[str], None] | None = print,
+) -> Path:
+    """Run this machine's site until it finishes; the path of its summary.
+
+    Raises:
+        ConfigError: a missing or invalid setting (nothing was started).
+        LaunchError: a rank failed (the others have been stopped); names the rank and its log.
+    """
+    index, address = site_settings(cfg, site, lighthouse)
+    preflight(cfg, site=index)
+    ifname = interface_of(bind)
+    topo = Topology.from_config(cfg.topology)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    (out / "elastic").mkdir(exist_ok=True)
+    cfg_path = out / f"config-{site}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    summary = out / "elastic" / f"summary-{site}.json"
+    summary.unlink(missing_ok=True)
+    # the site's rendezvous store, hosted here on a port the kernel picks
+    store = dist.TCPStore(bind, 0, is_master=True, timeout=timedelta(seconds=cfg.run.timeout_s), wait_for_workers=False)
+    wan_key = f"site-{site}-{store.port}"
+    mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link
+    procs, pumps = [], []
+    for local in range(topo.workers_per_site):
+        env = rank_env(local, topo.workers_per_site, topo.workers_per_site, store.port, mode)
+        env.update(
+            MASTER_ADDR=bind,
+            GLOO_SOCKET_IFNAME=ifname,
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT=str(incarnation),
+            GEOTRAIN_SITE_INDEX=str(index),
+            GEOTRAIN_INCARNATION=str(incarnation),
+            GEOTRAIN_LIGHTHOUSE=address,
+            GEOTRAIN_BIND_ADDR=bind,
+            GEOTRAIN_WAN_KEY=wan_key,
+        )
+        suffix = f".{incarnation}" if incarnation else ""
+        log = out / "logs" / f"{site}-rank{local}{suffix}.log"
+        p, t = spawn_rank(worker_cmd(cfg_path, out), env, log, console_print if local == 0 else None)
+        procs.append((p, log))
+        pumps.append(t)
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                raise LaunchError(f"site {site} rank {i} {describe_exit(int(code))}; log: {procs[i][1]}")
+            if all(c == 0 for c in codes):
+                break
+            if stop["signal"]:
+                raise LaunchError(f"site {site} stopped by {signal.Signals(stop['signal']).name}")
+            time.sleep(0.05)
+    finally:
+        stop_all([p for p, _ in procs])
+        for t in pumps:
+            t.join(timeout=3.0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        state_path(wan_key).unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            del store
+    if not summary.exists():
+        raise LaunchError(f"site {site} ended without a summary; logs under {out / 'logs'}")
+    return summary

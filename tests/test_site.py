@@ -1,0 +1,216 @@
+"""``geotrain site``: one command per site of an elastic run, its refusals, and bounded waits; and
+the deployment itself tried like separate machines: the Lighthouse and each site in a network
+namespace of its own (own network stack, addresses assigned there), each started by the
+documented command; a site killed and brought back, all ending bit-identical."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from geotrain.comm.emulate import kernel as netns
+from geotrain.comm.procs import free_port
+from geotrain.config import ElasticConfig, load_config
+from geotrain.errors import ConfigError, ElasticTimeout
+
+pytestmark = pytest.mark.timeout(240)
+
+SECRET = {"GEOTRAIN_SECRET": "a-test-secret-of-enough-bytes"}
+SITES = """topology:
+  sites: [{name: A, workers: 1}, {name: B, workers: 1}]
+  links: {emulate: "off"}
+model: {n_layer: 1, n_embd: 32, n_head: 2, block_size: 16}
+train: {steps: 80, batch_size: 4, eval_every: 0, eval_batches: 2, log_every: 1000, threads: 1}
+optim: {warmup_steps: 0}
+sync: {algorithm: diloco, H: 10}
+run: {baseline: none}
+elastic: {enabled: true, min_sites: 1}
+"""
+
+
+def _site(cfg: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "geotrain", "site", "--config", str(cfg), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def cfg_file(tmp_path: Path) -> Path:
+    path = tmp_path / "elastic.yaml"
+    path.write_text(SITES)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--site", "Z", "--lighthouse", "127.0.0.1:1"], SECRET, "--site: must be one of A, B (got 'Z')"),
+        (["--site", "A"], SECRET, "--lighthouse: give HOST:PORT"),
+        (["--site", "A", "--lighthouse", "nohost"], SECRET, "--lighthouse: expected HOST:PORT"),
+        (["--site", "A", "--lighthouse", "127.0.0.1:1"], {"GEOTRAIN_SECRET": ""}, "no membership secret"),
+        (["--site", "A", "--lighthouse", "127.0.0.1:1", "--bind", "192.0.2.77"], SECRET, "--bind: no network interface"),
+        (["--site", "A", "--lighthouse", "127.0.0.1:1", "--set", "elastic.enabled=false"], SECRET, "elastic.enabled:"),
+    ],
+)
+def test_site_refuses_missing_settings(cfg_file: Path, args: list[str], env: dict[str, str], message: str) -> None:
+    proc = _site(cfg_file, *args, "--out", str(cfg_file.parent / "out"), env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_a_site_whose_lighthouse_never_answers_stops_within_the_wait_bound(cfg_file: Path) -> None:
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    proc = _site(
+        cfg_file, "--site", "A", "--lighthouse", f"127.0.0.1:{port}", "--set", "elastic.wait_timeout_s=3",
+        "--out", str(cfg_file.parent / "out"), env=SECRET,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "elastic wait timed out" in proc.stdout + proc.stderr and "elastic.wait_timeout_s=3" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 90
+
+
+def test_coordinator_waits_are_bounded_postponed_or_not() -> None:
+    """Rounds postponed while the Lighthouse is unreachable (DiLoCo.finish retries them) and the
+    start rendezvous both end with ElasticTimeout after elastic.wait_timeout_s."""
+    from geotrain.elastic.coordinator import Coordinator
+
+    cfg = ElasticConfig(enabled=True, heartbeat_s=0.05, heartbeat_timeout_s=0.5, wait_timeout_s=1.5)
+    c = Coordinator(cfg, f"127.0.0.1:{free_port()}", "A", 1, "127.0.0.1:1", lambda _: None)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ElasticTimeout, match=r"elastic.wait_timeout_s=1.5.*Lighthouse .* unreachable"):
+            while time.monotonic() - t0 < 30:
+                assert c.quorum(True, committed=0, global_hash="", step=0, joining=False) is None
+                time.sleep(0.05)
+        assert 1.5 <= time.monotonic() - t0 < 10
+        with pytest.raises(ElasticTimeout):  # not postponable (the start rendezvous): raises, does not spin
+            c.quorum(False, committed=0, global_hash="", step=0, joining=False)
+    finally:
+        c.close()
+
+
+def test_a_site_private_corpus_is_checked_only_where_that_site_runs(tmp_path: Path) -> None:
+    from geotrain.launch.preflight import preflight
+
+    own = tmp_path / "a.txt"
+    own.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    text = SITES.replace("{name: A, workers: 1}", f"{{name: A, workers: 1, corpus: {own}}}")
+    text = text.replace("{name: B, workers: 1}", "{name: B, workers: 1, corpus: /only/on/site/B/data.txt}")
+    (tmp_path / "c.yaml").write_text(text)
+    cfg = load_config(tmp_path / "c.yaml")  # B's corpus exists on B's machine only: loading is fine
+    preflight(cfg, site=0)
+    with pytest.raises(ConfigError, match=r"topology.sites\[1\].corpus: file or directory not found on this machine"):
+        preflight(cfg, site=1)
+    with pytest.raises(ConfigError, match=r"topology.sites\[1\].corpus"):
+        preflight(cfg)  # one machine for every site: all are checked
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, "the worker needs the torch.distributed environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set)"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+            "GEOTRAIN_SITE_INDEX: elastic mode needs it set to 0..1 (got None)",
+        ),
+    ],
+)
+def test_worker_refuses_a_missing_environment_in_one_line(cfg_file: Path, env: dict[str, str], message: str) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "GEOTRAIN_"))}
+    cmd = [sys.executable, "-m", "geotrain.run.worker", "--config", str(cfg_file), "--out", str(cfg_file.parent / "w")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**base, **env})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------- separate "machines" (netns)
+
+_WHY = netns.unavailable()
+
+
+@contextlib.contextmanager
+def _machines(n: int) -> Iterator[tuple[list[str], list[str]]]:
+    """``n`` network namespaces on one bridge (addresses 10.77.0.1..n), removed afterwards."""
+    from geotrain.comm.topology import Topology
+    from geotrain.config import Config
+
+    names = [{"name": f"m{i}", "workers": 1} for i in range(n)]
+    topo = Topology.from_config(Config.model_validate({"topology": {"sites": names}}).topology)
+    links = netns.KernelLinks(topo).up()
+    try:
+        yield links.namespaces, [links.address(i) for i in range(n)]
+    finally:
+        links.down()
+
+
+def _start(ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "geotrain", *args],
+            stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **SECRET}, start_new_session=True,
+        )  # fmt: skip
+
+
+def _committed(out: Path, site: str) -> int:
+    path = out / "elastic" / f"rounds-{site}.jsonl"
+    if not path.exists():
+        return 0
+    return sum(json.loads(x)["outcome"] == "committed" for x in path.read_text().splitlines() if x.strip())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_WHY is not None, reason=f"network namespaces unavailable: {_WHY}")
+def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identical(cfg_file: Path) -> None:
+    """min_sites=2: while B is dead, A pauses (and stays a heal source); B comes back and heals from it."""
+    cfg_file.write_text(SITES.replace("min_sites: 1", "min_sites: 2"))
+    out = cfg_file.parent / "run"
+    out.mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+    with _machines(3) as (spaces, addrs):
+        lighthouse = f"{addrs[0]}:29510"
+        try:
+            procs.append(_start(spaces[0], ["lighthouse", "--bind", lighthouse, "--min-sites", "2"], out / "lh.log"))
+
+            def site(i: int, name: str, incarnation: int) -> subprocess.Popen[bytes]:
+                args = ["site", "--config", str(cfg_file), "--site", name, "--lighthouse", lighthouse]
+                args += ["--bind", addrs[i], "--incarnation", str(incarnation), "--out", str(out)]
+                p = _start(spaces[i], args, out / f"{name}.{incarnation}.log")
+                procs.append(p)
+                return p
+
+            a, b = site(1, "A", 0), site(2, "B", 0)
+            deadline = time.monotonic() + 150
+            while _committed(out, "B") < 2:  # B has taken part in rounds: now kill it
+                assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, (out / "B.0.log").read_text()[
+                    -3000:
+                ]
+                time.sleep(0.1)
+            os.kill(b.pid, signal.SIGKILL)  # its workers die with it (parent-death signal)
+            b.wait()
+            time.sleep(1.0)
+            b2 = site(2, "B", 1)
+            for p, log in ((a, "A.0.log"), (b2, "B.1.log")):
+                assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (out / log).read_text()[-3000:]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+    summaries = {s: json.loads((out / "elastic" / f"summary-{s}.json").read_text()) for s in ("A", "B")}
+    hashes = {s: summaries[s]["global_param_hash"][s] for s in ("A", "B")}
+    assert hashes["A"] == hashes["B"], hashes
+    assert "healed from A" in (out / "logs" / "B-rank0.1.log").read_text()
+    assert "training paused: fewer than elastic.min_sites=2" in (out / "A.0.log").read_text()
+    assert summaries["A"]["rounds_committed"] == summaries["B"]["rounds_committed"] >= 6
