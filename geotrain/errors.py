@@ -16,6 +16,11 @@ class LaunchError(RuntimeError):
     """A rank (or, in elastic mode, every site) failed; the message names its site and rank."""
 
 
+class StartMismatch(ConfigError):
+    """Ranks or sites would start from different initial models (different configs or code):
+    refused before the first step."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing, incomplete, truncated, tampered)."""
 

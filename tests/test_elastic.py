@@ -57,7 +57,10 @@ def test_kill_mid_allreduce_rolls_back_and_survivors_agree(tmp_path: Path) -> No
     assert kill["site"] == "B" and kill["kind"] == "kill" and kill["detection_seconds"] <= 2 * HB
     assert s["seconds_lost"] <= 2 * HB + s["round_seconds"], s["seconds_lost"]
     # C's NaN update (round 5, after B died) was withdrawn: A alone contributed; the model is finite
-    assert "not finite: withdrawn" in proc.stdout
+    # the update guard is on in elastic mode: C's own guard withdrew it
+    assert "withdrawn from this round (update guard)" in proc.stdout
+    assert s["guard_rejections"] == {"C": 1} and s["guard_events"][0]["site"] == "C"
+    assert "non-finite" in s["guard_events"][0]["why"]
     assert any(r["contributors"] == 1 for r in a if r["outcome"] == "committed")
     assert math.isfinite(s["final_eval_loss"])
     assert not (out / "summary.json").read_text().count("NaN")
@@ -286,3 +289,33 @@ def test_round_outcomes_flag_a_committed_round_with_two_models() -> None:
     assert out["consistent_history"] is False
     split = {"A": [rec("k1", "committed", 1, "x")], "B": [rec("k1", "rolled_back", 0, "w")]}
     assert round_outcomes(split)["split"] == 1
+
+
+@pytest.mark.slow
+def test_elastic_checkpoints_resume_after_a_total_outage_exactly(tmp_path: Path) -> None:
+    """Every process of the run (launcher, Lighthouse, all sites) SIGKILLed at once; started again
+    with checkpoint.resume=auto, each site resumes from its own checkpoint and the run ends
+    bit-identical to one that never stopped."""
+    common = [*ELASTIC, "train.steps=100", "checkpoint.every=20"]
+    whole = tmp_path / "whole"
+    train_cli(whole, common, TWO)
+    out = tmp_path / "outage"
+    proc = subprocess.Popen(train_args(out, common, TWO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 150
+        while not all((out / "checkpoints" / s / "step-00000040" / "manifest.json").exists() for s in "AB"):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        pids = json.loads((out / "pids.json").read_text())
+        for pid in [pids["launcher"], pids["lighthouse"], *pids["ranks"]]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not any(_alive(p) for p in [pids["lighthouse"], *pids["ranks"]])
+    train_cli(out, [*common, "checkpoint.resume=auto"], TWO)
+    a, b = read_summary(whole), read_summary(out)
+    resumed = json.loads((out / "elastic" / "summary-A.json").read_text())["started_at_step"]
+    assert resumed >= 40 and resumed % 20 == 0
+    assert a["global_param_hash"] == b["global_param_hash"] and a["consistent"] and b["consistent"]

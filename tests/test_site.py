@@ -214,3 +214,61 @@ def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identica
     assert "healed from A" in (out / "logs" / "B-rank0.1.log").read_text()
     assert "training paused: fewer than elastic.min_sites=2" in (out / "A.0.log").read_text()
     assert summaries["A"]["rounds_committed"] == summaries["B"]["rounds_committed"] >= 6
+
+
+def _start_rank(rank: int, seeds: list[int]) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from geotrain.errors import StartMismatch
+    from geotrain.models import build_model
+    from geotrain.run.state import check_same_start
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(seeds[rank])
+        from geotrain.config import ModelConfig
+
+        model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
+        try:
+            check_same_start(model, dist.group.WORLD)
+        except StartMismatch as exc:
+            return str(exc)
+        return "same"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_initial_models_are_compared_before_step_one() -> None:
+    from tests.helpers import run_ranks
+
+    assert run_ranks(2, _start_rank, [7, 7]) == ["same", "same"]
+    got = run_ranks(3, _start_rank, [7, 7, 8])
+    assert got[0] == got[1] == got[2] and got[0].startswith("the initial model of rank(s) 2 differs from rank 0's")
+
+
+@pytest.mark.slow
+def test_sites_started_with_different_seeds_are_refused_at_the_rendezvous(cfg_file: Path) -> None:
+    from geotrain.elastic.lighthouse import LighthouseProcess
+
+    lh = LighthouseProcess(free_port(), ElasticConfig(), cfg_file.parent / "lh.log")
+    lh.start()
+    try:
+        cmd = [sys.executable, "-m", "geotrain", "site", "--config", str(cfg_file), "--lighthouse", lh.address]
+        env = {**os.environ, **SECRET}
+        procs = [
+            subprocess.Popen(
+                [*cmd, "--site", s, "--set", f"train.seed={seed}", "--out", str(cfg_file.parent / "out")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )  # fmt: skip
+            for s, seed in (("A", 1), ("B", 2))
+        ]
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        lh.stop()
+    for p, text in zip(procs, outs, strict=True):
+        assert p.returncode == 1, text[-2000:]
+        assert "membership refused: the initial model of site(s)" in text and "differs from site" in text

@@ -89,8 +89,8 @@ class Config(Section):
             )
         if self.privacy.secure_aggregation or self.privacy.dp.unit != "none":
             raise ValueError("privacy: not combined with elastic mode yet; set elastic.enabled=false")
-        if self.checkpoint.every or self.checkpoint.resume:
-            raise ValueError("checkpoint.every: elastic sites heal from live peers instead; set checkpoint.every=0")
+        if self.checkpoint.resume not in (None, "auto"):
+            raise ValueError("checkpoint.resume: elastic sites resume from their own checkpoints; use auto (or none)")
         if self.topology.links.emulate == "kernel":
             raise ValueError("topology.links.emulate: elastic mode supports off or inprocess")
 

@@ -145,6 +145,7 @@ class SiteMember:
         view = RoundView()
         if self.local == 0:
             deadline = time.monotonic() + timeout
+            mine = self.hooks.global_hash()
             try:
                 while True:
                     q = self._quorum(can_postpone=False)
@@ -157,6 +158,14 @@ class SiteMember:
             else:
                 self._last_members = view.admitted = present
                 self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
+                differ = sorted(m.site for m in members_of(q) if not m.committed and not m.joining and m.hash != mine)
+                if differ:  # fresh sites must start from one model (same seed, model config and code)
+                    view = _fatal(
+                        MembershipRefused(
+                            f"the initial model of site(s) {', '.join(differ)} differs from site {self.site}'s: every "
+                            "site needs the same train.seed, model settings and geotrain version"
+                        )
+                    )
         return self._broadcast(view).admitted
 
     def _quorum(self, can_postpone: bool) -> Any:
@@ -247,9 +256,10 @@ class SiteMember:
                 self._pg[1].abort()
             self._pg = None
 
-    def round(self, delta: torch.Tensor, can_postpone: bool = True) -> int | None:
+    def round(self, delta: torch.Tensor, can_postpone: bool = True, *, contribute: bool = True) -> int | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
         sites in place; the number of sites that contributed. None: postponed (Lighthouse down).
+        ``contribute=False`` (the update guard withdrew it): this site sends zeros.
 
         Raises:
             RoundFailed: the round cannot commit on every participant; roll it back.
@@ -257,7 +267,7 @@ class SiteMember:
         """
         t0, sent0 = time.time(), self.inter_bytes
         try:
-            return self._round(delta, can_postpone, t0)
+            return self._round(delta, can_postpone, t0, contribute)
         finally:  # the training thread was blocked on the wide area all along
             seconds, sent = time.time() - t0, self.inter_bytes - sent0
             st = self.stats
@@ -267,7 +277,7 @@ class SiteMember:
             st.wan_wait_seconds += seconds
             st.network_seconds += seconds
 
-    def _round(self, delta: torch.Tensor, can_postpone: bool, t0: float) -> int | None:
+    def _round(self, delta: torch.Tensor, can_postpone: bool, t0: float, contribute: bool) -> int | None:
         view = RoundView()
         if self.local == 0:
             try:
@@ -293,17 +303,19 @@ class SiteMember:
         hb_store = dist.PrefixStore(f"round/{view.key}", roundstore.connect(by[view.source].store, self.cfg.heartbeat_timeout_s))
         monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
         try:
-            return self._exchange_and_vote(delta, view, store, monitor)
+            return self._exchange_and_vote(delta, view, store, monitor, contribute)
         finally:
             monitor.stop()
             if monitor.culprit:
                 self._event(monitor.culprit, "heartbeat timeout")
 
-    def _exchange_and_vote(self, delta: torch.Tensor, view: RoundView, store: dist.Store, monitor: Monitor) -> int:
+    def _exchange_and_vote(
+        self, delta: torch.Tensor, view: RoundView, store: dist.Store, monitor: Monitor, contribute: bool
+    ) -> int:
         # the main thread prepares everything the exchange thread reads (it must not touch the model)
-        finite = bool(torch.isfinite(delta).all())
+        finite = contribute and bool(torch.isfinite(delta).all())
         if not finite:
-            self.log("pseudo-gradient is not finite: withdrawn from this round")
+            self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if contribute else "update guard)"))
         ext = torch.zeros(delta.numel() + 1)  # Gloo: CPU, also under NCCL; the last element counts contributors
         if self.site not in view.healers and finite:
             ext[:-1].copy_(delta.detach().to("cpu", torch.float32))

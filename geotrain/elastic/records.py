@@ -77,6 +77,15 @@ def round_seconds(logs: dict[str, list[dict[str, Any]]]) -> float:
     return statistics.median(spans) if spans else 0.0
 
 
+def _unique_events(summaries: Any) -> list[dict[str, Any]]:
+    """The guard events of every site, once each (a healed site carries its source's record too)."""
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for s in summaries:
+        for e in s.get("guard_events", []):
+            seen.setdefault((e["round"], e["fragment"], e["site"]), e)
+    return sorted(seen.values(), key=lambda e: (e["round"], e["site"]))
+
+
 def merge_summaries(
     out: Path, topo: Topology, failures: list[dict[str, Any]], heartbeat_timeout_s: float, wall: float
 ) -> dict[str, Any] | None:
@@ -124,6 +133,9 @@ def merge_summaries(
         **first,
         "sites": list(topo.site_names),
         "survivors": list(finished),
+        # each site's guard judges its own updates (sync.guard): the run's rejections are their union
+        "guard_rejections": {k: v for s in finished.values() for k, v in s.get("guard_rejections", {}).items() if v},
+        "guard_events": _unique_events(finished.values()),
         "world_size": topo.world_size,
         "tokens": first["tokens"] * topo.num_sites,  # nominal: as if every site had trained every step
         "steps": max(s["steps"] for s in finished.values()),

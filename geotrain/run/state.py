@@ -14,14 +14,36 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.data import RankData
+from geotrain.errors import StartMismatch
 from geotrain.privacy.build import Privacy
 from geotrain.report.metrics import log
 from geotrain.run import checkpoint as ckpt
 from geotrain.sync import SyncAlgorithm
+from geotrain.sync.base import params_hash
+
+
+def check_same_start(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Before step 1: every rank of ``group`` holds the same initial model (hashes compared on the
+    control plane), so a rank started with another seed, config or code is refused at once, not
+    found out after the run from disagreeing hashes.
+
+    Raises:
+        StartMismatch: names the ranks whose model differs from the group's first rank's.
+    """
+    mine = params_hash(list(model.parameters()))
+    hashes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, mine, group=group)
+    differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    if differ:
+        raise StartMismatch(
+            f"the initial model of rank(s) {', '.join(map(str, differ))} differs from rank 0's: every rank needs the "
+            "same config (train.seed, model.*) and geotrain version"
+        )
 
 
 @dataclass

@@ -41,7 +41,7 @@ from geotrain.report.summary import rank_record, run_summary
 from geotrain.run.elastic_site import join_elastic
 from geotrain.run.loop import Evaluator, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
-from geotrain.run.state import RankObjects
+from geotrain.run.state import RankObjects, check_same_start
 from geotrain.sync import UpdateGuard, build_sync, fragment_count
 
 
@@ -132,6 +132,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
     try:
         torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
         model = build_model(cfg.model).to(groups.device)
+        check_same_start(model, groups.world)
         eval_model = copy.deepcopy(model)
         own = cfg.topology.sites[where.site_index].corpus
         if own is not None and not Path(own).exists():  # checked here: it may exist on this site's machine only
@@ -172,17 +173,19 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             tokens_per_step=tokens_per_rank_step * place.world.workers_per_site,
             example_dp=privacy.example,
             private=privacy.aggregation,
-            guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.world.num_sites > 1 else None,
+            guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and (place.full.num_sites > 1) else None,
             nan_at=cfg.fault.nan_at() if outer else None,
         )
         objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy)
         ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
+        if place.elastic:  # every site is its own world with its own checkpoints
+            ckpt_root = ckpt_root / where.site
         start = objs.resume(cfg.checkpoint.resume, ckpt_root) if cfg.checkpoint.resume else 0
         inject = None
         if place.elastic:
             faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
             member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
-            start = member.healed_at_step or 0
+            start = member.healed_at_step if member.healed_at_step is not None else start
         n_params = count_params(model)
         suffix = f".{place.incarnation}" if place.incarnation else ""  # a restarted site keeps its earlier metrics
         sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix)

@@ -63,8 +63,9 @@ class RoundMembership(Protocol):
         """How long to wait before retrying a postponed round."""
         ...
 
-    def round(self, delta: torch.Tensor) -> int | None:
-        """Average ``delta`` over the admitted sites; None when postponed.
+    def round(self, delta: torch.Tensor, *, contribute: bool = True) -> int | None:
+        """Average ``delta`` over the admitted sites (``contribute=False``: this site withdraws its
+        own and takes the others' average); None when postponed.
 
         Raises:
             RoundFailed: roll the round back.

@@ -14,6 +14,11 @@ left the round fails and is rolled back. This protects against faulty sites (a b
 hardware, a diverging replica), not against a malicious one that lies about its norm. With
 secure aggregation no norm is revealed: a site checks only its own update for non-finite values
 and withdraws it (the protocol then handles it like a dropout).
+
+In elastic mode the members of a round change from round to round, so there is no fixed site
+order to exchange norms in: each site applies the same rule to its own update against the
+running median of its own accepted norms (:meth:`UpdateGuard.own_update_ok`) and, if it fails,
+withdraws it (it contributes nothing to the round and takes the others' average).
 """
 
 from __future__ import annotations
@@ -63,6 +68,24 @@ class UpdateGuard:
             hist.extend(v for v, good in zip(norms, ok, strict=True) if good)
             del hist[: -self.cfg.window]
         return ok
+
+    def own_update_ok(self, delta: torch.Tensor, key: int, round_id: int, site: str) -> bool:
+        """Elastic mode: the rule above applied by ``site`` to its own ``delta`` only (no exchange)."""
+        v = float(delta.to(torch.float64).norm())
+        with self._lock:
+            hist = self.history.setdefault(key, [])
+            ref = statistics.median(hist[-self.cfg.window :]) if len(hist) >= self.cfg.warmup else None
+            if not math.isfinite(v):
+                why = f"non-finite norm {v}"
+            elif ref is not None and v > self.cfg.norm_factor * ref:
+                why = f"norm {v:.4g} > {self.cfg.norm_factor:g} x median {ref:.4g} of its own"
+            else:
+                hist.append(v)
+                del hist[: -self.cfg.window]
+                return True
+            self.rejected[site] = self.rejected.get(site, 0) + 1
+            self.events.append({"round": round_id, "fragment": key, "site": site, "why": why})
+            return False
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": {k: list(v) for k, v in self.history.items()}, "rejected": dict(self.rejected)}

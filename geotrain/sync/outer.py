@@ -82,8 +82,9 @@ class OuterSync(SyncAlgorithm):
         if self.private is not None:
             self.private.average(delta, round_id)
             return
-        if self.elastic is not None:
-            if self.elastic.round(delta) is None:
+        if self.elastic is not None:  # the guard judges this site's own update (see sync.guard)
+            contribute = self.guard is None or self.guard.own_update_ok(delta, key, round_id, site)
+            if self.elastic.round(delta, contribute=contribute) is None:
                 raise RoundPostponed(f"round {round_id}")
             return
         if self.num_sites == 1:
