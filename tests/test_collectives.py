@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,72 @@ def test_collectives_match_all_reduce_and_count_bytes(sites: int, workers: int) 
         intra = sum(res["bytes"][how][0] for res in results)
         inter = sum(res["bytes"][how][1] for res in results)
         assert (intra, inter) == _expected(sites, workers, how), how
+
+
+def _cuda_only_control_rank(rank: int, sites: int, workers: int) -> list[str]:
+    """Every control collective geotrain runs, with a stand-in for NCCL: a backend registered for
+    CUDA tensors only (as NCCL is), so a CPU tensor or object sent to a group without a CPU
+    backend fails here exactly as it does at step 0 of a GPU run."""
+    import torch
+    import torch.distributed as dist
+
+    from geotrain.comm.session import close_collectives, open_collectives
+    from geotrain.config import ModelConfig
+    from geotrain.models import build_model
+    from geotrain.privacy.build import global_max
+    from geotrain.run.loop import Evaluator
+    from geotrain.run.state import check_same_start
+
+    if "cudaonly" not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            "cudaonly", lambda store, r, size, timeout: dist.ProcessGroupGloo(store, r, size, timeout), devices=["cuda"]
+        )
+    topo = uniform_topology(sites, workers)
+    comm = open_collectives(topo, backend="cudaonly", emulate="inprocess", run_key=f"cudaonly-{os.getppid()}")
+    g = comm.groups
+    done = []
+    try:
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
+        check_same_start(model, g.world)
+        done.append("start hash")
+        x = torch.randint(0, 64, (2, 8))
+        Evaluator(model, [(x, x)] * 4, g, 16).loss([p.detach() for p in model.parameters()])
+        done.append("evaluation")
+        assert comm.site_values(float(g.me.site_index)) == [float(s) for s in range(sites)]
+        done.append("guard norms")
+        t = torch.ones(1, dtype=torch.float64)
+        comm.all_reduce_across_sites(t)
+        done.append("token weights")
+        assert global_max(float(rank), g.world) == float(sites * workers - 1)
+        done.append("privacy max")
+        box: list[object] = [g.me.rank]
+        dist.broadcast_object_list(box, src=g.topology.site_ranks(g.me.site_index)[0], group=g.intra)
+        done.append("round view")
+        flag = torch.ones(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g.intra)
+        done.append("round flags")
+        y = torch.ones(1000)
+        comm.all_reduce(y, "hierarchical")  # emulated links: with headers
+        assert float(y[0]) == sites * workers
+        done.append("payload with link headers")
+    finally:
+        close_collectives(comm, unlink_links=rank == 0)
+    return done
+
+
+@pytest.mark.timeout(120)
+def test_control_traffic_runs_when_the_data_backend_takes_only_device_tensors() -> None:
+    """The GPU path's bug class on a CPU machine: with NCCL as the data backend, the world maps
+    cpu to Gloo (comm.groups.world_backend), so every control collective above runs."""
+    for done in run_ranks(4, _cuda_only_control_rank, 2, 2):
+        assert done[-1] == "payload with link headers", done
+
+
+def test_a_world_without_a_cpu_backend_is_refused() -> None:
+    from geotrain.comm.groups import data_backend, world_backend
+
+    assert world_backend("nccl") == "cpu:gloo,cuda:nccl" and world_backend("gloo") == "gloo"
+    assert data_backend("cpu:gloo,cuda:nccl") == "nccl" and data_backend("gloo") == "gloo"
+    with pytest.raises(RuntimeError, match="takes no CPU tensors.*backend='cpu:gloo,cuda:nccl'"):
+        data_backend("nccl")

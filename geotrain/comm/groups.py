@@ -24,6 +24,32 @@ import torch.distributed as dist
 from geotrain.comm.topology import RankInfo, Topology
 
 
+def world_backend(backend: str) -> str:
+    """The backend string the world is initialised with, for data backend ``backend``.
+
+    NCCL takes only CUDA tensors, but control traffic is CPU tensors and objects (evaluation sums,
+    elastic round flags and votes, guard norms, token weights, privacy maxima, link-emulation
+    headers, hash checks). So a world whose data backend is not Gloo maps ``cpu`` to Gloo and
+    ``cuda`` to that backend: one world, and every group cut from it, takes both kinds and sends
+    each over the backend made for it. This is the one place that decides."""
+    return backend if backend == "gloo" else f"cpu:gloo,cuda:{backend}"
+
+
+def data_backend(config: str) -> str:
+    """The data backend of an initialised world from its backend config (``cpu:gloo,cuda:nccl`` ->
+    nccl); a world without a CPU backend is refused (its control traffic could not run)."""
+    if ":" in config:
+        devices = dict(part.split(":", 1) for part in config.split(","))
+    else:
+        devices = {"cpu": "gloo", "cuda": "gloo"} if config == "gloo" else {"cuda": config}
+    if "cpu" not in devices:
+        raise RuntimeError(
+            f"the torch.distributed world takes no CPU tensors (backend {config!r}); geotrain's control traffic needs "
+            f"them: initialise it with backend={world_backend(devices.get('cuda', 'nccl'))!r}"
+        )
+    return devices.get("cuda", "gloo")
+
+
 def choose_backend(requested: str) -> str:
     """'auto' -> nccl when CUDA is usable, else gloo."""
     if requested == "auto":
@@ -107,7 +133,7 @@ class ProcessGroups:
         """
         owns_world = not dist.is_initialized()
         if not owns_world:
-            backend, world_size, rank = str(dist.get_backend()), dist.get_world_size(), dist.get_rank()
+            backend, world_size, rank = data_backend(dist.get_backend_config()), dist.get_world_size(), dist.get_rank()
         else:
             missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
@@ -125,7 +151,7 @@ class ProcessGroups:
         if owns_world:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend=world_backend(backend), timeout=timedelta(seconds=timeout_s))
         me = topology.info(rank)
         intra, inter = _site_groups(topology, me)
         world = dist.group.WORLD
