@@ -76,3 +76,17 @@ def test_tampered_checkpoint_is_refused_and_auto_resume_uses_the_previous_good_o
     (good / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
         verify(good, 4)
+
+
+def test_resuming_in_the_same_folder_keeps_one_metrics_record_per_step(tmp_path: Path) -> None:
+    """The records after the checkpoint (written before the interruption) are replaced, not appended to."""
+    out = tmp_path / "run"
+
+    def steps() -> list[int]:
+        return [json.loads(line)["step"] for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+
+    _train(out, "sync.H=3", "checkpoint.every=4")
+    before, losses = steps(), _losses(out)
+    _train(out, "sync.H=3", f"checkpoint.resume={out / 'checkpoints' / 'step-00000008'}")
+    assert steps() == before and before[-1] == 12
+    assert _losses(out) == losses

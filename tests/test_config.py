@@ -129,3 +129,13 @@ def test_config_reference_is_up_to_date() -> None:
 def test_shipped_default_config_is_the_default() -> None:
     shipped = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     assert shipped == Config().model_dump()
+
+
+def test_an_unknown_hugging_face_family_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"hf.model_type: must be one of gpt2, llama, mistral, qwen2 \(got 'bert'\)"):
+        load_config(None, ["model.kind=hf", 'model.hf={"model_type": "bert"}'])
+    pytest.importorskip("transformers")
+    from geotrain.models.hf import hf_config_kwargs
+
+    kw = hf_config_kwargs(load_config(None, ["model.kind=hf", 'model.hf={"model_type": "mistral"}']).model)
+    assert kw["hidden_size"] == 128 and kw["num_key_value_heads"] == 4

@@ -100,3 +100,20 @@ def test_rank_data_and_too_small_corpus(tmp_path: Path) -> None:
     (tmp_path / "tiny.txt").write_text("too small")
     with pytest.raises(ValueError, match="data.corpus"):
         check_data(DataConfig(corpus=str(tmp_path / "tiny.txt")), world=4, num_sites=2, block_size=64)
+
+
+def test_a_directory_corpus_reads_text_files_only(tmp_path: Path) -> None:
+    from geotrain.data.corpus import read_corpus
+
+    (tmp_path / "notes.txt").write_text("kept text\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "more.md").write_text("also kept\n")
+    (tmp_path / "LICENSE").write_text("no suffix: not read\n")
+    (tmp_path / "blob.txt").write_bytes(b"binary\0data")
+    git = tmp_path / ".git" / "objects" / "ab"
+    git.mkdir(parents=True)
+    (git / "cdef").write_bytes(b"x\x9c\x01compressed")
+    (tmp_path / ".git" / "description.txt").write_text("hidden: not read\n")
+    data = read_corpus(str(tmp_path))
+    assert b"kept text" in data and b"also kept" in data
+    assert b"not read" not in data and b"binary" not in data and b"compressed" not in data

@@ -8,6 +8,8 @@ from pydantic import Field, field_validator, model_validator
 
 from geotrain.config.base import Section, existing_path
 
+HF_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")  # the families geotrain maps its sizes onto (models.hf)
+
 
 class ModelConfig(Section):
     kind: Literal["gpt", "hf"] = Field(
@@ -29,6 +31,9 @@ class ModelConfig(Section):
     def _heads_divide(self) -> ModelConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        family = self.hf.get("model_type", "gpt2")
+        if self.kind == "hf" and family not in HF_FAMILIES:
+            raise ValueError(f"hf.model_type: must be one of {', '.join(HF_FAMILIES)} (got {family!r})")
         return self
 
 

@@ -20,7 +20,18 @@ from geotrain.config import DataConfig
 
 BLOCK_BYTES = 4096
 DEFAULT_CORPUS_BYTES = 3_000_000
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".csv", ".json", ".html", ""}
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".csv", ".json", ".html"}
+
+
+def is_text_file(f: Path, root: Path) -> bool:
+    """A file of a directory corpus to train on: a text suffix, nothing hidden on its path below
+    ``root`` (no ``.git`` objects, no ``.venv``), and no NUL byte in its first 8 KiB (not binary)."""
+    if not f.is_file() or f.suffix.lower() not in TEXT_SUFFIXES:
+        return False
+    if any(part.startswith(".") for part in f.relative_to(root).parts):
+        return False
+    with open(f, "rb") as fh:
+        return b"\0" not in fh.read(8192)
 
 
 def _default_corpus() -> bytes:
@@ -46,7 +57,7 @@ def read_corpus(path: str) -> bytes:
     p = Path(path)
     if p.is_file():
         return p.read_bytes()
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+    files = sorted(f for f in p.rglob("*") if is_text_file(f, p))
     if not files:
         raise ValueError(f"data.corpus: no text files under {path}")
     return b"\n\n".join(f.read_bytes() for f in files)

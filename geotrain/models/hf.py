@@ -41,13 +41,22 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+_SIZE_KEYS["mistral"] = _SIZE_KEYS["qwen2"] = _SIZE_KEYS["llama"]  # same names, same sizes
+
+
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """AutoConfig keyword arguments for ``cfg`` (the family's own names for geotrain's sizes).
+
+    Raises:
+        ValueError: a family geotrain does not know how to size (config validation refuses it first).
+    """
     kwargs = dict(cfg.hf)
     model_type = kwargs.pop("model_type", "gpt2")
-    keys = _SIZE_KEYS.get(model_type, _SIZE_KEYS["llama"])
-    for ours, theirs in keys.items():
+    if model_type not in _SIZE_KEYS:
+        raise ValueError(f"hf.model_type: must be one of {', '.join(_SIZE_KEYS)} (got {model_type!r})")
+    for ours, theirs in _SIZE_KEYS[model_type].items():
         kwargs.setdefault(theirs, getattr(cfg, ours))
-    if model_type == "llama":
+    if model_type != "gpt2":
         kwargs.setdefault("intermediate_size", 4 * cfg.n_embd)
         kwargs.setdefault("num_key_value_heads", cfg.n_head)
     kwargs["vocab_size"] = VOCAB_SIZE

@@ -9,6 +9,7 @@ not installed, instead of ``if tb:`` branches in the loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -45,12 +46,22 @@ def log(me: RankInfo, step: int, message: str) -> None:
 
 
 class MetricsSink:
-    def __init__(self, out: Path, me: RankInfo, log_every: int, print_steps: bool, suffix: str = "") -> None:
+    def __init__(self, out: Path, me: RankInfo, log_every: int, print_steps: bool, suffix: str = "", resumed_at: int = 0) -> None:
+        """``resumed_at`` > 0: the run resumed after that step; the records up to it are kept and
+        those after it (written before the interruption, now trained again) are dropped."""
         self.me = me
         self.log_every = log_every
         self.print_steps = print_steps
         (out / "metrics").mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(out / "metrics" / f"rank{me.rank}{suffix}.jsonl", "w", buffering=1)  # noqa: SIM115
+        path = out / "metrics" / f"rank{me.rank}{suffix}.jsonl"
+        kept = []
+        if resumed_at and path.exists():
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line is dropped
+                    if int(json.loads(line)["step"]) <= resumed_at:
+                        kept.append(line + "\n")
+        self._jsonl = open(path, "w", buffering=1)  # noqa: SIM115
+        self._jsonl.writelines(kept)
         self._tb: _Scalars = _tensorboard(out / "tb") if me.rank == 0 else _NullWriter()
 
     def step(self, record: dict[str, Any], step_line: bool = True) -> None:

@@ -188,7 +188,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             start = member.healed_at_step if member.healed_at_step is not None else start
         n_params = count_params(model)
         suffix = f".{place.incarnation}" if place.incarnation else ""  # a restarted site keeps its earlier metrics
-        sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix)
+        sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix, resumed_at=start)
         if me.rank == 0:
             log(me, 0, f"{cfg.sync.algorithm} on {place.world.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
             log(me, 0, f"inter-site links: {describe_links(place.full, comm.wan)}")
