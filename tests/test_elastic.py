@@ -135,7 +135,7 @@ def _run_with_own_lighthouse(
 ) -> Iterator[tuple[LighthouseProcess, str, subprocess.Popen[str]]]:
     """A Lighthouse started by the test and ``geotrain train`` pointed at it, in the background;
     yields once site A has recorded ``rounds`` rounds. Both are stopped on the way out."""
-    lh = LighthouseProcess(free_port(), ElasticConfig(), tmp_path / "lighthouse.log")
+    lh = LighthouseProcess(0, ElasticConfig(), tmp_path / "lighthouse.log")
     lh.start()
     args = train_args(out, [*ELASTIC, *overrides, f"elastic.lighthouse={lh.address}"], topology)
     run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

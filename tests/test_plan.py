@@ -136,7 +136,7 @@ def test_realistic_scenarios_recommend_a_strategy() -> None:
     assert fast["recommendation"]["algorithm"] in ("diloco", "dp") and fast["recommendation"]["meets_target"]
     for out in (slow, fast):
         assert [r["algorithm"] for r in out["strategies"]] == ["dp", "diloco", "streaming", "streaming_fp4"]
-        assert out["network"]["fat_tree"]["fits"] and out["elapsed_seconds"] < 1.0
+        assert out["network"]["fat_tree"]["fits"]  # its speed: benchmarks/plan_perf.py
 
 
 BAD = [

@@ -251,7 +251,7 @@ def test_initial_models_are_compared_before_step_one() -> None:
 def test_sites_started_with_different_seeds_are_refused_at_the_rendezvous(cfg_file: Path) -> None:
     from geotrain.elastic.lighthouse import LighthouseProcess
 
-    lh = LighthouseProcess(free_port(), ElasticConfig(), cfg_file.parent / "lh.log")
+    lh = LighthouseProcess(0, ElasticConfig(), cfg_file.parent / "lh.log")
     lh.start()
     try:
         cmd = [sys.executable, "-m", "geotrain", "site", "--config", str(cfg_file), "--lighthouse", lh.address]
@@ -272,3 +272,28 @@ def test_sites_started_with_different_seeds_are_refused_at_the_rendezvous(cfg_fi
     for p, text in zip(procs, outs, strict=True):
         assert p.returncode == 1, text[-2000:]
         assert "membership refused: the initial model of site(s)" in text and "differs from site" in text
+
+
+def test_ports_are_bound_where_they_are_chosen(tmp_path: Path) -> None:
+    """The Lighthouse binds a port the kernel picks and reports it; a rendezvous store is hosted
+    by the launcher itself. Neither checks a port, closes it and binds it again later."""
+    import socket
+
+    from geotrain.comm.procs import host_store
+    from geotrain.elastic.lighthouse import LighthouseProcess
+
+    lh = LighthouseProcess(0, ElasticConfig(), tmp_path / "lh.log")
+    lh.start()
+    try:
+        assert lh.port > 0 and lh.address == f"127.0.0.1:{lh.port}"
+        with socket.create_connection(("127.0.0.1", lh.port), timeout=5):
+            pass  # it is listening there, not merely free
+        assert lh.proc is not None
+        lh.kill()
+        assert lh.supervise() and lh.port == int(lh.address.rpartition(":")[2])  # restarted on the same port
+    finally:
+        lh.stop()
+    store, env = host_store()
+    assert store.port > 0 and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    with socket.create_connection(("127.0.0.1", store.port), timeout=5):
+        pass

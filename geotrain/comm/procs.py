@@ -23,9 +23,24 @@ CLONE_NEWNET = 0x40000000
 
 
 def free_port() -> int:
+    """A port free now (it may be taken before it is used: prefer :func:`host_store`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def host_store(host: str = "127.0.0.1", timeout_s: float = 300.0, attempt: int = 0) -> tuple[Any, dict[str, str]]:
+    """A torch.distributed rendezvous store hosted by this (launching) process on ``host`` at a
+    port the kernel picks: nothing is checked, closed and bound again later, so no other process
+    can take the port in between. Returns the store (keep it alive while the ranks run; its port
+    is ``store.port``) and the environment that makes the ranks join it as clients instead of
+    hosting one (torchrun's agent-store protocol)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
 
 
 def die_with_parent() -> None:
@@ -88,7 +103,8 @@ def run_ranks(
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store, agent = (None, {}) if addrs else host_store()  # namespaces: the rendezvous lives in one of them
+    port = store.port if store is not None else free_port()
     procs = []
     for r in range(world):
         env = {
@@ -98,6 +114,7 @@ def run_ranks(
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": ifname[r] if ifname else "lo",
             "LOCAL_WORLD_SIZE": str(world),
+            **agent,
         }
         ns = netns[r] if netns else None
         procs.append(ctx.Process(target=_entry, args=(r, env, ns, fn, args, queue)))

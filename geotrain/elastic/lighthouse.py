@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from geotrain.comm.procs import die_with_parent
@@ -31,6 +32,7 @@ def lighthouse_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-sites", type=int, default=1)
     ap.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds")
     ap.add_argument("--join-timeout", type=float, default=60.0, help="seconds")
+    ap.add_argument("--address-file", default=None, help="write HOST:PORT here once listening (with port 0: the port chosen)")
     args = ap.parse_args(argv)
     die_with_parent()  # under geotrain's launcher: never outlive it
     server = LighthouseServer(
@@ -43,14 +45,24 @@ def lighthouse_main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"geotrain lighthouse on {args.bind} (min sites {args.min_sites})", flush=True)
+    address = f"{args.bind.rpartition(':')[0]}:{server.address().rpartition(':')[2]}"  # the port really bound
+    if args.address_file:
+        tmp = Path(args.address_file + ".tmp")
+        tmp.write_text(address)
+        tmp.replace(args.address_file)
+    print(f"geotrain lighthouse on {address} (min sites {args.min_sites})", flush=True)
     stop.wait()
     server.shutdown()
     return 0
 
 
+START_TIMEOUT_S = 60.0
+
+
 class LighthouseProcess:
-    """A Lighthouse in its own process on ``127.0.0.1:port``, restarted by :meth:`supervise` if it dies."""
+    """A Lighthouse in its own process on ``127.0.0.1:port``, restarted by :meth:`supervise` if it
+    dies (on the same port). Port 0: the Lighthouse binds a port the kernel picks and reports it,
+    so no other process can take it between choosing and binding."""
 
     def __init__(self, port: int, cfg: ElasticConfig, log: Path) -> None:
         self.port, self.cfg, self.log = port, cfg, log
@@ -73,8 +85,21 @@ class LighthouseProcess:
         ]
         cmd += ["--heartbeat-timeout", str(self.cfg.heartbeat_timeout_s)]
         env = {**os.environ, "GEOTRAIN_PARENT_PID": str(os.getpid())}
+        report = self.log.with_suffix(".address")
+        report.unlink(missing_ok=True)
+        if not self.port:
+            cmd += ["--address-file", str(report)]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.port:
+            if report.exists():
+                self.port = int(report.read_text().rpartition(":")[2])
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the Lighthouse did not start within {START_TIMEOUT_S:g}s; log: {self.log}")
+            else:
+                time.sleep(0.02)
 
     def kill(self) -> None:
         """SIGKILL it (failure injection); :meth:`supervise` brings it back."""

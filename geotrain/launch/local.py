@@ -28,7 +28,7 @@ import yaml
 from geotrain.comm.emulate import kernel as netns
 from geotrain.comm.emulate.inprocess import state_path
 from geotrain.comm.emulate.kernel import IFNAME, KernelLinks
-from geotrain.comm.procs import free_port
+from geotrain.comm.procs import free_port, host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.errors import LaunchError
@@ -54,10 +54,13 @@ def launch_local(
         from geotrain.launch.sites import launch_elastic
 
         return launch_elastic(cfg, out, cfg_path, console_print, on_poll)
-    port = free_port()
     kernel = _kernel_links(cfg, topo)
+    # the rendezvous store is hosted here (no port race), except in kernel mode, where the ranks
+    # rendezvous inside the first site's namespace, out of this process's network stack
+    store, agent = host_store(timeout_s=cfg.run.timeout_s) if kernel is None else (None, {})
+    port = store.port if store is not None else free_port()
     try:
-        return _launch(cfg, topo, out, cfg_path, summary_path, port, kernel, console_print, on_poll)
+        return _launch(cfg, topo, out, cfg_path, summary_path, port, agent, kernel, console_print, on_poll)
     finally:
         if kernel is not None:
             kernel.down()
@@ -83,6 +86,7 @@ def _launch(
     cfg_path: Path,
     summary_path: Path,
     port: int,
+    agent: dict[str, str],
     kernel: KernelLinks | None,
     console_print: Callable[[str], None] | None,
     on_poll: Callable[[], None] | None,
@@ -92,7 +96,7 @@ def _launch(
     wan_mode = "inprocess" if cfg.topology.links.emulate == "kernel" else cfg.topology.links.emulate
     for rank in range(topo.world_size):
         info = topo.info(rank)
-        env = rank_env(rank, topo.world_size, topo.world_size, port, wan_mode)
+        env = {**rank_env(rank, topo.world_size, topo.world_size, port, wan_mode), **agent}
         cmd = worker_cmd(cfg_path, out)
         if kernel is not None:  # the rank lives in its site's namespace; Gloo binds to its veth
             env.update(MASTER_ADDR=kernel.address(0), GLOO_SOCKET_IFNAME=IFNAME, GEOTRAIN_WAN_MODE="kernel")

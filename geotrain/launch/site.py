@@ -15,26 +15,24 @@ worker needs is given here or refused, never defaulted behind the user's back:
 secret                      ``elastic.secret_env`` (default GEOTRAIN_SECRET) or elastic.secret_file
 ==========================  ==============================================================
 
-The site's rendezvous store is hosted here (port 0: no port race) and the workers join it as
-torchrun's workers join their agent's store.
+The site's rendezvous store is hosted here (:func:`geotrain.comm.procs.host_store`: port 0, no
+port race) and the workers join it as torchrun's workers join their agent's store.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import signal
 import socket
 import struct
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
 import yaml
 
 from geotrain.comm.emulate.inprocess import state_path
+from geotrain.comm.procs import host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.elastic.auth import load_secret
@@ -112,8 +110,7 @@ def run_site(
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary = out / "elastic" / f"summary-{site}.json"
     summary.unlink(missing_ok=True)
-    # the site's rendezvous store, hosted here on a port the kernel picks
-    store = dist.TCPStore(bind, 0, is_master=True, timeout=timedelta(seconds=cfg.run.timeout_s), wait_for_workers=False)
+    store, agent = host_store(bind, cfg.run.timeout_s, attempt=incarnation)  # the site's rendezvous (no port race)
     wan_key = f"site-{site}-{store.port}"
     mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link
     procs, pumps = [], []
@@ -122,8 +119,7 @@ def run_site(
         env.update(
             MASTER_ADDR=bind,
             GLOO_SOCKET_IFNAME=ifname,
-            TORCHELASTIC_USE_AGENT_STORE="True",
-            TORCHELASTIC_RESTART_COUNT=str(incarnation),
+            **agent,
             GEOTRAIN_SITE_INDEX=str(index),
             GEOTRAIN_INCARNATION=str(incarnation),
             GEOTRAIN_LIGHTHOUSE=address,
@@ -160,8 +156,6 @@ def run_site(
         for s, handler in previous.items():
             signal.signal(s, handler)
         state_path(wan_key).unlink(missing_ok=True)
-        with contextlib.suppress(Exception):
-            del store
     if not summary.exists():
         raise LaunchError(f"site {site} ended without a summary; logs under {out / 'logs'}")
     return summary

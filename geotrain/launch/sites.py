@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from geotrain.comm.emulate.inprocess import state_path
-from geotrain.comm.procs import free_port
+from geotrain.comm.procs import host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.elastic.lighthouse import LighthouseProcess
@@ -51,6 +51,7 @@ class _Site:
     incarnation: int = -1
     state: str = "down"  # running | finished | stopped (SIGSTOP) | down
     restart_at: float | None = None
+    store: Any = None  # the rendezvous store of its current incarnation (hosted by the launcher)
 
 
 def site_env(
@@ -86,15 +87,15 @@ def launch_elastic(
     (out / "elastic").mkdir(parents=True, exist_ok=True)
     for old in (out / "elastic").iterdir():
         old.unlink()
-    port = free_port()
-    wan_key = f"elastic-{port}"
+    wan_key = f"elastic-{os.getpid()}-{secrets.token_hex(4)}"
     if not ecfg.secret_file and len(os.environ.get(ecfg.secret_env, "")) < 16:
         os.environ[ecfg.secret_env] = secrets.token_hex(32)  # a per-run secret, inherited by every site
     lighthouse: LighthouseProcess | None = None
     if ecfg.lighthouse:
         address = ecfg.lighthouse
     else:
-        lighthouse = LighthouseProcess(port, ecfg, out / "logs" / "lighthouse.log")
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        lighthouse = LighthouseProcess(0, ecfg, out / "logs" / "lighthouse.log")  # it reports the port it bound
         lighthouse.start()
         address = lighthouse.address
     sites = [_Site(i, name) for i, name in enumerate(topo.site_names)]
@@ -111,10 +112,13 @@ def launch_elastic(
 
     def start(site: _Site) -> None:
         site.incarnation += 1
-        site_port = free_port()
+        site.store, agent = host_store(timeout_s=cfg.run.timeout_s, attempt=site.incarnation)  # the site's rendezvous
         site.procs = []
         for local in range(topo.workers_per_site):
-            env = site_env(topo, cfg.topology.links.emulate, site.index, site.incarnation, local, site_port, address, wan_key)
+            env = site_env(
+                topo, cfg.topology.links.emulate, site.index, site.incarnation, local, site.store.port, address, wan_key
+            )
+            env.update(agent)
             rank = site.index * topo.workers_per_site + local
             suffix = f".{site.incarnation}" if site.incarnation else ""
             forward = console_print if local == 0 else None
