@@ -158,7 +158,8 @@ class SiteMember:
             else:
                 self._last_members = view.admitted = present
                 self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
-                differ = sorted(m.site for m in members_of(q) if not m.committed and not m.joining and m.hash != mine)
+                fresh = [m for m in members_of(q) if not m.committed and not m.joining]  # not resumed sites
+                differ = sorted(m.site for m in fresh if m.hash != mine) if not self.hooks.committed() else []
                 if differ:  # fresh sites must start from one model (same seed, model config and code)
                     view = _fatal(
                         MembershipRefused(

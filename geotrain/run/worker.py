@@ -173,7 +173,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             tokens_per_step=tokens_per_rank_step * place.world.workers_per_site,
             example_dp=privacy.example,
             private=privacy.aggregation,
-            guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and (place.full.num_sites > 1) else None,
+            guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
             nan_at=cfg.fault.nan_at() if outer else None,
         )
         objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy)
