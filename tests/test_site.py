@@ -297,3 +297,21 @@ def test_ports_are_bound_where_they_are_chosen(tmp_path: Path) -> None:
     assert store.port > 0 and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     with socket.create_connection(("127.0.0.1", store.port), timeout=5):
         pass
+
+
+def test_a_long_round_of_inner_steps_is_not_a_wait(tmp_path: Path) -> None:
+    """wait_timeout_s counts time spent waiting for a quorum, not the inner steps between rounds."""
+    from geotrain.elastic.coordinator import Coordinator
+    from geotrain.elastic.lighthouse import LighthouseProcess
+
+    lh = LighthouseProcess(0, ElasticConfig(), tmp_path / "lh.log")
+    lh.start()
+    cfg = ElasticConfig(enabled=True, heartbeat_s=0.05, heartbeat_timeout_s=0.5, wait_timeout_s=1.0)
+    c = Coordinator(cfg, lh.address, "A", 1, "127.0.0.1:1", lambda _: None)
+    try:
+        for _ in range(2):
+            assert c.quorum(False, committed=0, global_hash="", step=0, joining=False) is not None
+            time.sleep(1.5)  # a round of inner steps longer than wait_timeout_s
+    finally:
+        c.close()
+        lh.stop()

@@ -87,8 +87,8 @@ class ElasticConfig(Section):
         default=600.0,
         gt=0,
         le=86_400,
-        description="Longest a site goes without a round while the Lighthouse is unreachable or fewer than min_sites sites "
-        "answer (at the start, during training and for the last round); then it stops with an error.",
+        description="Longest a site waits for a quorum while the Lighthouse is unreachable or fewer than min_sites sites "
+        "answer (at the start, during training and for the last round; inner steps do not count); then it stops with an error.",
     )
     collective_timeout_s: float = Field(
         default=120.0, gt=0, le=86_400, description="Backstop timeout of one cross-site operation (heartbeats abort sooner)."

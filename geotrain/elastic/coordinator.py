@@ -8,9 +8,10 @@
   Lighthouse knows every live site before it forms a quorum.
 * Below ``min_sites`` a quorum request times out; the site logs that training is paused and asks
   again.
-* Every wait is bounded: a site that has gone ``wait_timeout_s`` without a quorum (the Lighthouse
-  unreachable, a wrong address, or too few sites) raises :class:`ElasticTimeout`, whether it
-  postpones rounds meanwhile or not; a joining site gives up after ``start_timeout_s``.
+* Every wait is bounded: a site that has waited ``wait_timeout_s`` for a quorum (the Lighthouse
+  unreachable, a wrong address, or too few sites), counted from its first request that got none,
+  raises :class:`ElasticTimeout`, whether it postpones rounds meanwhile or not (the inner steps
+  of a normal round do not count); a joining site gives up after ``start_timeout_s``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Coordinator:
         self._hb_gen = 0
         self._hb_threads: list[threading.Thread] = []
         self._hb_started = self._hb_last_ok = time.monotonic()
-        self._last_quorum = time.monotonic()  # the last quorum (or the start): bounds every wait
+        self._waiting_since: float | None = None  # when the current wait for a quorum began (None: not waiting)
         self._why_waiting = ""
         self._start_heartbeat()
 
@@ -122,6 +123,8 @@ class Coordinator:
         """
         waited = 0.0
         give_up = time.monotonic() + self.cfg.start_timeout_s
+        if self._waiting_since is None:  # a postponed round's retries continue the same wait
+            self._waiting_since = time.monotonic()
         while True:
             if joining and time.monotonic() > give_up:
                 raise MembershipRefused(f"no live site to heal from within elastic.start_timeout_s={self.cfg.start_timeout_s:g}s")
@@ -145,7 +148,7 @@ class Coordinator:
                 )
                 if waited:
                     self.log(f"quorum reached after {waited:.1f}s: training resumes")
-                self._last_quorum, self._why_waiting = time.monotonic(), ""
+                self._waiting_since, self._why_waiting = None, ""
                 return q
             except TimeoutError:
                 waited += self.cfg.quorum_timeout_s
@@ -165,8 +168,9 @@ class Coordinator:
                 time.sleep(self.cfg.heartbeat_s * 4)
 
     def _check_bound(self) -> None:
-        """Raise :class:`ElasticTimeout` once this site has gone ``wait_timeout_s`` without a quorum."""
-        waited = time.monotonic() - self._last_quorum
+        """Raise :class:`ElasticTimeout` once this site has waited ``wait_timeout_s`` for a quorum
+        (from its first request that got none; training between rounds does not count)."""
+        waited = time.monotonic() - (self._waiting_since or time.monotonic())
         if waited > self.cfg.wait_timeout_s:
             why = self._why_waiting or "no quorum"
             raise ElasticTimeout(f"no round for {waited:.0f}s (elastic.wait_timeout_s={self.cfg.wait_timeout_s:g}): {why}")
