@@ -117,7 +117,6 @@ class SiteMember:
         self.healed_at_step: int | None = None
         self.joining = False  # a restarted site with no valid state yet: it heals before it trains
         self.record_file: Path | None = None  # local rank 0: one JSON line per round
-        self.last_round_steps: dict[str, int] = {}  # the inner step each member of the last round advertised
         self._current: dict[str, Any] = {}
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
@@ -133,12 +132,6 @@ class SiteMember:
                 bind, 0, is_master=True, timeout=timedelta(seconds=self.cfg.collective_timeout_s), wait_for_workers=False
             )
             self.coordinator = Coordinator(self.cfg, addr, site, workers, f"{bind}:{self._host_store.port}", log)
-
-    def peers_behind(self, step: int) -> bool:
-        """Whether a member of the last round was at an inner step before ``step`` (a slower site:
-        a site that has finished keeps taking part in rounds until it catches up, withdrawing its
-        own update, so that every site ends on the same global model)."""
-        return any(s < step for site, s in self.last_round_steps.items() if site != self.site)
 
     @property
     def retry_seconds(self) -> float:
@@ -295,11 +288,6 @@ class SiteMember:
         view = self._broadcast(view)
         if view.postponed:
             return None
-        by_site = {m.site: m for m in view.members}
-        source_step = by_site[view.source].step if view.source in by_site else 0
-        self.last_round_steps = {  # a healer takes the source's step with its state
-            s: source_step if s in view.healers else by_site[s].step for s in view.admitted if s in by_site
-        }
         self._current = {
             "key": view.key,
             "start": t0,

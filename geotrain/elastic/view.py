@@ -27,7 +27,6 @@ class Member:
     committed: int
     hash: str
     joining: bool = False
-    step: int = 0  # its inner step when it asked for the quorum
 
 
 @dataclass
@@ -65,7 +64,6 @@ def members_of(quorum: Any) -> list[Member]:
             p.step,
             str((p.data or {}).get("hash", "")),
             bool((p.data or {}).get("joining", False)),
-            int((p.data or {}).get("step", 0)),
         )
         for p in quorum.participants
     ]

@@ -76,10 +76,6 @@ class RoundMembership(Protocol):
         """Record the round's outcome after the caller applied or rolled it back."""
         ...
 
-    def peers_behind(self, step: int) -> bool:
-        """Whether a member of the last round had done fewer than ``step`` inner steps."""
-        ...
-
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

@@ -64,28 +64,9 @@ class DiLoCo(OuterSync):
                 while self._steps_in_round and self.elastic is not None:
                     time.sleep(self.elastic.retry_seconds)
                     self.outer_step()
-
             else:
                 self._roll_back(range(len(self.params)), "privacy budget: the last partial round is not released")
                 self._steps_in_round = 0
-        if self.elastic is not None:
-            self._follow_slower_sites()
-
-    def _follow_slower_sites(self) -> None:
-        """Elastic mode, after the last step: a slower site (one whose round was postponed to an
-        earlier step, e.g. while the Lighthouse was down) still has steps to do. Keep taking part
-        in its rounds, withdrawing our own (zero) update, so that every site ends on the same
-        global model. Bounded like any wait (elastic.wait_timeout_s); a peer that dies leaves the
-        quorum and so stops being waited for."""
-        assert self.elastic is not None
-        self.withdrawn = True
-        try:
-            while self.elastic.peers_behind(self.local_steps):
-                time.sleep(self.elastic.retry_seconds)
-                self._steps_in_round = max(self._steps_in_round, 1)
-                self.outer_step()
-        finally:
-            self.withdrawn = False
 
     def budget_exhausted(self) -> bool:
         return self._steps_in_round == 0 and not self._privacy_allows_round()

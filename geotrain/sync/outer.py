@@ -63,7 +63,6 @@ class OuterSync(SyncAlgorithm):
         self.rollback_reasons: list[str] = []
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
-        self.withdrawn = False  # elastic mode: this site has finished and only follows slower sites' rounds
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
@@ -84,7 +83,7 @@ class OuterSync(SyncAlgorithm):
             self.private.average(delta, round_id)
             return
         if self.elastic is not None:  # the guard judges this site's own update (see sync.guard)
-            contribute = not self.withdrawn and (self.guard is None or self.guard.own_update_ok(delta, key, round_id, site))
+            contribute = self.guard is None or self.guard.own_update_ok(delta, key, round_id, site)
             if self.elastic.round(delta, contribute=contribute) is None:
                 raise RoundPostponed(f"round {round_id}")
             return
