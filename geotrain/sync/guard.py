@@ -47,22 +47,26 @@ class UpdateGuard:
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
+    def _why_rejected(self, hist: list[float], v: float, whose: str = "") -> str | None:
+        """The rule above for one norm ``v`` against the accepted ``hist``: why it is excluded, or None."""
+        ref = statistics.median(hist[-self.cfg.window :]) if len(hist) >= self.cfg.warmup else None
+        if not math.isfinite(v):
+            return f"non-finite norm {v}"
+        if ref is not None and v > self.cfg.norm_factor * ref:
+            return f"norm {v:.4g} > {self.cfg.norm_factor:g} x median {ref:.4g}{whose}"
+        return None
+
     def include(self, delta: torch.Tensor, key: int, round_id: int) -> list[bool]:
         """Exchange norms; which sites' ``delta`` go into this round's average."""
         norms = self.comm.site_values(float(delta.to(torch.float64).norm()))
         with self._lock:
             hist = self.history.setdefault(key, [])
-            ref = statistics.median(hist[-self.cfg.window :]) if len(hist) >= self.cfg.warmup else None
             ok = []
             for i, v in enumerate(norms):
-                if not math.isfinite(v):
-                    why = f"non-finite norm {v}"
-                elif ref is not None and v > self.cfg.norm_factor * ref:
-                    why = f"norm {v:.4g} > {self.cfg.norm_factor:g} x median {ref:.4g}"
-                else:
-                    ok.append(True)
+                why = self._why_rejected(hist, v)
+                ok.append(why is None)
+                if why is None:
                     continue
-                ok.append(False)
                 self.rejected[self.site_names[i]] += 1
                 self.events.append({"round": round_id, "fragment": key, "site": self.site_names[i], "why": why})
             hist.extend(v for v, good in zip(norms, ok, strict=True) if good)
@@ -74,12 +78,8 @@ class UpdateGuard:
         v = float(delta.to(torch.float64).norm())
         with self._lock:
             hist = self.history.setdefault(key, [])
-            ref = statistics.median(hist[-self.cfg.window :]) if len(hist) >= self.cfg.warmup else None
-            if not math.isfinite(v):
-                why = f"non-finite norm {v}"
-            elif ref is not None and v > self.cfg.norm_factor * ref:
-                why = f"norm {v:.4g} > {self.cfg.norm_factor:g} x median {ref:.4g} of its own"
-            else:
+            why = self._why_rejected(hist, v, " of its own")
+            if why is None:
                 hist.append(v)
                 del hist[: -self.cfg.window]
                 return True
