@@ -210,3 +210,31 @@ def test_protocol_below_threshold_aborts_cleanly_on_every_rank() -> None:
     for _, _, rounds, _ in res:
         assert [r[0] for r in rounds] == ["ok", "aborted", "ok"]  # the next round works again
         assert "threshold is 3" in rounds[1][1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sites,graph,threshold", [(4, "complete", 2), (4, "complete", None), (8, "sparse", None)])
+def test_a_site_rejected_by_one_peer_only_never_makes_a_wrong_sum(sites: int, graph: str, threshold: int | None) -> None:
+    # site 1 sends a corrupted key share to one neighbour only in round 1: that neighbour rejects
+    # it, every other site (with the sparse graph: every non-neighbour) accepts it; summing what
+    # each owner accepted locally gave noise here, the agreed-survivors sum gives the right one
+    from geotrain.privacy.masking import round_seed
+
+    degree = sites - 1 if graph == "complete" else sparse_degree(sites)
+    nb = neighbours(sites, graph, degree, round_seed(7, 1))
+    assert graph == "complete" or len(nb[1]) < sites - 1  # some sites never see site 1's shares
+    victim = nb[1][-1]
+    res = run_ranks(sites, _aggregate_rank, sites, 1, {(1, 1): f"bad-share:{victim}"}, threshold, graph, timeout=170)
+    outcomes = {r[2][1][0] for r in res}
+    assert len(outcomes) == 1, "every site must agree: all sum or all abort"
+    # with the default threshold of 4 complete sites, site 1's mask key has too few shares left
+    assert outcomes == ({"aborted"} if (graph, threshold) == ("complete", None) else {"ok"})
+    for site, _local, rounds, _ in res:
+        assert [r[0] for r in rounds][::2] == ["ok", "ok"]
+        if rounds[1][0] == "aborted":
+            continue
+        _, got, survivors, malformed, _recovered, fb = rounds[1]
+        assert survivors == [s for s in range(sites) if s != 1]
+        assert malformed == ([1] if site == victim else [])  # only the victim knows why
+        xs = [torch.randn(999, generator=torch.Generator().manual_seed(100 + s)).clamp(-3, 3) for s in survivors]
+        assert float((torch.tensor(got) - sum(xs)).abs().max()) <= error_bound(len(survivors), fb) + 1e-6

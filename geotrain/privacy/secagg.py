@@ -26,7 +26,9 @@ local rank ``i`` of the other sites; N participants, neighbours from :func:`neig
    N chunks and chunk j goes to participant j in a framed message (magic, round, length, ring
    bits, flags); a frame that does not match is *malformed* and its sender is excluded.
 3. *consistency*: every participant tells every other whose chunk it accepted; the survivors U
-   are the senders everyone accepted. |U| < t: abort.
+   are the senders everyone accepted. |U| < t: abort. Only then does each chunk owner add up
+   its chunk, over U alone: a sender some peer rejected is left out everywhere (summing what
+   was accepted locally would keep a site whose masks are then treated as a dropped one's).
 4. *unmasking*: each survivor reveals, for every u ∈ U it holds a share of, the share of b_u, and
    for every dropped v, the share of s_v (never both for one site). Everyone reconstructs and
    each chunk owner removes Σ_U PRG(b_u) and the dropped sites' pair masks from its chunk.
@@ -146,8 +148,9 @@ class SecureAggregator:
         """The sum over surviving sites of ``x`` (this rank's fp32 shard; same length everywhere).
 
         ``inject`` tests failure handling on this site: 'drop' withdraws its input after key
-        agreement, 'malformed' sends frames with the wrong ring size. Raises SecAggAborted when
-        fewer than ``threshold`` sites survive.
+        agreement, 'malformed' sends frames with the wrong ring size, 'bad-share:J' corrupts only
+        the key share sent to participant J (so J rejects this site and the others accept it).
+        Raises SecAggAborted when fewer than ``threshold`` sites survive.
         """
         n, me = self.n, self.me
         others = [v for v in range(n) if v != me]
@@ -166,7 +169,11 @@ class SecureAggregator:
         # 1. encrypted Shamir shares, to neighbours
         size = Participant.share_message_bytes()
         reasons: dict[int, str] = {}
-        for v, blob in self._exchange(p.make_shares(), {v: size for v in nb[me]}).items():
+        share_msgs = p.make_shares()
+        if inject and inject.startswith("bad-share:") and int(inject.split(":")[1]) in share_msgs:
+            j = int(inject.split(":")[1])
+            share_msgs[j] = share_msgs[j][:-1] + bytes([share_msgs[j][-1] ^ 1])
+        for v, blob in self._exchange(share_msgs, {v: size for v in nb[me]}).items():
             try:
                 p.receive_shares(v, blob)
             except InvalidTag:  # excluded like a malformed update, through the agreed flags below
@@ -193,7 +200,6 @@ class SecureAggregator:
         got[me] = frames[me]
         rep.extra_bytes += 4 * HEADER * len(others)
         accepted = [False] * n
-        acc = torch.zeros(chunks[me].numel(), dtype=torch.int32)
         for v in range(n):
             h = got[v][:HEADER].tolist()
             if v in reasons:
@@ -204,7 +210,6 @@ class SecureAggregator:
                 reasons[v] = f"malformed frame (magic {h[0]:#x}, round {h[1]}, length {h[2]}, ring bits {h[3] & 0xFF})"
             else:
                 accepted[v] = True
-                ring_add_(acc, got[v][HEADER:])
         rep.masking_seconds = time.perf_counter() - t1
         # 3. who was accepted by everyone
         flag_blob = bytes(accepted)
@@ -218,6 +223,11 @@ class SecureAggregator:
         rep.notes = [f"site {u}: {r}" for u, r in sorted(reasons.items())]
         if len(survivors) < self.t:
             raise SecAggAborted(f"round {round_id}: {len(survivors)} of {n} sites survived, threshold is {self.t}")
+        # only the agreed survivors' frames enter the sum: a site accepted here but rejected by a
+        # peer is dropped everywhere, and its masks are not removed, so its frame must not count
+        acc = torch.zeros(chunks[me].numel(), dtype=torch.int32)
+        for u in survivors:
+            ring_add_(acc, got[u][HEADER:])
         # 4. reveal shares; reconstruct the survivors' self seeds and the dropped sites' mask keys
         t2 = time.perf_counter()
         revealed = p.reveal(survivors, dropped) if me in survivors else {}
