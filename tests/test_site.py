@@ -91,11 +91,11 @@ def test_coordinator_waits_are_bounded_postponed_or_not() -> None:
         t0 = time.monotonic()
         with pytest.raises(ElasticTimeout, match=r"elastic.wait_timeout_s=1.5.*Lighthouse .* unreachable"):
             while time.monotonic() - t0 < 30:
-                assert c.quorum(True, committed=0, global_hash="", step=0, joining=False) is None
+                assert c.quorum(True, committed=0, joining=False, data={}) is None
                 time.sleep(0.05)
         assert 1.5 <= time.monotonic() - t0 < 10
         with pytest.raises(ElasticTimeout):  # not postponable (the start rendezvous): raises, does not spin
-            c.quorum(False, committed=0, global_hash="", step=0, joining=False)
+            c.quorum(False, committed=0, joining=False, data={})
     finally:
         c.close()
 
@@ -310,7 +310,7 @@ def test_a_long_round_of_inner_steps_is_not_a_wait(tmp_path: Path) -> None:
     c = Coordinator(cfg, lh.address, "A", 1, "127.0.0.1:1", lambda _: None)
     try:
         for _ in range(2):
-            assert c.quorum(False, committed=0, global_hash="", step=0, joining=False) is not None
+            assert c.quorum(False, committed=0, joining=False, data={}) is not None
             time.sleep(1.5)  # a round of inner steps longer than wait_timeout_s
     finally:
         c.close()

@@ -35,12 +35,40 @@ def host_store(host: str = "127.0.0.1", timeout_s: float = 300.0, attempt: int =
     can take the port in between. Returns the store (keep it alive while the ranks run; its port
     is ``store.port``) and the environment that makes the ranks join it as clients instead of
     hosting one (torchrun's agent-store protocol)."""
+    store = listening_store(host, timeout_s)
+    return store, {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+
+
+def listening_store(host: str, timeout_s: float) -> Any:
+    """A ``TCPStore`` server listening on ``host`` only, at a port the kernel picks.
+
+    ``TCPStore(host, port, is_master=True)`` listens on every interface whatever ``host`` says
+    (``host`` is only what clients dial). So the listening socket is made here, bound to ``host``,
+    and handed to the store (``master_listen_fd``), which then owns it.
+    """
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(512)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes it
+    return store
 
 
 def die_with_parent() -> None:

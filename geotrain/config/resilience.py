@@ -28,6 +28,11 @@ class FaultConfig(Section):
     hang: list[str] = Field(
         default_factory=list, description="Like kill, but SIGSTOPs the site (a hung datacenter: sockets stay open)."
     )
+    tamper: list[str] = Field(
+        default_factory=list,
+        description="Failure injection (elastic mode): 'SITE@STEP' alters that site's outgoing pseudo-gradient frames after "
+        "their MAC in the round at that step (an attacker on the path): the round must roll back.",
+    )
     restart_after: float = Field(
         default=0.0,
         ge=0,
@@ -35,7 +40,7 @@ class FaultConfig(Section):
         description="Seconds after a kill or hang when the launcher starts the site again (it heals from a live peer); 0: never.",
     )
 
-    @field_validator("nan", "kill", "hang")
+    @field_validator("nan", "kill", "hang", "tamper")
     @classmethod
     def _site_at_round(cls, v: list[str]) -> list[str]:
         return check_site_at(v, ())
@@ -44,9 +49,10 @@ class FaultConfig(Section):
         return {(site, rnd) for site, rnd, _ in map(parse_site_at, self.nan)}
 
     def site_faults(self) -> dict[tuple[str, int], str]:
-        """{(site, step): 'kill' | 'hang'} from ``kill`` and ``hang``."""
+        """{(site, step): 'kill' | 'hang' | 'tamper'} from ``kill``, ``hang`` and ``tamper``."""
         out = {(site, step): "kill" for site, step, _ in map(parse_site_at, self.kill)}
         out.update({(site, step): "hang" for site, step, _ in map(parse_site_at, self.hang)})
+        out.update({(site, step): "tamper" for site, step, _ in map(parse_site_at, self.tamper)})
         return out
 
 

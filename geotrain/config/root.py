@@ -71,7 +71,7 @@ class Config(Section):
             if site not in names:
                 raise ValueError(f"fault.{kind}: unknown site {site!r} (sites: {', '.join(names)})")
             if not self.elastic.enabled:
-                raise ValueError(f"fault.{kind}: killing or hanging a site needs elastic.enabled=true")
+                raise ValueError(f"fault.{kind}: killing, hanging or tampering with a site needs elastic.enabled=true")
         self._elastic_fits(len(names))
         return self
 

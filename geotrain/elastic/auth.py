@@ -1,20 +1,36 @@
-"""Who may take part in a round: the shared membership secret and the HMAC challenge.
+"""Who may take part in a round, and every control message authenticated: the run secret.
 
-Every site proves knowledge of the secret to every other by HMAC-SHA256 over the other's fresh
-nonce, bound to the round; the secret never crosses the wire. A site whose proof fails is told
-so (``refused/<site>`` in the round store) and left out of the round's process group.
+Three keys are derived from the shared secret (HMAC-SHA256 as a PRF, :class:`RunKeys`):
+
+* a **namespace**: every key geotrain writes in a round store lives under it, so a process
+  without the secret cannot name (write, overwrite or pre-empt) any key the sites read, Gloo's
+  rendezvous keys of the round groups included;
+* a **control key**: every value is sealed (:class:`SealedStore`) with an HMAC over the key's full
+  name — namespace, round, writer site — and the value, so a value altered in transit, or
+  replayed from another round or under another site's name, is refused;
+* a **payload key**: the pseudo-gradient frames and the healing state carry an HMAC bound to
+  round, sender, receiver and position (:func:`frame_tag`).
+
+Before any of that, each site's quorum request to the Lighthouse carries a **member tag**: an HMAC
+over what it claims (name, store address, committed rounds, hash, step, joining, incarnation).
+Sites ignore quorum participants whose tag fails: a process without the secret never becomes a
+heal source, is never waited for and never dialled. Then, in the round store, every site proves
+knowledge of the secret to every other by HMAC over the other's fresh nonce, bound to the round
+(freshness: a replayed quorum request names a round store that answers no challenge).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from geotrain.config import ElasticConfig
@@ -41,6 +57,75 @@ def load_secret(cfg: ElasticConfig) -> bytes:
     return data
 
 
+class RunKeys:
+    """The keys one run derives from its secret (see the module docstring)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.namespace = self._derive(secret, "namespace").hex()[:32]
+        self.control = self._derive(secret, "control")
+        self.payload = self._derive(secret, "payload")
+        self.member = self._derive(secret, "member")
+
+    @staticmethod
+    def _derive(secret: bytes, label: str) -> bytes:
+        return hmac.new(secret, f"geotrain-key|{label}".encode(), hashlib.sha256).digest()
+
+    def member_tag(self, site: str, claims: dict[str, object]) -> str:
+        """HMAC over a site's quorum claims (what the Lighthouse passes on to the others)."""
+        msg = json.dumps({"site": site, **claims}, sort_keys=True).encode()
+        return hmac.new(self.member, msg, hashlib.sha256).hexdigest()
+
+    def member_ok(self, site: str, data: dict[str, object]) -> bool:
+        claims = {k: v for k, v in data.items() if k != "tag"}
+        return hmac.compare_digest(str(data.get("tag", "")), self.member_tag(site, claims))
+
+
+TAG_BYTES = 32
+
+
+def frame_tag(key: bytes, context: bytes, data: torch.Tensor) -> bytes:
+    """HMAC-SHA256 of a tensor's bytes (contiguous CPU) bound to ``context`` (round, sender,
+    receiver, position)."""
+    mac = hmac.new(key, context, hashlib.sha256)
+    mac.update(data.detach().contiguous().view(torch.uint8).numpy().data)
+    return mac.digest()
+
+
+class SealedStore:
+    """A round store seen through the run's keys: keys live under ``namespace/scope/``, values
+    carry an HMAC over their full key name and bytes. :meth:`get` returns None for a value that
+    fails it (forged, altered or replayed from another key), which callers treat as absent or
+    negative; so a forgery can at worst fail a round, never decide one."""
+
+    def __init__(self, store: dist.Store, keys: RunKeys, scope: str) -> None:
+        self.raw, self.keys, self.scope = store, keys, scope
+        self.prefix = f"{keys.namespace}/{scope}/"
+
+    def _seal(self, name: str, value: bytes) -> bytes:
+        return hmac.new(self.keys.control, name.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        v = value.encode() if isinstance(value, str) else value
+        name = self.prefix + key
+        self.raw.set(name, self._seal(name, v) + v)  # type: ignore[arg-type]  # the store takes bytes
+
+    def get(self, key: str) -> bytes | None:
+        name = self.prefix + key
+        blob = self.raw.get(name)
+        value = blob[TAG_BYTES:]
+        return value if hmac.compare_digest(blob[:TAG_BYTES], self._seal(name, value)) else None
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.raw.check([self.prefix + k for k in keys]))
+
+    def sub(self, scope: str) -> SealedStore:
+        return SealedStore(self.raw, self.keys, f"{self.scope}/{scope}")
+
+    def gloo_prefix(self, scope: str) -> dist.Store:
+        """A plain (unsealed) store under the namespace for Gloo's own rendezvous keys."""
+        return dist.PrefixStore(self.prefix + scope, self.raw)
+
+
 def join_proof(secret: bytes, round_key: str, verifier_nonce: str, prover: str) -> str:
     """HMAC-SHA256 proof that ``prover`` holds ``secret``, bound to the round and the verifier's fresh nonce."""
     msg = f"geotrain-join|{round_key}|{verifier_nonce}|{prover}".encode()
@@ -48,14 +133,11 @@ def join_proof(secret: bytes, round_key: str, verifier_nonce: str, prover: str) 
 
 
 def authenticate(
-    store: dist.Store, key: str, site: str, members: list[str], secret: bytes, timeout: float, log: Callable[[str], None]
+    store: SealedStore, key: str, site: str, members: list[str], secret: bytes, timeout: float, log: Callable[[str], None]
 ) -> list[str]:
-    """HMAC challenge among ``members`` in ``store`` for round ``key``; the ones that proved the
-    secret to ``site`` (and back), ``site`` included, sorted.
-
-    Raises:
-        MembershipRefused: no peer's proof verified here and a peer refused ours.
-    """
+    """HMAC challenge among ``members`` in ``store`` (sealed, namespaced) for round ``key``; the
+    ones that proved the secret to ``site`` (and back), ``site`` included, sorted. A peer that does
+    not answer within the bound is left out of this round (the round goes on without it)."""
     nonce = secrets.token_hex(16)
     store.set(f"nonce/{site}", nonce)
     others = [m for m in members if m != site]
@@ -63,22 +145,16 @@ def authenticate(
     present = wait_keys(store, [f"nonce/{m}" for m in others], deadline)
     for k in present:
         peer = k.split("/", 1)[1]
-        store.set(f"proof/{peer}/{site}", join_proof(secret, key, store.get(k).decode(), site))
+        theirs = store.get(k)
+        if theirs is not None:
+            store.set(f"proof/{peer}/{site}", join_proof(secret, key, theirs.decode(), site))
     got = wait_keys(store, [f"proof/{site}/{m}" for m in others], deadline)
     ok = []
     for k in got:
         peer = k.rsplit("/", 1)[1]
-        if hmac.compare_digest(store.get(k).decode(), join_proof(secret, key, nonce, peer)):
+        proof = store.get(k)
+        if proof is not None and hmac.compare_digest(proof.decode(), join_proof(secret, key, nonce, peer)):
             ok.append(peer)
         else:
-            store.set(f"refused/{peer}", f"refused by {site}")
-            log(f"site {peer!r} failed authentication (wrong secret): refused")
-    # refused: no peer's proof verified here and a peer said ours did not verify there (one of
-    # the two alone may be a slow peer, or an impostor writing to the store)
-    refusal = [f"refused/{site}"]
-    if others and not ok and wait_keys(store, refusal, time.monotonic() + timeout):
-        raise MembershipRefused(
-            f"site {site!r} was refused by its peers and could not authenticate any of them: the "
-            f"membership secret differs (elastic.secret_env / elastic.secret_file)"
-        )
+            log(f"site {peer!r} failed authentication in round {key}: left out")
     return sorted([site, *ok])

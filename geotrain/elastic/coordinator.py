@@ -114,9 +114,10 @@ class Coordinator:
             self._set_down(True)
         return self._down
 
-    def quorum(self, can_postpone: bool, *, committed: int, global_hash: str, step: int, joining: bool) -> Any:
-        """The round's quorum, advertising this site's committed-round count, global hash, step and
-        round store (None: the Lighthouse is down and the round may be postponed).
+    def quorum(self, can_postpone: bool, *, committed: int, joining: bool, data: dict[str, Any]) -> Any:
+        """The round's quorum, advertising this site's committed-round count, round store and
+        ``data`` (its global hash, step, member tag...) (None: the Lighthouse is down and the
+        round may be postponed).
 
         Raises:
             MembershipRefused: ``joining`` and no quorum within ``start_timeout_s``.
@@ -144,7 +145,7 @@ class Coordinator:
                     step=committed,
                     world_size=self.workers,
                     shrink_only=False,
-                    data={"hash": global_hash, "step": step, "joining": joining},
+                    data=data,
                 )
                 if waited:
                     self.log(f"quorum reached after {waited:.1f}s: training resumes")

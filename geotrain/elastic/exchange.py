@@ -17,20 +17,23 @@ abandoned thread ends within that bound (a Gloo wait that times out closes its p
 from __future__ import annotations
 
 import contextlib
+import hmac
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import round_group
+from geotrain.elastic.auth import TAG_BYTES, SealedStore, frame_tag
 from geotrain.elastic.roundstore import Monitor
 from geotrain.elastic.view import RoundView
+from geotrain.errors import RoundFailed
 
-DATA_TAG, HEADER_TAG, HEAL_TAG = 0, 1, 2
+DATA_TAG, HEADER_TAG, HEAL_TAG, MAC_TAG, HEAL_MAC_TAG = 0, 1, 2, 4, 5
 
 
 class Exchange:
@@ -47,6 +50,11 @@ class Exchange:
         backstop: the timeout of one wait of ``nbytes`` among ``n`` sites.
         count: adds bytes sent across sites to the member's counter (under its lock).
         on_mid_round: called between the reduce-scatter and the all-gather (failure injection).
+        payload_key: every frame (ring chunk, healing state) carries an HMAC-SHA256 under this key,
+            bound to the round, sender, receiver, local rank and position; a frame that fails it
+            fails the round (:class:`RoundFailed` naming the sender) before it is used.
+        tamper: failure injection: alter this rank's outgoing frames after their MAC (an attacker
+            on the path).
     """
 
     def __init__(
@@ -57,7 +65,7 @@ class Exchange:
         names: list[str],
         wan: WanEmulator | None,
         monitor: Monitor,
-        store: dist.Store,
+        store: SealedStore,
         group: Any,
         shard: torch.Tensor,
         outgoing: bytes | None,
@@ -65,10 +73,16 @@ class Exchange:
         timeout_s: float,
         count: Callable[[int], None],
         on_mid_round: Callable[[], None] | None,
+        payload_key: bytes,
+        tamper: bool = False,
     ) -> None:
         self.view, self.site, self.local, self.names, self.wan = view, site, local, names, wan
         self.monitor, self.store, self.shard, self.outgoing = monitor, store, shard, outgoing
         self.backstop, self.timeout_s, self.count, self.on_mid_round = backstop, timeout_s, count, on_mid_round
+        self.payload_key, self.tamper = payload_key, tamper
+        self._seq = 0
+        self.forged: str | None = None  # the first frame that failed its MAC
+        self.mac_seconds = 0.0  # time spent computing and checking MACs (the cost of authentication)
         self.reused = group is not None
         self.group = group
         self.heal_blob: bytes | None = None  # set once the whole healing state has arrived
@@ -98,13 +112,15 @@ class Exchange:
         try:
             if self.group is None:
                 self.group = round_group(
-                    dist.PrefixStore(f"pg/{self.view.key}/{self.local}", self.store),
+                    self.store.gloo_prefix(f"pg/{self.local}"),
                     self.view.admitted.index(self.site),
                     len(self.view.admitted),
                     self.timeout_s,
                 )
             self._heal()
             self._ring_sum()
+            if self.forged is not None:
+                raise RoundFailed(self.forged)
         except BaseException as exc:  # reported to the main thread
             self.error = exc
         finally:
@@ -121,16 +137,57 @@ class Exchange:
             w.wait(limit)
         self.monitor.check()
 
+    def _context(self, sender: int, receiver: int, what: str) -> bytes:
+        admitted = self.view.admitted
+        return f"geotrain-frame|{self.view.key}|{admitted[sender]}|{admitted[receiver]}|{self.local}|{what}".encode()
+
+    def _tag(self, data: torch.Tensor, dst: int, what: str) -> torch.Tensor:
+        me = self.view.admitted.index(self.site)
+        t0 = time.perf_counter()
+        tag = frame_tag(self.payload_key, self._context(me, dst, what), data)
+        self.mac_seconds += time.perf_counter() - t0
+        return torch.frombuffer(bytearray(tag), dtype=torch.uint8)
+
+    def _altered(self, data: torch.Tensor) -> torch.Tensor:
+        """Failure injection: ``data`` with one bit flipped (after its MAC was computed)."""
+        data = data.clone()
+        data.view(torch.uint8)[0] ^= 1
+        return data
+
+    def _verify(self, data: torch.Tensor, tag: torch.Tensor, src: int, what: str) -> bool:
+        """Whether ``data`` is what site ``src`` sent. A frame that is not is remembered (the first
+        one fails the round once the ring has ended: the ring goes on so no peer is left waiting)."""
+        me = self.view.admitted.index(self.site)
+        t0 = time.perf_counter()
+        want = frame_tag(self.payload_key, self._context(src, me, what), data)
+        self.mac_seconds += time.perf_counter() - t0
+        if hmac.compare_digest(want, tag.numpy().tobytes()):
+            return True
+        if self.forged is None:
+            self.forged = f"a frame from site {self.view.admitted[src]} failed authentication (payload MAC)"
+        return False
+
     def _send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        """One paced exchange over the round group (group ranks = positions in ``view.admitted``)."""
+        """One paced, authenticated exchange over the round group (group ranks = positions in
+        ``view.admitted``); ``recv`` is verified before the caller uses it. The outgoing MAC is
+        computed while the frame is in flight and follows it; the incoming one is checked once the
+        frame has (emulated) arrived, so its cost is on the round's critical path as on a real link."""
         pg = self.group
         nbytes = send.numel() * send.element_size()
-        self.count(nbytes)
-        works = [pg.recv([recv], src, DATA_TAG), pg.send([send], dst, DATA_TAG)]
+        self.count(nbytes + TAG_BYTES)
+        self._seq += 1
+        what = f"ring{self._seq}"
+        tag_out = self._tag(send, dst, what) if self.tamper else None
+        works = [pg.recv([recv], src, DATA_TAG), pg.send([self._altered(send) if self.tamper else send], dst, DATA_TAG)]
+        arrival = self.wan.pace([(self.names.index(self.view.admitted[dst]), nbytes)])[0] if self.wan is not None else 0.0
+        if tag_out is None:
+            tag_out = self._tag(send, dst, what)
+        tag_in = torch.empty(TAG_BYTES, dtype=torch.uint8)
+        works += [pg.recv([tag_in], src, MAC_TAG), pg.send([tag_out], dst, MAC_TAG)]
         if self.wan is None:
             self._wait(works, nbytes)
+            self._verify(recv, tag_in, src, what)
             return
-        arrival = self.wan.pace([(self.names.index(self.view.admitted[dst]), nbytes)])[0]
         header_in = torch.zeros(1, dtype=torch.float64)
         works += [
             pg.recv([header_in], src, HEADER_TAG),
@@ -138,6 +195,7 @@ class Exchange:
         ]
         self._wait(works, nbytes)
         self.wan.hold_until(float(header_in.item()))
+        self._verify(recv, tag_in, src, what)
 
     def _ring_sum(self) -> None:
         view, x = self.view, self.shard
@@ -162,15 +220,20 @@ class Exchange:
         view, pg = self.view, self.group
         src = view.admitted.index(view.source)
         if self.site == view.source and self.outgoing is not None:
-            blob = torch.frombuffer(bytearray(self.outgoing), dtype=torch.uint8)
-            size = torch.tensor([blob.numel()], dtype=torch.int64)
+            state = torch.frombuffer(bytearray(self.outgoing), dtype=torch.uint8)
+            size = torch.tensor([state.numel()], dtype=torch.int64)
             for h in view.healers:
                 dst = view.admitted.index(h)
-                self._wait([pg.send([size], dst, HEAL_TAG), pg.send([blob], dst, HEAL_TAG + 1)], blob.numel())
-                self.count(blob.numel() + 8)
+                tag = self._tag(state, dst, f"heal{state.numel()}")
+                blob = self._altered(state) if self.tamper else state
+                works = [pg.send([size], dst, HEAL_TAG), pg.send([blob], dst, HEAL_TAG + 1), pg.send([tag], dst, HEAL_MAC_TAG)]
+                self._wait(works, blob.numel())
+                self.count(blob.numel() + 8 + TAG_BYTES)
         elif self.site in view.healers:
             size = torch.zeros(1, dtype=torch.int64)
             self._wait([pg.recv([size], src, HEAL_TAG)], 8)
             blob = torch.empty(int(size.item()), dtype=torch.uint8)
-            self._wait([pg.recv([blob], src, HEAL_TAG + 1)], blob.numel())
-            self.heal_blob = blob.numpy().tobytes()
+            tag = torch.empty(TAG_BYTES, dtype=torch.uint8)
+            self._wait([pg.recv([blob], src, HEAL_TAG + 1), pg.recv([tag], src, HEAL_MAC_TAG)], blob.numel())
+            if self._verify(blob, tag, src, f"heal{blob.numel()}"):  # the size is bound into the MAC
+                self.heal_blob = blob.numpy().tobytes()

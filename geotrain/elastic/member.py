@@ -45,7 +45,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +53,15 @@ import torch.distributed as dist
 
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.emulate.inprocess import WanEmulator
+from geotrain.comm.procs import listening_store
 from geotrain.comm.topology import Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic import roundstore
-from geotrain.elastic.auth import authenticate, load_secret
+from geotrain.elastic.auth import RunKeys, SealedStore, authenticate, load_secret
 from geotrain.elastic.coordinator import Coordinator
 from geotrain.elastic.exchange import Exchange
 from geotrain.elastic.roundstore import Monitor, wait_keys
-from geotrain.elastic.view import HealHooks, RoundView, heal_source, healers, members_of
+from geotrain.elastic.view import HealHooks, Member, RoundView, heal_source, healers, members_of
 from geotrain.errors import ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
@@ -100,6 +100,7 @@ class SiteMember:
         log: Callable[[str], None],
         on_mid_round: Callable[[], None] | None = None,
         stats: CommStats | None = None,
+        incarnation: int = 0,
     ) -> None:
         self.cfg = cfg
         self.stats = stats if stats is not None else CommStats()
@@ -111,6 +112,13 @@ class SiteMember:
         self.intra, self.wan, self.hooks, self.log = intra, wan, hooks, log
         self.on_mid_round = on_mid_round
         self.secret = load_secret(self.cfg)
+        self.keys = RunKeys(self.secret)
+        self.incarnation = incarnation
+        self.authenticated_peer = False  # this site has proved the secret with a peer in this run
+        self._rejected: set[str] = set()  # quorum participants whose member tag failed (logged once)
+        self.tamper_steps: set[int] = (
+            set()
+        )  # failure injection: rounds (by step) whose outgoing frames are altered after their MAC
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
         self._bytes_lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # failures this site detected
@@ -128,9 +136,7 @@ class SiteMember:
             raise MembershipRefused("no Lighthouse address: set elastic.lighthouse (HOST:PORT)")
         if local_rank == 0:
             bind = os.environ.get("GEOTRAIN_BIND_ADDR", "127.0.0.1")
-            self._host_store = dist.TCPStore(
-                bind, 0, is_master=True, timeout=timedelta(seconds=self.cfg.collective_timeout_s), wait_for_workers=False
-            )
+            self._host_store = listening_store(bind, self.cfg.collective_timeout_s)
             self.coordinator = Coordinator(self.cfg, addr, site, workers, f"{bind}:{self._host_store.port}", log)
 
     @property
@@ -149,7 +155,8 @@ class SiteMember:
             try:
                 while True:
                     q = self._quorum(can_postpone=False)
-                    present = sorted(p.replica_id for p in q.participants)
+                    members = self._authentic(q)
+                    present = sorted(m.site for m in members)
                     if len(present) >= sites or time.monotonic() > deadline:
                         break
                     time.sleep(self.cfg.heartbeat_s)
@@ -158,7 +165,7 @@ class SiteMember:
             else:
                 self._last_members = view.admitted = present
                 self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
-                fresh = [m for m in members_of(q) if not m.committed and not m.joining]  # not resumed sites
+                fresh = [m for m in members if not m.committed and not m.joining]  # not resumed sites
                 differ = sorted(m.site for m in fresh if m.hash != mine) if not self.hooks.committed() else []
                 if differ:  # fresh sites must start from one model (same seed, model config and code)
                     view = _fatal(
@@ -171,13 +178,36 @@ class SiteMember:
 
     def _quorum(self, can_postpone: bool) -> Any:
         assert self.coordinator is not None  # local rank 0
-        return self.coordinator.quorum(
-            can_postpone,
-            committed=self.hooks.committed(),
-            global_hash=self.hooks.global_hash(),
-            step=self.hooks.step(),
-            joining=self.joining,
-        )
+        committed = self.hooks.committed()
+        claims: dict[str, Any] = {
+            "hash": self.hooks.global_hash(),
+            "step": self.hooks.step(),
+            "joining": self.joining,
+            "committed": committed,
+            "store": self.coordinator.store_address,
+            "incarnation": self.incarnation,
+        }
+        claims["tag"] = self.keys.member_tag(self.site, claims)
+        return self.coordinator.quorum(can_postpone, committed=committed, joining=self.joining, data=claims)
+
+    def _authentic(self, q: Any) -> list[Member]:
+        """The quorum's participants whose member tag verifies. A site that has never authenticated
+        a peer in this run, finds no other participant it can verify, and sees participants named
+        like sites of this run's topology stops: its secret differs from theirs (it cannot tell
+        that from impostors using those names; docs/SECURITY.md). Other names are only ignored."""
+        members, rejected = members_of(q, self.keys.member_ok)
+        for name in sorted(set(rejected) - self._rejected):
+            self.log(f"quorum participant {name!r} failed authentication (no valid member tag): ignored")
+        self._rejected |= set(rejected)
+        known = [r for r in rejected if r in self.names and r != self.site]
+        if known and len(members) == 1 and not self.authenticated_peer:
+            raise MembershipRefused(
+                f"site {self.site!r} could not authenticate any other site in the quorum ({', '.join(known)}): the "
+                f"membership secret differs (elastic.secret_env / elastic.secret_file)"
+            )
+        if len(members) > 1:
+            self.authenticated_peer = True
+        return members
 
     def _store(self, address: str) -> dist.TCPStore:
         if address not in self._stores:
@@ -189,7 +219,7 @@ class SiteMember:
         q = self._quorum(can_postpone)
         if q is None:
             return RoundView(postponed=True)
-        members = members_of(q)
+        members = self._authentic(q)
         names = sorted(m.site for m in members)
         source = heal_source(members)
         if source is None:  # every member is a restarted site without a state: nobody to heal from (yet)
@@ -202,7 +232,7 @@ class SiteMember:
         by = {m.site: m for m in members}
         view = RoundView(key=key, members=members, source=source)
         try:
-            auth = dist.PrefixStore(f"auth/{key}", self._store(by[source].store))
+            auth = SealedStore(self._store(by[source].store), self.keys, f"auth/{key}")
             admitted = authenticate(auth, key, self.site, names, self.secret, self.cfg.heartbeat_timeout_s, self.log)
             # a slow site may be admitted by some and timed out by others: the round goes ahead
             # only if every admitted site admitted the same set (else all of them roll back)
@@ -210,7 +240,7 @@ class SiteMember:
             auth.set(f"view/{self.site}", mine)
             keys = [f"view/{s}" for s in admitted]
             got = wait_keys(auth, keys, time.monotonic() + self.cfg.heartbeat_timeout_s * 2)
-            if len(got) != len(keys) or any(auth.get(k).decode() != mine for k in keys):
+            if len(got) != len(keys) or any(auth.get(k) != mine.encode() for k in keys):
                 view.error = f"round {key}: sites disagree on who was authenticated"
                 return view
         except MembershipRefused:
@@ -301,7 +331,9 @@ class SiteMember:
         by = {m.site: m for m in view.members}
         store = self._store(by[view.source].store)
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
-        hb_store = dist.PrefixStore(f"round/{view.key}", roundstore.connect(by[view.source].store, self.cfg.heartbeat_timeout_s))
+        hb_store = SealedStore(
+            roundstore.connect(by[view.source].store, self.cfg.heartbeat_timeout_s), self.keys, f"round/{view.key}"
+        )
         monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
         try:
             return self._exchange_and_vote(delta, view, store, monitor, contribute)
@@ -337,7 +369,7 @@ class SiteMember:
             self.names,
             self.wan,
             monitor,
-            store,
+            SealedStore(store, self.keys, f"round/{view.key}"),
             self._pg[1] if self._pg is not None else None,
             self._shard(ext),
             outgoing,
@@ -345,9 +377,13 @@ class SiteMember:
             self.cfg.collective_timeout_s,
             self._count,
             self.on_mid_round,
+            self.keys.payload,
+            tamper=self.hooks.step() in self.tamper_steps,
         )
         x.start()
         finished = x.wait()
+        self._current["exchange_s"] = time.time() - self._current["start"] - self._current["quorum_s"]
+        self._current["mac_s"] = x.mac_seconds
         ok = torch.ones(1)
         why = ""
         if not finished:
@@ -373,7 +409,7 @@ class SiteMember:
             gathered = [torch.empty(c) for _ in range(self.G)]
             dist.all_gather(gathered, mine, group=self.intra)
             ext.copy_(torch.cat(gathered)[: ext.numel()])
-        committed = self._vote(dist.PrefixStore(f"round/{view.key}", store), view, monitor, bool(ok.item()))
+        committed = self._vote(SealedStore(store, self.keys, f"round/{view.key}"), view, monitor, bool(ok.item()))
         if not committed:
             self._drop_group()
             self._stores.pop(stores[view.source], None)  # reconnect next time: its host may be gone
@@ -404,7 +440,7 @@ class SiteMember:
         c = -(-x.numel() // self.G)
         return x[self.local * c : min(x.numel(), (self.local + 1) * c)]
 
-    def _vote(self, prefix: dist.Store, view: RoundView, monitor: Monitor, ok: bool) -> bool:
+    def _vote(self, prefix: SealedStore, view: RoundView, monitor: Monitor, ok: bool) -> bool:
         """Local rank 0 writes this site's vote and reads everyone's; the round commits only if every
         admitted site voted yes. The site's ranks agree on the result."""
         decision = torch.zeros(1)
@@ -413,7 +449,7 @@ class SiteMember:
                 prefix.set(f"vote/{self.site}", "1" if ok else "0")
                 if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
                     keys = [f"vote/{s}" for s in view.admitted]
-                    votes: dict[str, bytes] = {}
+                    votes: dict[str, bytes | None] = {}
 
                     def said_no(k: str) -> bool:
                         votes[k] = prefix.get(k)

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -25,9 +26,14 @@ def connect(address: str, timeout: float) -> dist.TCPStore:
 
 class Monitor:
     """Heartbeats of this rank and its ring peers through the round store, in a thread: a peer
-    whose counter stops for ``timeout`` seconds (or an unreachable store) fails the round."""
+    whose counter stops for ``timeout`` seconds (or an unreachable store) fails the round.
 
-    def __init__(self, store: dist.Store, me: str, peers: list[str], interval: float, timeout: float) -> None:
+    ``store`` is a sealed store (:class:`geotrain.elastic.auth.SealedStore`): each rank sets its
+    own counter as an authenticated value, so a counter that does not verify (forged, or replayed
+    from another round or rank) counts as no heartbeat, and a replayed older value as no progress.
+    """
+
+    def __init__(self, store: Any, me: str, peers: list[str], interval: float, timeout: float) -> None:
         self.store, self.me, self.peers = store, me, peers
         self.interval, self.timeout = interval, timeout
         self.failed: str | None = None
@@ -39,13 +45,16 @@ class Monitor:
     def _run(self) -> None:
         seen = {p: (-1, time.monotonic()) for p in self.peers}
         last_ok = time.monotonic()
+        beat = 0
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             try:
-                self.store.add(f"hb/{self.me}", 1)
+                beat += 1
+                self.store.set(f"hb/{self.me}", str(beat))
                 for p in self.peers:
-                    v = self.store.add(f"hb/{p}", 0)
-                    if v != seen[p][0]:
+                    raw = self.store.get(f"hb/{p}") if self.store.check([f"hb/{p}"]) else None
+                    v = int(raw) if raw is not None else -1
+                    if v > seen[p][0]:
                         seen[p] = (v, now)
                     elif now - seen[p][1] > self.timeout:
                         self._fail(f"no heartbeat from {p.split('/')[0]} for {now - seen[p][1]:.1f}s", p)
@@ -71,7 +80,7 @@ class Monitor:
 
 
 def wait_keys(
-    store: dist.Store,
+    store: Any,
     keys: list[str],
     deadline: float,
     monitor: Monitor | None = None,

@@ -1,5 +1,7 @@
 """What a round is about, decided from the quorum alone: its members, the site the others heal
-from, and who heals. Pure functions, the same on every site given the same quorum.
+from, and who heals. Pure functions, the same on every site given the same quorum. Only
+participants whose member tag verifies (:mod:`geotrain.elastic.auth`) are members: a process
+without the secret is never a source, whatever it claims.
 
 The *source* is the member with the most committed rounds (ties: the global hash most of those
 members hold, then the smallest name) among those that hold a valid state: a *joining* member (a
@@ -55,18 +57,21 @@ class HealHooks:
     load: Callable[[dict[str, Any]], None]
 
 
-def members_of(quorum: Any) -> list[Member]:
-    """The members of a torchft quorum, with what each advertised."""
-    return [
-        Member(
-            p.replica_id,
-            p.store_address,
-            p.step,
-            str((p.data or {}).get("hash", "")),
-            bool((p.data or {}).get("joining", False)),
+def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool] | None = None) -> tuple[list[Member], list[str]]:
+    """The members of a torchft quorum whose claims are ``authentic`` (their member tag verifies,
+    and the Lighthouse's own fields agree with the tagged claims), with what each advertised; and
+    the names of the participants left out."""
+    members, rejected = [], []
+    for p in quorum.participants:
+        data = dict(p.data or {})
+        ok = authentic is None or (
+            authentic(p.replica_id, data) and data.get("committed") == p.step and data.get("store") == p.store_address
         )
-        for p in quorum.participants
-    ]
+        if not ok:
+            rejected.append(p.replica_id)
+            continue
+        members.append(Member(p.replica_id, p.store_address, p.step, str(data.get("hash", "")), bool(data.get("joining", False))))
+    return members, sorted(rejected)
 
 
 def heal_source(members: list[Member]) -> str | None:

@@ -38,14 +38,15 @@ def join_elastic(
 
     Args:
         topology: the whole run.
-        faults: {step: 'kill' | 'hang'} injected into this site. A restarted incarnation injects only
+        faults: {step: 'kill' | 'hang' | 'tamper'} injected into this site. A restarted incarnation injects only
             those after the step it healed at (the earlier ones happened to its predecessors).
         where: this rank's place in the whole run.
         objs: this rank's training state (healing reads and replaces it).
     """
     sync, data, groups = objs.sync, objs.data, objs.comm.groups
     assert isinstance(sync, DiLoCo)  # the config allows elastic mode with diloco only
-    faults = dict(faults)
+    tamper = {step for step, kind in faults.items() if kind == "tamper"}  # done by the member, not the launcher
+    faults = {step: kind for step, kind in faults.items() if kind != "tamper"}
     (out / "elastic").mkdir(parents=True, exist_ok=True)
 
     def inject(step: int) -> None:
@@ -96,7 +97,9 @@ def join_elastic(
         note,
         on_mid_round=lambda: inject(sync.local_steps),
         stats=objs.comm.stats,
+        incarnation=incarnation,
     )
+    member.tamper_steps = tamper
     if where.local_rank == 0:
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     sync.elastic = member

@@ -1,0 +1,159 @@
+"""A process without the run secret that attacks an elastic run on loopback, for a bounded time
+(``python -m tests.forger LIGHTHOUSE SECONDS REPORT PID``; PID: the run's launcher). Every byte
+goes to 127.0.0.1, and only to the Lighthouse and the listeners of PID's process tree.
+
+What it tries (each round it sees), knowing only the Lighthouse's address:
+* a fake participant "Z" in the Lighthouse's quorum, claiming a huge committed-round count and
+  step (a heal claim: it would be the heal source) and a round store of its own;
+* in every round store it learns from the quorum: the keys geotrain used to read before it had a
+  namespace (votes "0", views, heartbeat counters, ``refused/<site>``, nonces, proofs, Gloo
+  rendezvous keys), for this round's key and the next ones it can guess;
+* garbage bytes sent to every TCP listener of the run's processes (Gloo pairs included) but
+  the round stores it already wrote to.
+It writes what it did to REPORT (JSON) so the test knows the attack really ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and its descendants (from /proc)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, p in parent.items() if p == pid]
+    return out
+
+
+def listeners(root: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in the process tree of ``root`` (IPv4 and
+    IPv6, from /proc/net/tcp{,6}); an address of all zeros is a wildcard."""
+    inodes = set()
+    for pid in tree(root):
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = str(fd.readlink()) if fd.is_symlink() else ""
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            addr, port = f[1].split(":")
+            if f[3] == "0A" and f[9] in inodes:
+                out.append((addr, int(port, 16)))
+    return out
+
+
+def main(lighthouse: str, seconds: float, report: str, victim: int) -> None:
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseClient
+
+    done = {"quorums": 0, "store_writes": 0, "garbage_connections": 0, "errors": 0}
+    stop = time.monotonic() + seconds
+    fake_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    fake = f"127.0.0.1:{fake_store.port}"
+    url = f"http://{lighthouse}"
+
+    def heartbeat() -> None:
+        client = LighthouseClient(url, connect_timeout=timedelta(seconds=2))
+        while time.monotonic() < stop:
+            try:
+                client.heartbeat("Z", timeout=timedelta(seconds=2))
+            except Exception:
+                done["errors"] += 1
+            time.sleep(0.1)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    client = LighthouseClient(url, connect_timeout=timedelta(seconds=2))
+    huge = 10**9
+    claims = {
+        "hash": "f" * 64,
+        "step": huge,
+        "joining": False,
+        "committed": huge,
+        "store": fake,
+        "incarnation": 0,
+        "tag": "0" * 64,
+    }
+    stores: dict[str, dist.TCPStore] = {}
+    mine: set[int] = set()
+    while time.monotonic() < stop:
+        try:
+            q = client.quorum(
+                replica_id="Z",
+                timeout=timedelta(seconds=2),
+                address=fake,
+                store_address=fake,
+                step=huge,
+                world_size=1,
+                data=claims,
+            )
+        except Exception:
+            done["errors"] += 1
+            time.sleep(0.05)
+            continue
+        done["quorums"] += 1
+        sites = [p.replica_id for p in q.participants if p.replica_id != "Z"]
+        keys = [f"{q.quorum_id + i}-{q.created.seconds}-{q.created.nanos}" for i in range(2)]
+        for p in q.participants:
+            if p.replica_id == "Z":
+                continue
+            try:
+                if p.store_address not in stores:
+                    host, port = p.store_address.rsplit(":", 1)
+                    stores[p.store_address] = dist.TCPStore(
+                        host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2)
+                    )
+                    mine.add(int(port))  # a store is no Gloo pair: its garbage test is the writes
+                st = stores[p.store_address]
+                for key in keys:
+                    for s in sites:
+                        writes = {
+                            f"round/{key}/vote/{s}": "0",
+                            f"auth/{key}/view/{s}": "Z",
+                            f"auth/{key}/refused/{s}": "refused by Z",
+                            f"refused/{s}": "refused by Z",
+                            f"auth/{key}/nonce/{s}": "00",
+                            f"auth/{key}/proof/{s}/Z": "00",
+                            f"pg/{key}/0/0": "garbage",
+                            f"pg/{key}/0/1": "garbage",
+                        }
+                        for k, v in writes.items():
+                            st.set(k, v)
+                        st.add(f"round/{key}/hb/{s}/0", 1000)
+                        done["store_writes"] += len(writes) + 1
+            except Exception:
+                done["errors"] += 1
+        for _, port in listeners(victim)[:64]:  # garbage into the run's other listeners (Gloo pairs)
+            if port in mine:
+                continue
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                    c.sendall(b"\xde\xad\xbe\xef" * 64)
+                done["garbage_connections"] += 1
+            except OSError:
+                pass
+        Path(report).write_text(json.dumps(done))
+    Path(report).write_text(json.dumps(done))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

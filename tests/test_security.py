@@ -1,0 +1,123 @@
+"""Trust across organisations: the control plane's sealed values, member tags and payload MACs
+(unit), and a whole elastic run attacked by a process without the secret on loopback, which must
+end exactly as the same run unattacked; nothing the run starts listens on a wildcard address."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from geotrain.comm.procs import listening_store
+from geotrain.elastic.auth import RunKeys, SealedStore, frame_tag
+from tests.forger import listeners
+from tests.helpers import read_summary, train_args
+
+pytestmark = pytest.mark.timeout(300)
+
+SECRET = b"the-run-secret-0123456789abcdef"
+TWO = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}]\n"
+
+
+def test_the_store_listens_on_its_address_only() -> None:
+    store = listening_store("127.0.0.1", 5)
+    mine = [(a, p) for a, p in listeners(os.getpid()) if p == store.port]
+    assert mine == [("0100007F", store.port)]  # 127.0.0.1, not 0.0.0.0 / ::
+
+
+def test_sealed_values_refuse_forgery_replay_and_substitution() -> None:
+    raw = listening_store("127.0.0.1", 5)
+    keys = RunKeys(SECRET)
+    r1, r2 = SealedStore(raw, keys, "round/1"), SealedStore(raw, keys, "round/2")
+    r1.set("vote/A", "1")
+    assert r1.get("vote/A") == b"1"
+    ns = keys.namespace
+    # an outsider without the secret can name only the pre-namespace keys: nothing reads them
+    raw.set("round/1/vote/A", "0")
+    assert r1.get("vote/A") == b"1"
+    # an observer who saw a name and a value on the wire: altered, replayed into another round,
+    # or moved under another site's name, the value is refused
+    sealed = raw.get(f"{ns}/round/1/vote/A")
+    raw.set(f"{ns}/round/1/vote/A", sealed[:-1] + b"0")
+    assert r1.get("vote/A") is None
+    raw.set(f"{ns}/round/2/vote/A", sealed)
+    assert r2.get("vote/A") is None
+    raw.set(f"{ns}/round/1/vote/B", sealed)
+    assert r1.get("vote/B") is None
+    # another secret: another namespace and key
+    other = SealedStore(raw, RunKeys(b"another-secret-of-enough-length"), "round/1")
+    assert not other.check(["vote/A"])
+
+
+def test_member_tags_bind_every_claim() -> None:
+    keys = RunKeys(SECRET)
+    claims = {"hash": "ab", "step": 10, "joining": False, "committed": 1, "store": "127.0.0.1:5", "incarnation": 0}
+    data = {**claims, "tag": keys.member_tag("A", claims)}
+    assert keys.member_ok("A", data)
+    assert not keys.member_ok("B", data)  # another site's name
+    for field, value in [("committed", 10**9), ("step", 10**9), ("store", "127.0.0.1:6"), ("incarnation", 1), ("hash", "cd")]:
+        assert not keys.member_ok("A", {**data, field: value}), field
+    assert not RunKeys(b"another-secret-of-enough-length").member_ok("A", data)
+
+
+def test_frame_tags_bind_content_and_context() -> None:
+    key = RunKeys(SECRET).payload
+    x = torch.randn(1000)
+    t = frame_tag(key, b"r1|A|B|0|ring1", x)
+    y = x.clone()
+    y.view(torch.uint8)[5] ^= 1
+    assert frame_tag(key, b"r1|A|B|0|ring1", y) != t
+    assert frame_tag(key, b"r1|A|B|0|ring2", x) != t  # another position: a replayed frame fails
+    assert frame_tag(key, b"r1|C|B|0|ring1", x) != t
+
+
+def _run(tmp_path: Path, name: str, attack: bool) -> tuple[dict, dict | None, list[tuple[str, int]]]:
+    from geotrain.config import ElasticConfig
+    from geotrain.elastic.lighthouse import LighthouseProcess
+
+    out = tmp_path / name
+    env = {**os.environ, "GEOTRAIN_SECRET": SECRET.decode()}
+    lh = LighthouseProcess(0, ElasticConfig(), tmp_path / f"{name}-lighthouse.log")
+    lh.start()
+    overrides = ["elastic.enabled=true", "sync.H=10", "train.eval_every=0", "train.steps=120"]
+    args = train_args(out, [*overrides, f"elastic.lighthouse={lh.address}"], TWO)
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    forger, report, seen = None, tmp_path / f"{name}-forger.json", set()
+    try:
+        if attack:
+            cmd = [sys.executable, "-m", "tests.forger", lh.address, "150", str(report), str(run.pid)]
+            forger = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while run.poll() is None:  # who listens where, while the run is up
+            seen |= set(listeners(run.pid))
+            time.sleep(0.5)
+        stdout = run.communicate(timeout=200)[0]
+    finally:
+        for p in (run, forger):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.stop()
+    assert run.returncode == 0, stdout[-3000:]
+    return read_summary(out), (json.loads(report.read_text()) if attack else None), sorted(seen)
+
+
+@pytest.mark.slow
+def test_a_process_without_the_secret_changes_nothing(tmp_path: Path) -> None:
+    clean, _, listening = _run(tmp_path, "clean", attack=False)
+    attacked, did, listening2 = _run(tmp_path, "attacked", attack=True)
+    # the attack ran: a fake quorum member with a huge heal claim, forged store keys, garbage
+    assert did is not None and did["quorums"] >= 3 and did["store_writes"] > 0 and did["garbage_connections"] > 0, did
+    for s in (clean, attacked):
+        assert s["survivors"] == ["A", "B"] and s["consistent"] and s["rounds_rolled_back"] == 0
+    assert attacked["rounds_committed"] == clean["rounds_committed"] == 12
+    assert attacked["global_param_hash"] == clean["global_param_hash"]
+    # nothing the run started listened on a wildcard address (0.0.0.0 or ::)
+    assert listening and listening2
+    wildcard = [(a, p) for a, p in listening + listening2 if set(a) == {"0"}]
+    assert not wildcard, wildcard
