@@ -121,3 +121,15 @@ def test_a_process_without_the_secret_changes_nothing(tmp_path: Path) -> None:
     assert listening and listening2
     wildcard = [(a, p) for a, p in listening + listening2 if set(a) == {"0"}]
     assert not wildcard, wildcard
+
+
+@pytest.mark.slow
+def test_a_frame_altered_on_the_path_rolls_the_round_back(tmp_path: Path) -> None:
+    from tests.helpers import train_cli
+
+    out = tmp_path / "tamper"
+    overrides = ["elastic.enabled=true", "sync.H=10", "train.eval_every=0", "train.steps=60", 'fault.tamper=["B@30"]']
+    proc = train_cli(out, overrides, TWO)
+    s = read_summary(out)
+    assert s["rounds_rolled_back"] == 1 and s["rounds_committed"] == 5 and s["consistent"]
+    assert "a frame from site B failed authentication (payload MAC)" in proc.stdout

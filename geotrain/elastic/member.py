@@ -384,6 +384,7 @@ class SiteMember:
         finished = x.wait()
         self._current["exchange_s"] = time.time() - self._current["start"] - self._current["quorum_s"]
         self._current["mac_s"] = x.mac_seconds
+        self._current["mac_verify_s"] = x.verify_seconds
         ok = torch.ones(1)
         why = ""
         if not finished:
