@@ -116,9 +116,8 @@ class SiteMember:
         self.incarnation = incarnation
         self.authenticated_peer = False  # this site has proved the secret with a peer in this run
         self._rejected: set[str] = set()  # quorum participants whose member tag failed (logged once)
-        self.tamper_steps: set[int] = (
-            set()
-        )  # failure injection: rounds (by step) whose outgoing frames are altered after their MAC
+        # failure injection: the rounds (by step) whose outgoing frames are altered after their MAC
+        self.tamper_steps: set[int] = set()
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
         self._bytes_lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # failures this site detected
