@@ -313,6 +313,9 @@ def test_elastic_checkpoints_resume_after_a_total_outage_exactly(tmp_path: Path)
     finally:
         proc.kill()
         proc.wait()
+    gone = time.monotonic() + 10  # SIGKILL is asynchronous: a loaded machine takes a moment to end them
+    while any(_alive(p) for p in [pids["lighthouse"], *pids["ranks"]]) and time.monotonic() < gone:
+        time.sleep(0.05)
     assert not any(_alive(p) for p in [pids["lighthouse"], *pids["ranks"]])
     train_cli(out, [*common, "checkpoint.resume=auto"], TWO)
     a, b = read_summary(whole), read_summary(out)
