@@ -118,9 +118,6 @@ class SealedStore:
     def check(self, keys: list[str]) -> bool:
         return bool(self.raw.check([self.prefix + k for k in keys]))
 
-    def sub(self, scope: str) -> SealedStore:
-        return SealedStore(self.raw, self.keys, f"{self.scope}/{scope}")
-
     def gloo_prefix(self, scope: str) -> dist.Store:
         """A plain (unsealed) store under the namespace for Gloo's own rendezvous keys."""
         return dist.PrefixStore(self.prefix + scope, self.raw)

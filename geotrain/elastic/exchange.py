@@ -142,11 +142,16 @@ class Exchange:
         admitted = self.view.admitted
         return f"geotrain-frame|{self.view.key}|{admitted[sender]}|{admitted[receiver]}|{self.local}|{what}".encode()
 
-    def _tag(self, data: torch.Tensor, dst: int, what: str) -> torch.Tensor:
-        me = self.view.admitted.index(self.site)
+    def _mac(self, sender: int, receiver: int, what: str, data: torch.Tensor) -> bytes:
+        """The frame MAC of ``data`` from ``sender`` to ``receiver`` (group ranks), timed."""
         t0 = time.perf_counter()
-        tag = frame_tag(self.payload_key, self._context(me, dst, what), data)
+        tag = frame_tag(self.payload_key, self._context(sender, receiver, what), data)
         self.mac_seconds += time.perf_counter() - t0
+        return tag
+
+    def _tag(self, data: torch.Tensor, dst: int, what: str) -> torch.Tensor:
+        """The MAC this rank sends after ``data`` to ``dst``."""
+        tag = self._mac(self.view.admitted.index(self.site), dst, what, data)
         return torch.frombuffer(bytearray(tag), dtype=torch.uint8)
 
     def _altered(self, data: torch.Tensor) -> torch.Tensor:
@@ -158,10 +163,8 @@ class Exchange:
     def _verify(self, data: torch.Tensor, tag: torch.Tensor, src: int, what: str) -> bool:
         """Whether ``data`` is what site ``src`` sent. A frame that is not is remembered (the first
         one fails the round once the ring has ended: the ring goes on so no peer is left waiting)."""
-        me = self.view.admitted.index(self.site)
         t0 = time.perf_counter()
-        want = frame_tag(self.payload_key, self._context(src, me, what), data)
-        self.mac_seconds += time.perf_counter() - t0
+        want = self._mac(src, self.view.admitted.index(self.site), what, data)
         self.verify_seconds += time.perf_counter() - t0
         if hmac.compare_digest(want, tag.numpy().tobytes()):
             return True
@@ -179,11 +182,9 @@ class Exchange:
         self.count(nbytes + TAG_BYTES)
         self._seq += 1
         what = f"ring{self._seq}"
-        tag_out = self._tag(send, dst, what) if self.tamper else None
         works = [pg.recv([recv], src, DATA_TAG), pg.send([self._altered(send) if self.tamper else send], dst, DATA_TAG)]
         arrival = self.wan.pace([(self.names.index(self.view.admitted[dst]), nbytes)])[0] if self.wan is not None else 0.0
-        if tag_out is None:
-            tag_out = self._tag(send, dst, what)
+        tag_out = self._tag(send, dst, what)  # of the unaltered frame, while it is in flight
         tag_in = torch.empty(TAG_BYTES, dtype=torch.uint8)
         works += [pg.recv([tag_in], src, MAC_TAG), pg.send([tag_out], dst, MAC_TAG)]
         if self.wan is None:

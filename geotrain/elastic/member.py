@@ -357,6 +357,7 @@ class SiteMember:
             buf = io.BytesIO()
             torch.save(self.hooks.state(), buf)
             outgoing = buf.getvalue()
+        round_store = SealedStore(store, self.keys, f"round/{view.key}")  # the exchange's rendezvous and the votes
         stores = {m.site: m.store for m in view.members}
         members = tuple(f"{s}@{stores[s]}" for s in view.admitted)
         if self._pg is not None and self._pg[0] != members:
@@ -368,7 +369,7 @@ class SiteMember:
             self.names,
             self.wan,
             monitor,
-            SealedStore(store, self.keys, f"round/{view.key}"),
+            round_store,
             self._pg[1] if self._pg is not None else None,
             self._shard(ext),
             outgoing,
@@ -409,7 +410,7 @@ class SiteMember:
             gathered = [torch.empty(c) for _ in range(self.G)]
             dist.all_gather(gathered, mine, group=self.intra)
             ext.copy_(torch.cat(gathered)[: ext.numel()])
-        committed = self._vote(SealedStore(store, self.keys, f"round/{view.key}"), view, monitor, bool(ok.item()))
+        committed = self._vote(round_store, view, monitor, bool(ok.item()))
         if not committed:
             self._drop_group()
             self._stores.pop(stores[view.source], None)  # reconnect next time: its host may be gone

@@ -57,16 +57,14 @@ class HealHooks:
     load: Callable[[dict[str, Any]], None]
 
 
-def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool] | None = None) -> tuple[list[Member], list[str]]:
+def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) -> tuple[list[Member], list[str]]:
     """The members of a torchft quorum whose claims are ``authentic`` (their member tag verifies,
     and the Lighthouse's own fields agree with the tagged claims), with what each advertised; and
     the names of the participants left out."""
     members, rejected = [], []
     for p in quorum.participants:
         data = dict(p.data or {})
-        ok = authentic is None or (
-            authentic(p.replica_id, data) and data.get("committed") == p.step and data.get("store") == p.store_address
-        )
+        ok = authentic(p.replica_id, data) and data.get("committed") == p.step and data.get("store") == p.store_address
         if not ok:
             rejected.append(p.replica_id)
             continue

@@ -170,9 +170,10 @@ class SecureAggregator:
         size = Participant.share_message_bytes()
         reasons: dict[int, str] = {}
         share_msgs = p.make_shares()
-        if inject and inject.startswith("bad-share:") and int(inject.split(":")[1]) in share_msgs:
+        if inject and inject.startswith("bad-share:"):
             j = int(inject.split(":")[1])
-            share_msgs[j] = share_msgs[j][:-1] + bytes([share_msgs[j][-1] ^ 1])
+            if j in share_msgs:
+                share_msgs[j] = share_msgs[j][:-1] + bytes([share_msgs[j][-1] ^ 1])
         for v, blob in self._exchange(share_msgs, {v: size for v in nb[me]}).items():
             try:
                 p.receive_shares(v, blob)
