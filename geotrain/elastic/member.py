@@ -250,6 +250,9 @@ class SiteMember:
         if source not in admitted:
             view.error = f"round {key}: the source site {source} was not authenticated"
             return view
+        if len(admitted) < self.cfg.min_sites:  # the quorum had enough sites, but not all of them answered
+            view.error = f"round {key}: {len(admitted)} site(s) authenticated, fewer than elastic.min_sites={self.cfg.min_sites}"
+            return view
         view.admitted = admitted
         view.healers = healers(members, source, admitted)
         return view
