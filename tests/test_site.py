@@ -199,7 +199,11 @@ def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identica
                 time.sleep(0.1)
             os.kill(b.pid, signal.SIGKILL)  # its workers die with it (parent-death signal)
             b.wait()
-            time.sleep(1.0)
+            # B comes back only once A has paused: a fixed delay raced A's failed round (which
+            # waits out B's authentication) and B could be back before A asked again
+            while "training paused: fewer than elastic.min_sites=2" not in (out / "A.0.log").read_text():
+                assert time.monotonic() < deadline and a.poll() is None, (out / "A.0.log").read_text()[-3000:]
+                time.sleep(0.1)
             b2 = site(2, "B", 1)
             for p, log in ((a, "A.0.log"), (b2, "B.1.log")):
                 assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (out / log).read_text()[-3000:]
@@ -213,6 +217,8 @@ def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identica
     assert hashes["A"] == hashes["B"], hashes
     assert "healed from A" in (out / "logs" / "B-rank0.1.log").read_text()
     assert "training paused: fewer than elastic.min_sites=2" in (out / "A.0.log").read_text()
+    rounds = [json.loads(x) for x in (out / "elastic" / "rounds-A.jsonl").read_text().splitlines() if x.strip()]
+    assert all(len(r["admitted"]) >= 2 for r in rounds if r["outcome"] == "committed")  # never below min_sites
     assert summaries["A"]["rounds_committed"] == summaries["B"]["rounds_committed"] >= 6
 
 
