@@ -160,8 +160,12 @@ def launch_elastic(
         while True:
             for f in sorted((out / "elastic").glob("fault-*.json")):
                 if f.name not in handled:
+                    try:
+                        request = json.loads(f.read_text())
+                    except json.JSONDecodeError:  # not yet whole (the writer renames it into place): next poll
+                        continue
                     handled.add(f.name)
-                    inject(json.loads(f.read_text()), f)
+                    inject(request, f)
             now = time.time()
             for s in sites:
                 if s.restart_at is not None and now >= s.restart_at and not any(live(o) for o in sites if o is not s):
