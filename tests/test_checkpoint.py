@@ -3,6 +3,7 @@ atomic hashed files, truncated/tampered checkpoints refused, auto-resume falls b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.errors import CheckpointError
-from geotrain.run.checkpoint import verify
+from geotrain.run.checkpoint import Seal, verify
 from tests.helpers import read_summary, train_cli
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -85,3 +86,57 @@ def test_tampered_checkpoint_is_refused_and_auto_resume_uses_the_previous_good_o
     (good / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
         verify(good, 4)
+
+
+def test_sealed_manifest_refuses_edits_and_other_runs_checkpoints(tmp_path: Path) -> None:
+    secret_a, secret_b = tmp_path / "a.secret", tmp_path / "b.secret"
+    secret_a.write_text("run-a-" + "x" * 20)
+    secret_b.write_text("run-b-" + "y" * 20)
+    run_a = tmp_path / "a"
+    _train(run_a, "sync.H=3", "checkpoint.every=4", "train.steps=8", f"elastic.secret_file={secret_a}")
+    d = run_a / "checkpoints" / "step-00000008"
+    seal_a, seal_b = Seal.of(secret_a.read_bytes()), Seal.of(secret_b.read_bytes())
+    manifest = verify(d, 4, None, seal_a)
+    assert manifest["run"] == seal_a.run and len(manifest["mac"]) == 64
+    # another run's secret: refused unless allowed; a run without a secret loads it (nothing to protect)
+    with pytest.raises(CheckpointError, match="another run"):
+        verify(d, 4, 0, seal_b)
+    verify(d, 4, 0, seal_b, allow_foreign=True)
+    verify(d, 4, 0, None)
+    # a rank file altered and the manifest's hash edited to match: the old check (hashes only) passed it
+    data = bytearray((d / "rank1.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / "rank1.pt").write_bytes(bytes(data))
+    edited = json.loads((d / "manifest.json").read_text())
+    edited["files"]["rank1.pt"] = hashlib.sha256(bytes(data)).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(edited))
+    verify(d, 4, None, None)  # without the seal nothing can tell
+    with pytest.raises(CheckpointError, match="HMAC does not verify"):
+        verify(d, 4, 0, seal_a)
+    # a manifest naming files outside the rank files is refused before anything is opened
+    odd = {**edited, "files": {**edited["files"], "../../etc/passwd": "0" * 64}}
+    (d / "manifest.json").write_text(json.dumps(odd))
+    with pytest.raises(CheckpointError, match="lists exactly rank0.pt"):
+        verify(d, 4, 0, None)
+    # each rank hashes only the file it loads: rank 0 accepts while rank 3's file is corrupt
+    good = run_a / "checkpoints" / "step-00000004"
+    (good / "rank3.pt").write_bytes(b"corrupt")
+    verify(good, 4, 0, seal_a)
+    with pytest.raises(CheckpointError, match="rank3.pt: content hash"):
+        verify(good, 4, 3, seal_a)
+    # end to end: a run with another secret refuses A's checkpoint in one line, nothing started ...
+    clean = tmp_path / "clean"
+    _train(clean, "sync.H=3", "checkpoint.every=4", "train.steps=4", f"elastic.secret_file={secret_a}")
+    ckpt_a = clean / "checkpoints" / "step-00000004"
+    proc = _train(tmp_path / "b", "sync.H=3", f"checkpoint.resume={ckpt_a}", f"elastic.secret_file={secret_b}", expect_rc=2)
+    assert "another run" in proc.stderr and "checkpoint.allow_foreign" in proc.stderr and "Traceback" not in proc.stderr
+    # ... and loads it when told to
+    proc = _train(
+        tmp_path / "b2",
+        "sync.H=3",
+        "train.steps=8",
+        f"checkpoint.resume={ckpt_a}",
+        "checkpoint.allow_foreign=true",
+        f"elastic.secret_file={secret_b}",
+    )
+    assert "after step 4" in proc.stdout

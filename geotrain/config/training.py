@@ -101,6 +101,11 @@ class CheckpointConfig(Section):
         description="Resume from 'auto' (the newest valid checkpoint under dir) or from this checkpoint "
         "(a step-N directory); a truncated or tampered one is refused.",
     )
+    allow_foreign: bool = Field(
+        default=False,
+        description="In a run with a secret, also load a checkpoint whose manifest another run (another secret, "
+        "or none) sealed; its file hashes are still checked.",
+    )
 
 
 class RunConfig(Section):

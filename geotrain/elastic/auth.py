@@ -57,6 +57,15 @@ def load_secret(cfg: ElasticConfig) -> bytes:
     return data
 
 
+def optional_secret(cfg: ElasticConfig) -> bytes | None:
+    """The run secret when one is set: always in elastic mode (:func:`load_secret`, required),
+    otherwise from ``secret_file`` or ``secret_env`` if either holds one."""
+    if cfg.enabled or cfg.secret_file:
+        return load_secret(cfg)
+    data = os.environ.get(cfg.secret_env, "").encode()
+    return data if len(data) >= 16 else None
+
+
 class RunKeys:
     """The keys one run derives from its secret (see the module docstring)."""
 
@@ -65,6 +74,8 @@ class RunKeys:
         self.control = self._derive(secret, "control")
         self.payload = self._derive(secret, "payload")
         self.member = self._derive(secret, "member")
+        self.checkpoint = self._derive(secret, "checkpoint")
+        self.run_id = self._derive(secret, "run-id").hex()[:32]  # public: names the run in what it writes
 
     @staticmethod
     def _derive(secret: bytes, label: str) -> bytes:

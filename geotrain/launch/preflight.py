@@ -12,9 +12,9 @@ from geotrain.comm.groups import choose_backend
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.data import check_data
-from geotrain.elastic.auth import load_secret
+from geotrain.elastic.auth import optional_secret
 from geotrain.errors import ConfigError, MembershipRefused
-from geotrain.run.checkpoint import verify
+from geotrain.run.checkpoint import Seal, verify
 
 
 def preflight(cfg: Config, site: int | None = None) -> None:
@@ -30,12 +30,13 @@ def preflight(cfg: Config, site: int | None = None) -> None:
         check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites], site)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.checkpoint.resume not in (None, "auto"):
-        verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size)
-    if cfg.elastic.enabled and cfg.elastic.secret_file:
+    secret = None
+    if cfg.elastic.secret_file or not cfg.elastic.enabled:  # elastic mode's secret may live on the sites only
         try:
-            load_secret(cfg.elastic)
+            secret = optional_secret(cfg.elastic)
         except MembershipRefused as exc:
             raise ConfigError(str(exc)) from None
+    if cfg.checkpoint.resume not in (None, "auto"):
+        verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign)
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
         raise ConfigError(f"sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})")

@@ -57,6 +57,8 @@ class RankObjects:
     data: RankData
     comm: Collectives
     privacy: Privacy
+    seal: ckpt.Seal | None = None  # the run has a secret: manifests are sealed with it
+    allow_foreign: bool = False  # checkpoint.allow_foreign
 
     def training_state(self, step: int) -> dict[str, Any]:
         """Model, optimizers, schedule and sync state after ``step`` (what a healing site receives)."""
@@ -97,15 +99,25 @@ class RankObjects:
 
     def resume(self, spec: str, root: Path) -> int:
         """Load the checkpoint ``spec`` ('auto' or a path) into this rank's objects; the step it was
-        taken after (0 when 'auto' finds none). Every rank verifies every file, so all choose alike."""
+        taken after (0 when 'auto' finds none). Each rank checks the manifest and its own file; the
+        ranks agree on the verdict, so all choose alike."""
         groups = self.comm.groups
         me = groups.me
+        world = groups.topology.world_size
 
         def warn(msg: str) -> None:
             if me.rank == 0:
                 log(me, 0, msg)
 
-        d = ckpt.find(spec, root, groups.topology.world_size, warn)
+        def check(d: Path) -> None:
+            ckpt.verify(d, world, me.rank, self.seal, self.allow_foreign)
+
+        def agree(error: str | None) -> list[str | None]:
+            errors: list[str | None] = [None] * world
+            dist.all_gather_object(errors, error, group=groups.world)
+            return errors
+
+        d = ckpt.find(spec, root, world, check, agree, warn)
         if d is None:
             warn(f"no valid checkpoint under {root}: starting from step 0")
             return 0
@@ -117,6 +129,6 @@ class RankObjects:
         """Write this rank's checkpoint after ``step`` under ``root`` (collective over the world)."""
         groups = self.comm.groups
         me = groups.me
-        d = ckpt.save(root, step, self.state(step), me.rank, groups.topology.world_size, groups.world, keep)
+        d = ckpt.save(root, step, self.state(step), me.rank, groups.topology.world_size, groups.world, keep, self.seal)
         if me.rank == 0:
             log(me, step, f"checkpoint {d}")

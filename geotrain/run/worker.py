@@ -33,11 +33,13 @@ from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
 from geotrain.data import build_rank_data
-from geotrain.errors import ConfigError, ElasticTimeout, MembershipRefused
+from geotrain.elastic.auth import optional_secret
+from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, MembershipRefused
 from geotrain.models import build_model, count_params
 from geotrain.privacy.build import build_privacy
 from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import rank_record, run_summary
+from geotrain.run import checkpoint as ckpt
 from geotrain.run.elastic_site import join_elastic
 from geotrain.run.loop import Evaluator, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
@@ -176,7 +178,8 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
             nan_at=cfg.fault.nan_at() if outer else None,
         )
-        objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy)
+        seal = ckpt.Seal.of(optional_secret(cfg.elastic))
+        objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
         ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
         if place.elastic:  # every site is its own world with its own checkpoints
             ckpt_root = ckpt_root / where.site
@@ -288,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     except MembershipRefused as exc:
         print(f"geotrain: membership refused: {exc}", file=sys.stderr, flush=True)
         return 3
+    except CheckpointError as exc:
+        print(f"geotrain: checkpoint.resume: refused: {exc}", file=sys.stderr, flush=True)
+        return 2
     except ElasticTimeout as exc:
         print(f"geotrain: elastic wait timed out: {exc}", file=sys.stderr, flush=True)
         return 4
