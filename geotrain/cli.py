@@ -63,25 +63,15 @@ def _wide(width: int) -> Console:
     return Console(soft_wrap=True, width=max(console.width, width))
 
 
-def _last_step(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().decode(errors="replace").strip().splitlines()
-        return int(json.loads(lines[-1])["step"]) if lines else 0
-    except (OSError, ValueError, KeyError, IndexError):
-        return 0
-
-
 def _run_one(cfg: Config, out: Path, progress: Progress) -> dict[str, Any]:
     from geotrain.launch.local import launch_local
+    from geotrain.report.metrics import last_step
 
     task = progress.add_task(f"{cfg.sync.algorithm:>6}", total=cfg.train.steps)
     metrics = out / "metrics" / "rank0.jsonl"
 
     def poll() -> None:
-        progress.update(task, completed=_last_step(metrics))
+        progress.update(task, completed=last_step(metrics))
 
     def forward(line: str) -> None:
         progress.console.print(line, markup=False, highlight=False)
@@ -286,17 +276,8 @@ def chaos(
 
     seed_list, hog_list = _ints(seeds, "--seeds", 0, 2**31), _ints(cpu_hogs, "--cpu-hogs", 0, 64)
     try:
-        report = run_soaks(
-            out,
-            seed_list,
-            hog_list,
-            sites=sites,
-            rounds=rounds,
-            H=H,
-            failures=failures,
-            restart_after=restart_after,
-            console_print=None,
-        )
+        kw = {"sites": sites, "rounds": rounds, "H": H, "failures": failures, "restart_after": restart_after}
+        report = run_soaks(out, seed_list, hog_list, console_print=None, **kw)
     except LaunchError as exc:
         _fail(f"chaos run failed: {exc}", 1)
     table = chaos_table(report, f"chaos: {sites} sites, {rounds} rounds of H={H}")
@@ -304,6 +285,33 @@ def chaos(
     _write_json(report, json_out or out / "chaos.json")
     if not all(r["consistent"] for r in report["runs"]):
         _fail("survivors' global models differ", 1)
+
+
+audit_app = typer.Typer(help="The sites' signed audit logs.", no_args_is_help=True, add_completion=False)
+app.add_typer(audit_app, name="audit")
+
+
+@audit_app.command("verify")
+def audit_verify_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory holding audit*.jsonl (one per site).")],
+    keys: Annotated[
+        Path | None, typer.Option("--keys", help="JSON {site: public key hex} pinned out of band (else each log's own).")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the findings as JSON here.")] = None,
+) -> None:
+    """Check every site's signed hash chain and the sites' agreement on each round; exit 1 on any finding."""
+    from geotrain.privacy.audit import verify_dir
+
+    try:
+        lines, findings = verify_dir(run_dir, keys)
+    except ValueError as exc:
+        _fail(f"audit verify: {exc}")
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
+    if json_out is not None:
+        _write_json({"findings": [vars(f) for f in findings]}, json_out)
+    if findings:
+        _fail(f"audit verify: {len(findings)} finding(s) in {run_dir}", 1)
 
 
 bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True, add_completion=False)

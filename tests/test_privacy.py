@@ -4,16 +4,19 @@ site-private data, and end-to-end private training runs."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from geotrain.config import DataConfig, ModelConfig
 from geotrain.data import build_rank_data
 from geotrain.models import build_model
+from geotrain.privacy.audit import AuditChain, verify_logs
 from geotrain.privacy.dp import Accountant, ExampleDP, calibrate_noise
 from tests.helpers import FOUR_SITES, read_summary, run_ranks, train_cli, uniform_topology
 
@@ -137,13 +140,70 @@ def test_four_sites_secure_aggregation_with_site_dp_dropout_and_rollback(tmp_pat
     assert s["dropouts"] == 2 and s["rounds_rolled_back"] == 1  # round 3 lost 2 of 4 sites (< t = 3)
     assert len(set(s["global_param_hash"].values())) == 1
     assert s["final_eval_loss"] < s["runs"][0]["eval_curve"][0]["eval_loss"]
-    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    audit = _rounds(tmp_path / "audit.jsonl")
     assert [a["status"] for a in audit] == ["committed"] * 3 + ["rolled_back"] + ["committed"] * 2
     assert audit[1]["dropped"] == ["B"] and audit[1]["masks_recovered"] == ["B"]
     assert audit[2]["malformed"] == ["C"]
     assert all(a["noise_multiplier"] == 0.0001 and a["clip_norm"] == 2.0 for a in audit)
     assert audit[-1]["epsilon"] == pytest.approx(s["epsilon"])
     assert (tmp_path / "audit-B.jsonl").exists()  # every organisation keeps its own record
+    _tamper_with_the_audit_logs(tmp_path)
+
+
+def _rounds(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "round"]
+
+
+def _findings(run: Path, keys: dict[str, str] | None = None) -> list[tuple[str, int, str]]:
+    _, findings = verify_logs(sorted(run.glob("audit*.jsonl")), keys)
+    return [(f.file, f.line, f.problem) for f in findings]
+
+
+def _tamper_with_the_audit_logs(run: Path) -> None:
+    """Every way of rewriting a site's signed audit log is found, by file and line number."""
+    assert _findings(run) == []
+    proc = subprocess.run([sys.executable, "-m", "geotrain", "audit", "verify", str(run)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "4 chain(s) intact and in agreement" in proc.stdout, proc.stdout + proc.stderr
+    lines = (run / "audit-C.jsonl").read_text().splitlines()  # genesis, 6 rounds, end
+    assert len(lines) == 8 and json.loads(lines[0])["kind"] == "genesis" and json.loads(lines[-1])["kind"] == "end"
+    pub = {p.stem: p.read_text().strip() for p in (run / "keys").glob("*.pub")}
+    assert sorted(pub) == ["A", "B", "C", "D"]
+
+    def tampered(new: list[str], name: str = "audit-C.jsonl") -> Path:
+        d = run / "tampered"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        for f in run.glob("audit*.jsonl"):
+            shutil.copy(f, d / f.name)
+        (d / name).write_text("\n".join(new) + "\n")
+        return d
+
+    f = "audit-C.jsonl"
+    assert _findings(tampered(lines[:3] + lines[4:])) == [(f, 4, "removed")]
+    assert _findings(tampered(lines[:2] + [lines[3], lines[2]] + lines[4:])) == [(f, 4, "reordered")]
+    rec = json.loads(lines[5])  # round 4
+    assert rec["status"] == "committed"
+    altered = json.dumps({**rec, "status": "rolled_back"}, sort_keys=True)
+    assert _findings(tampered(lines[:5] + [altered] + lines[6:])) == [(f, 6, "altered")]
+    assert _findings(tampered(lines[:-1])) == [(f, 7, "truncated")]
+    assert ("audit-C.jsonl", 6, "forged") in _findings(tampered(lines[:5] + [lines[2]] + lines[5:]))  # replayed line
+    # a line signed by someone else's key, inserted
+    other = AuditChain(run / "other.jsonl", Ed25519PrivateKey.generate(), "C")
+    other.append({**rec, "status": "rolled_back"})
+    inserted = (run / "other.jsonl").read_text().splitlines()[1]
+    assert _findings(tampered(lines[:4] + [inserted] + lines[4:])) == [(f, 5, "forged")]
+    # the whole log rewritten under a new key, one round's outcome changed: the other sites'
+    # logs disagree; with the keys pinned the new key itself is refused
+    rewritten = AuditChain(run / "rewritten.jsonl", Ed25519PrivateKey.generate(), "C")
+    for line in lines[1:-1]:
+        r = {k: v for k, v in json.loads(line).items() if k not in ("seq", "prev", "sig")}
+        rewritten.append({**r, "status": "rolled_back"} if r["round"] == 4 else r)
+    rewritten.close({})
+    d = tampered((run / "rewritten.jsonl").read_text().splitlines())
+    assert _findings(d) == [(f, 6, "disagreement")]  # round 4 is line 6 (seq 5)
+    assert (f, 1, "forged") in _findings(d, pub)
+    proc = subprocess.run([sys.executable, "-m", "geotrain", "audit", "verify", str(d)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "audit-C.jsonl:6: disagreement: round 4" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -181,7 +241,7 @@ def test_streaming_with_secure_aggregation_rolls_back_a_failed_fragment(tmp_path
     )
     assert s["secagg"] and s["rounds_rolled_back"] == 1 and s["dropouts"] == 0
     assert len(set(s["global_param_hash"].values())) == 1
-    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    audit = _rounds(tmp_path / "audit.jsonl")
     assert [a["status"] for a in audit].count("rolled_back") == 1 and audit[1]["status"] == "rolled_back"
 
 

@@ -5,10 +5,8 @@ DP), and sum across sites securely (:mod:`geotrain.privacy.secagg`) or in the cl
 
 from __future__ import annotations
 
-import json
 import math
 import threading
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -16,6 +14,7 @@ import torch
 from geotrain.comm.collectives import Collectives
 from geotrain.config import PrivacyConfig
 from geotrain.errors import RoundFailed, SecAggAborted
+from geotrain.privacy.audit import AuditChain
 from geotrain.privacy.dp import Accountant, calibrate_noise, gaussian_noise, secure_generator
 from geotrain.privacy.secagg import RoundReport, SecureAggregator
 
@@ -29,7 +28,7 @@ class PrivateAggregation:
     must roll it back.
     """
 
-    def __init__(self, cfg: PrivacyConfig, comm: Collectives, seed: int, rounds_planned: int, audit: Path | None) -> None:
+    def __init__(self, cfg: PrivacyConfig, comm: Collectives, seed: int, rounds_planned: int, audit: AuditChain | None) -> None:
         self.cfg = cfg
         self.comm = comm
         g = comm.groups
@@ -60,6 +59,7 @@ class PrivateAggregation:
         self.gen = secure_generator()
         self.injections = {(s, r): k for (s, r), k in cfg.injections().items() if s == self.site_names[self.site]}
         self.audit = audit
+        self._guard = ""  # this round's guard decision on the site's own update (for the audit log)
         self.aggregations = 0
         self.dropouts = 0
         self.failed = 0
@@ -89,6 +89,7 @@ class PrivateAggregation:
         """Replace ``delta`` by the average over surviving sites; returns how many survived.
         A non-finite update is withdrawn (secure aggregation) or left out (plain), never summed."""
         finite = bool(torch.isfinite(delta).all())
+        self._guard = "own update finite" if finite else "own update non-finite: withdrawn"
         if not finite:
             delta.zero_()
         norm = float(delta.norm())
@@ -140,6 +141,7 @@ class PrivateAggregation:
             return
         names = self.site_names
         rec: dict[str, Any] = {
+            "kind": "round",
             "round": round_id,
             "site": names[self.site],
             "secure_aggregation": self.secagg is not None,
@@ -148,6 +150,7 @@ class PrivateAggregation:
             "noise_multiplier": self.noise_multiplier if self.site_dp else None,
             "epsilon": self.accountant.epsilon() if self.accountant is not None else None,
             "delta": self.cfg.dp.delta if self.accountant is not None else None,
+            "guard": self._guard,
         }
         if report is not None:
             rec.update(
@@ -169,8 +172,17 @@ class PrivateAggregation:
             rec.update(status="rolled_back", error=error)
         else:
             rec["status"] = "committed"
-        with self._lock, self.audit.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        with self._lock:
+            self.audit.append(rec)
+
+    def close_audit(self) -> None:
+        """The audit log's closing line: the run ended here (an audit log without it was cut short)."""
+        if self.audit is not None:
+            eps = self.accountant.epsilon() if self.accountant is not None else None
+            with self._lock:
+                self.audit.close(
+                    {"aggregations": self.aggregations, "rolled_back": self.failed, "dropouts": self.dropouts, "epsilon": eps}
+                )
 
     def summary(self) -> dict[str, Any]:
         return {

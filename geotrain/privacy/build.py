@@ -14,6 +14,7 @@ import torch.nn as nn
 from geotrain.comm.collectives import Collectives
 from geotrain.config import PrivacyConfig
 from geotrain.privacy.aggregation import PrivateAggregation
+from geotrain.privacy.audit import AuditChain, site_key
 from geotrain.privacy.dp import Accountant, ExampleDP, calibrate_noise
 
 
@@ -58,6 +59,11 @@ class Privacy:
         if acc is not None and state is not None:
             acc.load_state_dict(state)
 
+    def close(self) -> None:
+        """The run ended normally: close the audit log."""
+        if self.aggregation is not None:
+            self.aggregation.close_audit()
+
     def summary(self) -> dict[str, Any]:
         d = self.cfg.dp
         out: dict[str, Any] = {
@@ -93,26 +99,28 @@ def build_privacy(
     steps: int,
     rounds_planned: int,
     sample_rate: float,
+    run_id: str | None = None,
 ) -> Privacy:
     """The privacy machinery ``cfg`` asks for on this rank (nothing when privacy is off).
 
     Args:
         comm: this rank's collectives (secure aggregation runs over them).
         model: wrapped for per-example gradients when ``cfg.dp.unit == 'example'``.
-        out: the run directory (the audit logs go there).
+        out: the run directory (the audit logs go there, the sites' signing keys under ``keys/``).
         seed: the run's public seed (the SecAgg+ graph of each round derives from it).
         steps: inner steps planned; ``rounds_planned``: cross-site aggregations planned.
         sample_rate: this rank's sampling rate (batch ÷ windows of its shard); the largest over
             all ranks is used, so every rank stops at the same step.
+        run_id: the run's public id (from its secret), named in the audit logs.
     """
     groups = comm.groups
     aggregation = None
     if cfg.secure_aggregation or cfg.dp.unit == "site":
         me = groups.me
         audit = None
-        if me.local_rank == 0:
-            audit = out / ("audit.jsonl" if me.rank == 0 else f"audit-{me.site}.jsonl")
-            audit.unlink(missing_ok=True)
+        if me.local_rank == 0:  # each site signs its own log with its own key
+            path = out / ("audit.jsonl" if me.rank == 0 else f"audit-{me.site}.jsonl")
+            audit = AuditChain(path, site_key(out / "keys" / f"{me.site}.key"), me.site, run_id)
         aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit)
     example = None
     max_steps = steps

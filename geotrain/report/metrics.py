@@ -40,6 +40,18 @@ def _tensorboard(path: Path) -> _Scalars:
     return SummaryWriter(log_dir=str(path))
 
 
+def last_step(path: Path) -> int:
+    """The step of the last record in a metrics JSONL file (0 if none yet); reads only its tail."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+        return int(json.loads(lines[-1])["step"]) if lines else 0
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
+
+
 def log(me: RankInfo, step: int, message: str) -> None:
     """Print one line with the rank prefix, flushed (the launcher forwards it live)."""
     print(f"[{me.tag} step {step}] {message}", flush=True)

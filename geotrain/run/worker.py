@@ -155,6 +155,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             comm.stats.intervals = []
         tokens_per_rank_step = cfg.train.batch_size * cfg.model.block_size
         n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+        seal = ckpt.Seal.of(optional_secret(cfg.elastic))
         privacy = build_privacy(
             cfg.privacy,
             comm,
@@ -164,6 +165,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             steps=cfg.train.steps,
             rounds_planned=fragment_count(cfg.sync, n_tensors) * math.ceil(cfg.train.steps / cfg.sync.H),
             sample_rate=cfg.train.batch_size / (data.train.tokens.numel() - cfg.model.block_size - 1),
+            run_id=seal.run if seal is not None else None,
         )
         outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients
         sync = build_sync(
@@ -178,7 +180,6 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
             nan_at=cfg.fault.nan_at() if outer else None,
         )
-        seal = ckpt.Seal.of(optional_secret(cfg.elastic))
         objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
         ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
         if place.elastic:  # every site is its own world with its own checkpoints
@@ -219,6 +220,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             after_step=after_step,
         )
         sink.close()
+        privacy.close()
         # every rank's numbers, gathered on the world group (control plane)
         gathered: list[Any] = [None] * place.world.world_size
         dist.all_gather_object(gathered, rank_record(me, comm.stats, result, sync.global_hash()), group=groups.world)
