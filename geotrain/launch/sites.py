@@ -13,7 +13,9 @@ the failure injection that kills, hangs and restarts whole sites with real signa
   own summaries and round logs (``OUT/elastic``) with the injected failures.
 
 A shared membership secret is generated for the run (``elastic.secret_env`` in the children's
-environment) unless the user provided one.
+environment) unless the user provided one. It is kept in ``OUT/keys/run.secret`` (mode 0600), so
+a run started again in the same folder (``checkpoint.resume=auto`` after an outage) is the same
+run: its sealed checkpoints load.
 """
 
 from __future__ import annotations
@@ -70,6 +72,19 @@ def site_env(
     return env
 
 
+def _run_secret(path: Path) -> str:
+    """The secret kept at ``path``, made (64 hex digits, mode 0600) if there is none yet."""
+    if path.is_file() and len(path.read_text().strip()) >= 16:
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    secret = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
+
+
 def launch_elastic(
     cfg: Config,
     out: Path,
@@ -89,7 +104,7 @@ def launch_elastic(
         old.unlink()
     wan_key = f"elastic-{os.getpid()}-{secrets.token_hex(4)}"
     if not ecfg.secret_file and len(os.environ.get(ecfg.secret_env, "")) < 16:
-        os.environ[ecfg.secret_env] = secrets.token_hex(32)  # a per-run secret, inherited by every site
+        os.environ[ecfg.secret_env] = _run_secret(out / "keys" / "run.secret")  # inherited by every site
     lighthouse: LighthouseProcess | None = None
     if ecfg.lighthouse:
         address = ecfg.lighthouse
