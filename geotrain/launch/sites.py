@@ -74,8 +74,9 @@ def site_env(
 
 def _run_secret(path: Path) -> str:
     """The secret kept at ``path``, made (64 hex digits, mode 0600) if there is none yet."""
-    if path.is_file() and len(path.read_text().strip()) >= 16:
-        return path.read_text().strip()
+    kept = path.read_text().strip() if path.is_file() else ""
+    if len(kept) >= 16:
+        return kept
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     secret = secrets.token_hex(32)

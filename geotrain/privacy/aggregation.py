@@ -59,7 +59,6 @@ class PrivateAggregation:
         self.gen = secure_generator()
         self.injections = {(s, r): k for (s, r), k in cfg.injections().items() if s == self.site_names[self.site]}
         self.audit = audit
-        self._guard = ""  # this round's guard decision on the site's own update (for the audit log)
         self.aggregations = 0
         self.dropouts = 0
         self.failed = 0
@@ -89,7 +88,7 @@ class PrivateAggregation:
         """Replace ``delta`` by the average over surviving sites; returns how many survived.
         A non-finite update is withdrawn (secure aggregation) or left out (plain), never summed."""
         finite = bool(torch.isfinite(delta).all())
-        self._guard = "own update finite" if finite else "own update non-finite: withdrawn"
+        guard = "own update finite" if finite else "own update non-finite: withdrawn"  # for the audit log
         if not finite:
             delta.zero_()
         norm = float(delta.norm())
@@ -108,14 +107,14 @@ class PrivateAggregation:
             try:
                 summed, report = self.secagg.aggregate(shard.contiguous(), round_id, inject)
             except SecAggAborted as exc:
-                self._failed(round_id, exc)
+                self._failed(round_id, exc, guard)
             shard.copy_(summed)
             self.comm.all_gather_intra(delta, [s.numel() for s in delta.tensor_split(G)])
             survivors = len(report.survivors)
         else:
             survivors = int(sum(self.comm.site_values(1.0 if finite else 0.0)))
             if survivors == 0:
-                self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"))
+                self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"), guard)
             self.comm.all_reduce_across_sites(delta)
         delta.div_(survivors)
         with self._lock:
@@ -124,18 +123,18 @@ class PrivateAggregation:
             self.dropouts += self.num_sites - survivors
             if self.accountant is not None:
                 self.accountant.step(self.noise_multiplier * math.sqrt(survivors / self.num_sites), 1.0)
-        self._write_audit(round_id, report, None)
+        self._write_audit(round_id, report, None, guard)
         return survivors
 
-    def _failed(self, round_id: int, exc: RoundFailed) -> NoReturn:
+    def _failed(self, round_id: int, exc: RoundFailed, guard: str) -> NoReturn:
         """Count and audit a round that cannot complete, then raise ``exc`` for the caller to roll back."""
         with self._lock:
             self.failed += 1
             self._pending = max(0, self._pending - 1)
-        self._write_audit(round_id, None, str(exc))
+        self._write_audit(round_id, None, str(exc), guard)
         raise exc
 
-    def _write_audit(self, round_id: int, report: RoundReport | None, error: str | None) -> None:
+    def _write_audit(self, round_id: int, report: RoundReport | None, error: str | None, guard: str) -> None:
         g = self.comm.groups
         if self.audit is None or g.me.local_rank != 0:
             return
@@ -150,7 +149,7 @@ class PrivateAggregation:
             "noise_multiplier": self.noise_multiplier if self.site_dp else None,
             "epsilon": self.accountant.epsilon() if self.accountant is not None else None,
             "delta": self.cfg.dp.delta if self.accountant is not None else None,
-            "guard": self._guard,
+            "guard": guard,
         }
         if report is not None:
             rec.update(

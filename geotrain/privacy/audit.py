@@ -115,8 +115,9 @@ def _signed_ok(pub: Ed25519PublicKey, rec: dict[str, Any]) -> bool:
         return False
 
 
-def verify_chain(path: Path, trusted: str | None = None) -> Chain:
-    """Check one site's chain (``trusted``: its pinned public key, hex)."""
+def verify_chain(path: Path, trusted: dict[str, str] | None = None) -> Chain:
+    """Check one site's chain (``trusted``: site -> pinned public key hex; the site is the one its
+    genesis line names)."""
     chain = Chain(path.name)
     report = chain.findings.append
     lines = path.read_text().splitlines()
@@ -130,9 +131,10 @@ def verify_chain(path: Path, trusted: str | None = None) -> Chain:
     genesis = next((r for r in parsed if r is not None and r.get("kind") == "genesis"), None)
     claimed = str(genesis.get("public_key", "")) if genesis is not None else None
     chain.site = str(genesis.get("site")) if genesis is not None else None
-    key_hex = trusted or claimed
-    if trusted is not None and claimed is not None and claimed != trusted:
-        report(Finding(path.name, 1, "forged", f"signed by key {claimed[:16]}..., the trusted key is {trusted[:16]}..."))
+    pinned = (trusted or {}).get(chain.site) if chain.site is not None else None
+    key_hex = pinned or claimed
+    if pinned is not None and claimed is not None and claimed != pinned:
+        report(Finding(path.name, 1, "forged", f"signed by key {claimed[:16]}..., the trusted key is {pinned[:16]}..."))
     try:
         pub = Ed25519PublicKey.from_public_bytes(bytes.fromhex(key_hex or ""))
     except ValueError:
@@ -195,13 +197,9 @@ def verify_chain(path: Path, trusted: str | None = None) -> Chain:
 def verify_logs(files: list[Path], trusted: dict[str, str] | None = None) -> tuple[list[Chain], list[Finding]]:
     """Every chain in ``files`` checked on its own, then the sites' agreement on every round
     (``trusted``: site -> pinned public key). Returns the chains and all findings."""
-    trusted = trusted or {}
-    chains = []
-    for f in sorted(files):
-        site = _claimed_site(f)
-        chains.append(verify_chain(f, trusted.get(site) if site else None))
+    chains = [verify_chain(f, trusted) for f in sorted(files)]
     findings = [x for c in chains for x in c.findings]
-    for site in sorted(set(trusted) - {c.site for c in chains}):
+    for site in sorted(set(trusted or {}) - {c.site for c in chains}):
         findings.append(Finding(site, 0, "removed", f"no audit log of site {site} (its key is pinned)"))
     seen: dict[int, list[tuple[Chain, int, dict[str, Any]]]] = {}
     for c in chains:
@@ -215,16 +213,6 @@ def verify_logs(files: list[Path], trusted: dict[str, str] | None = None) -> tup
                 detail = ", ".join(f"{k} {rec.get(k)!r} vs {first.get(k)!r} at {first_chain.file}:{first_n}" for k in differ)
                 findings.append(Finding(c.file, n, "disagreement", f"round {round_id}: {detail}"))
     return chains, findings
-
-
-def _claimed_site(path: Path) -> str | None:
-    """The site a log's genesis line names (unverified: used only to pick its pinned key)."""
-    try:
-        with path.open() as f:
-            rec = json.loads(f.readline())
-        return str(rec["site"]) if isinstance(rec, dict) and "site" in rec else None
-    except (ValueError, OSError):
-        return None
 
 
 def verify_dir(run_dir: Path, keys: Path | None = None) -> tuple[list[str], list[Finding]]:

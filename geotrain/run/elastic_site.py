@@ -9,7 +9,6 @@ rank 0 then marks the site live for the launcher (``OUT/elastic/live-<site>.<inc
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from geotrain.elastic.member import SiteMember
 from geotrain.elastic.view import HealHooks
 from geotrain.errors import MembershipRefused
 from geotrain.report.metrics import log
+from geotrain.run.checkpoint import atomic_write
 from geotrain.run.state import RankObjects
 from geotrain.sync import DiLoCo
 
@@ -56,9 +56,8 @@ def join_elastic(
             return
         request = out / "elastic" / f"fault-{where.site}-{step}.json"
         if where.local_rank == 0:  # the launcher signals every process of this site
-            tmp = request.with_name(request.name + ".tmp")  # renamed into place: the launcher never reads half a file
-            tmp.write_text(json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}))
-            os.replace(tmp, request)
+            # renamed into place: the launcher never reads half a file
+            atomic_write(request, json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}).encode())
             log(where, step, f"fault injection: {kind} this site now")
         skip = request.with_suffix(".skip")  # the launcher declined: it is the last live site
         deadline = time.monotonic() + 120
