@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -59,9 +62,30 @@ def train_cli(
     out: Path, overrides: list[str], topology: str | None = None, expect_rc: int = 0, timeout: float = 220
 ) -> subprocess.CompletedProcess[str]:
     """``geotrain train`` in a subprocess (:func:`train_args`). Asserts the exit code."""
-    proc = subprocess.run(train_args(out, overrides, topology), capture_output=True, text=True, timeout=timeout)
+    args = train_args(out, overrides, topology)
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # stop every process it started, then show where it stood
+            _kill_run(out, p)
+            stdout, stderr = p.communicate()
+            logs = "".join(f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in sorted((out / "logs").glob("*.log")))
+            raise AssertionError(f"timed out after {timeout}s:\n{stdout[-4000:]}{stderr[-2000:]}{logs}") from None
+    proc = subprocess.CompletedProcess(args, p.returncode, stdout, stderr)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _kill_run(out: Path, launcher: subprocess.Popen[str]) -> None:
+    """SIGKILL a timed-out run's launcher and, by PID (``OUT/pids.json``), its ranks and Lighthouse,
+    which run in sessions of their own."""
+    launcher.kill()
+    pids_file = out / "pids.json"
+    pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
+    for pid in [*pids.get("ranks", []), pids.get("lighthouse")]:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def read_summary(out: Path) -> dict[str, Any]:
