@@ -98,7 +98,7 @@ BAD = [
     (["fabric.bogus=1"], "fabric.bogus", "unknown key"),
     (["transport.routings=[ecmp, teleport]"], "transport.routings[1]", "ecmp"),
     (["traffic.pattern=hierarchical", "traffic.group_size=7"], "traffic.group_size", "divide"),
-    (["traffic.model={hidden: 8, seq_len: 8}"], "traffic", "exactly one of message_bytes or model"),
+    (["traffic.model={hidden: 8, seq_len: 8}"], "traffic[0]", "exactly one of message_bytes or model"),
     (["trials=0"], "trials", "greater than or equal to 1"),
 ]
 

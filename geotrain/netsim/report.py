@@ -65,9 +65,17 @@ def print_report(out: dict[str, Any], console: Console) -> None:
             if case["note"]:
                 console.print(f"  [dim]{case['name']}:[/dim] {case['note']}", highlight=False)
 
-    tr = out["traffic"]
-    phases = "; ".join(f"{p['name']}: {p['flows']:,} flows x {_n(p['bytes_per_flow'])} B x{p['repeat']}" for p in tr["phases"])
-    console.print(f"\nTraffic: {tr['pattern']}, {_n(tr['message_bytes'])} bytes per host ({tr['message_from']}); {phases}")
+    console.print("\nTraffic (one training step):" if len(out["traffic"]) > 1 else "")
+    for tr in out["traffic"]:
+        phases = "; ".join(
+            f"{p['name']}: {p['flows']:,} flows x {_n(p['bytes_per_flow'])} B x{p['repeat']}" for p in tr["phases"]
+        )
+        where = phases if tr["on_fabric"] else "on the scale-up domain, not simulated on this fabric"
+        times = f" x{tr['count']:,} per step" if tr["count"] > 1 else ""
+        console.print(
+            f"Traffic {tr['name']}: {tr['pattern']}, {_n(tr['message_bytes'])} bytes per host ({tr['message_from']}){times}; {where}",
+            highlight=False,
+        )
 
     r = Table(
         title="Synchronized phase per routing (mean over trials; FCT percentiles: one run of the costliest phase)",
@@ -91,6 +99,16 @@ def print_report(out: dict[str, Any], console: Console) -> None:
             f"{row['wall_seconds']:.2f} s",
         )
     console.print(r)
+    if len(out["results"][0]["per_traffic_seconds"]) > 1:
+        per = Table(title="Per exchange, all its runs in one step (mean over trials)", title_justify="left")
+        names = list(out["results"][0]["per_traffic_seconds"])
+        per.add_column("routing")
+        counts = {tr["name"]: tr["count"] for tr in out["traffic"]}
+        for n in names:
+            per.add_column(n, justify="right")
+        for row in out["results"]:
+            per.add_row(row["routing"], *(_ms(row["per_traffic_seconds"][n] * counts[n]) for n in names))
+        console.print(per)
 
     paper = out.get("paper")
     if paper:

@@ -102,8 +102,8 @@ def _phase(
     ph: Phase,
     routing: str,
     rng: np.random.Generator,
-    yardstick: dict[tuple[int, int], tuple[float, np.ndarray]],
-    key: tuple[int, int],
+    yardstick: dict[tuple[int, int, int], tuple[float, np.ndarray]],
+    key: tuple[int, int, int],
 ) -> dict[str, Any]:
     tr = sc.transport
     rails = sc.fabric.rails
@@ -153,29 +153,53 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, FlowRecord]]:
     cap = np.tile(fabric.link_cap, f.rails)
     topology = size_tree(f)
     topology["simulated"] = {"links": int(cap.size), "switches": fabric.num_switches * f.rails, "planes": f.rails}
-    msg = sc.traffic.bytes
+    entries = sc.traffic
     results: list[dict[str, Any]] = []
     flows: dict[str, FlowRecord] = {}
-    phases_doc: list[dict[str, Any]] = []
-    yardstick: dict[tuple[int, int], tuple[float, np.ndarray]] = {}
+    traffic_doc: list[dict[str, Any]] = [
+        {
+            "name": tr.name or tr.pattern,
+            "pattern": tr.pattern,
+            "message_bytes": tr.bytes,
+            "message_from": "model" if tr.model is not None else "message_bytes",
+            "count": tr.count,
+            "on_fabric": tr.on_fabric,
+            "phases": [],
+        }
+        for tr in entries
+    ]
+    yardstick: dict[tuple[int, int, int], tuple[float, np.ndarray]] = {}
     for routing in sc.transport.routings:
         run = _RoutingRun()
+        per_entry = np.zeros((sc.trials, len(entries)))
         t0 = time.perf_counter()
         for trial in range(sc.trials):
             rng = np.random.default_rng([sc.seed, trial])
-            phases = build_phases(sc.traffic.pattern, f.hosts, msg, rng, sc.traffic.group_size, sc.traffic.in_group_on_fabric)
-            if not phases_doc:
-                phases_doc = [
-                    {"name": p.name, "flows": p.num_flows, "bytes_per_flow": float(p.size[0]), "repeat": p.repeat} for p in phases
-                ]
-            outs = [_phase(sc, fabric, cap, p, routing, rng, yardstick, (trial, i)) for i, p in enumerate(phases)]
-            run.makespans.append(sum(o["makespan"] * p.repeat for o, p in zip(outs, phases, strict=True)))
-            run.optimals.append(sum(o["optimal"] * p.repeat for o, p in zip(outs, phases, strict=True)))
-            main = max(range(len(outs)), key=lambda i: outs[i]["makespan"] * phases[i].repeat)
-            run.mains.append(outs[main])
+            makespan = optimal = 0.0
+            main: tuple[float, dict[str, Any], Phase] | None = None
+            for e, tr in enumerate(entries):
+                if not tr.on_fabric:
+                    continue
+                phases = build_phases(tr.pattern, f.hosts, tr.bytes, rng, tr.group_size, tr.in_group_on_fabric)
+                if not traffic_doc[e]["phases"]:
+                    traffic_doc[e]["phases"] = [
+                        {"name": p.name, "flows": p.num_flows, "bytes_per_flow": float(p.size[0]), "repeat": p.repeat}
+                        for p in phases
+                    ]
+                outs = [_phase(sc, fabric, cap, p, routing, rng, yardstick, (e, trial, i)) for i, p in enumerate(phases)]
+                per_entry[trial, e] = sum(o["makespan"] * p.repeat for o, p in zip(outs, phases, strict=True))
+                makespan += tr.count * per_entry[trial, e]
+                optimal += tr.count * sum(o["optimal"] * p.repeat for o, p in zip(outs, phases, strict=True))
+                for o, p in zip(outs, phases, strict=True):
+                    cost = o["makespan"] * p.repeat * tr.count
+                    if main is None or cost > main[0]:
+                        main = (cost, o, p)
+            assert main is not None  # the scenario has an exchange on the fabric
+            run.makespans.append(makespan)
+            run.optimals.append(optimal)
+            run.mains.append(main[1])
             if run.flows is None:
-                p = phases[main]
-                run.flows = FlowRecord(p.name, p.src, p.dst, p.size, outs[main]["fct"])
+                run.flows = FlowRecord(main[2].name, main[2].src, main[2].dst, main[2].size, main[1]["fct"])
         run.seconds = time.perf_counter() - t0
         assert run.flows is not None
         flows[routing] = run.flows
@@ -188,6 +212,9 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, FlowRecord]]:
                 "makespan_seconds_max": float(np.max(run.makespans)),
                 "optimal_seconds": opt,
                 "ratio_to_optimal": mk / opt,
+                "per_traffic_seconds": {
+                    traffic_doc[e]["name"]: float(per_entry[:, e].mean()) for e, tr in enumerate(entries) if tr.on_fabric
+                },
                 "mean_throughput_fraction": run.mean("throughput"),
                 "max_link_load": run.mean("max_load"),
                 "switch_links_used_fraction": run.mean("used"),
@@ -204,12 +231,7 @@ def run_scenario(sc: Scenario) -> tuple[dict[str, Any], dict[str, FlowRecord]]:
             {"name": c.name, "ours": size_tree(c), "paper": c.paper.model_dump() if c.paper else None, "note": c.note}
             for c in sc.sizing
         ],
-        "traffic": {
-            "pattern": sc.traffic.pattern,
-            "message_bytes": msg,
-            "message_from": "model" if sc.traffic.model is not None else "message_bytes",
-            "phases": phases_doc,
-        },
+        "traffic": traffic_doc,
         "transport": sc.transport.model_dump(),
         "results": results,
         "paper": sc.paper.model_dump() if sc.paper else None,

@@ -101,6 +101,12 @@ class ModelMessage(Section):
 
 
 class TrafficConfig(Section):
+    name: str = Field(default="", description="Label of this exchange in the report (default: the pattern).")
+    count: int = Field(default=1, ge=1, le=10_000_000, description="Times this exchange runs per training step.")
+    on_fabric: bool = Field(
+        default=True,
+        description="false: it runs on the scale-up domain (NVLink), not this fabric; listed with its bytes, not simulated.",
+    )
     pattern: Literal["permutation", "ring", "hierarchical", "all_to_all"] = Field(
         default="permutation", description="Traffic pattern (geotrain/netsim/traffic.py)."
     )
@@ -156,7 +162,11 @@ class PaperSimulation(Section):
 class Scenario(Section):
     name: str = Field(default="netsim", description="Label in the report.")
     fabric: TreeConfig = Field(description="The fabric to size and simulate.")
-    traffic: TrafficConfig = Field(description="What the hosts exchange in one synchronized phase.")
+    traffic: list[TrafficConfig] = Field(
+        min_length=1,
+        description="What the hosts exchange in one synchronized phase, or a list of exchanges run one after another "
+        "(a training step's TP, PP and DP traffic: geotrain plan --netsim writes one).",
+    )
     transport: TransportConfig = Field(default_factory=TransportConfig, description="Routings and timing parameters.")
     trials: int = Field(default=3, ge=1, le=1000, description="Seeded trials per routing (new permutation and hashes each).")
     seed: int = Field(default=0, ge=0, description="Seed of the first trial.")
@@ -166,18 +176,26 @@ class Scenario(Section):
     sizing: list[SizingCase] = Field(default_factory=list, description="Extra sizing-only cases (e.g. the paper's).")
     paper: PaperSimulation | None = Field(default=None, description="Published simulation of this case.")
 
+    @field_validator("traffic", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: object) -> object:
+        return [v] if isinstance(v, dict) else v
+
     @model_validator(mode="after")
     def _simulable(self) -> Scenario:
         if self.fabric.hosts > 65536:
             raise ValueError(
                 f"fabric.hosts: simulation is limited to 65,536 hosts (got {self.fabric.hosts}); size bigger trees under sizing"
             )
-        g = self.traffic.group_size
         n = self.fabric.hosts
-        if self.traffic.pattern in ("hierarchical", "all_to_all") and g is not None and n % g:
-            raise ValueError(f"traffic.group_size: must divide fabric.hosts ({n}), got {g}")
-        if self.traffic.pattern == "all_to_all" and (g or n) < 2:
-            raise ValueError("traffic.group_size: all_to_all needs groups of at least 2 hosts")
+        for tr in self.traffic:
+            g = tr.group_size
+            if tr.pattern in ("hierarchical", "all_to_all") and g is not None and n % g:
+                raise ValueError(f"traffic.group_size: must divide fabric.hosts ({n}), got {g}")
+            if tr.pattern == "all_to_all" and (g or n) < 2:
+                raise ValueError("traffic.group_size: all_to_all needs groups of at least 2 hosts")
+        if not any(tr.on_fabric for tr in self.traffic):
+            raise ValueError("traffic: at least one exchange must run on the fabric (on_fabric: true)")
         return self
 
 
