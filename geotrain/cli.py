@@ -163,7 +163,7 @@ def netsim(
     if json_out is not None:
         _write_json(out, json_out)
     if plot is not None:
-        plot_fct_cdf(flows, plot / "fct_cdf.png", f"{sc.name}: {sc.traffic.pattern}, {sc.fabric.hosts} hosts")
+        plot_fct_cdf(flows, plot / "fct_cdf.png", f"{sc.name}: {sc.fabric.hosts} hosts")
         console.print(f"wrote {plot / 'fct_cdf.png'}")
     if flows_csv is not None:
         write_flows_csv(flows, flows_csv)
@@ -178,12 +178,15 @@ def plan(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Write model_size_vs_months.png and bandwidth_vs_utilization.png here.")
     ] = None,
+    netsim: Annotated[Path | None, typer.Option("--netsim", help="Write the layout's traffic as a netsim scenario.")] = None,
 ) -> None:
     """Plan a (multi-site) training run: facility, scaling law, memory, layout, step time, network, sync strategy."""
     from geotrain.plan.scenario import load_plan
 
     sc = _scenario_step(load_plan, scenario, set_)
-    from geotrain.plan.run import plot_plan, print_plan, run_plan
+    from geotrain.plan.report import plot_plan, print_plan
+    from geotrain.plan.run import run_plan
+    from geotrain.plan.tonetsim import write_netsim
 
     out = _scenario_step(run_plan, sc)  # some inputs only the arithmetic can reject (a budget that buys no rack)
     print_plan(out, _wide(132))
@@ -192,6 +195,8 @@ def plan(
     if plot is not None:
         for path in plot_plan(sc, out, plot):
             console.print(f"wrote {path}")
+    if netsim is not None:
+        console.print(f"wrote {_scenario_step(write_netsim, sc, out, netsim)}: run it with geotrain netsim {netsim}")
 
 
 @app.command()
@@ -203,13 +208,11 @@ def lighthouse(
     """Run the membership coordinator of elastic runs (torchft's Lighthouse) in the foreground.
 
     Run it under a supervisor that restarts it (systemd Restart=always, a Kubernetes Deployment):
-    while it is down, sites keep doing inner steps and postpone their rounds.
-    """
+    while it is down, sites keep doing inner steps and postpone their rounds."""
     from geotrain.elastic.lighthouse import lighthouse_main
 
-    raise typer.Exit(
-        lighthouse_main(["--bind", bind, "--min-sites", str(min_sites), "--heartbeat-timeout", str(heartbeat_timeout)])
-    )
+    args = ["--bind", bind, "--min-sites", str(min_sites), "--heartbeat-timeout", str(heartbeat_timeout)]
+    raise typer.Exit(lighthouse_main(args))
 
 
 @app.command()

@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 
 from geotrain.errors import ConfigError
+from geotrain.netsim.run import run_scenario
+from geotrain.netsim.scenario import load_scenario
 from geotrain.plan.architecture import architecture
 from geotrain.plan.facility import Rack, compute_budget, facility
 from geotrain.plan.layout import layout
-from geotrain.plan.memory import memory
+from geotrain.plan.memory import gpu_memory, memory
 from geotrain.plan.run import run_plan
 from geotrain.plan.scaling import loss, optimal
 from geotrain.plan.scenario import load_plan
+from geotrain.plan.search import Machine, Space, Work, bubble_fraction, evaluate, search
 from geotrain.plan.step import allreduce_seconds
 from geotrain.plan.strategies import STREAMING_TABLE4, TARGETS, required_bps, utilization
 
@@ -188,3 +191,192 @@ def test_cli_plan_json_plots_and_errors(tmp_path: Path) -> None:
     assert (
         bad.returncode == 2 and len(lines) == 1 and "parallel.tensor_parallel_max" in lines[0] and "Traceback" not in bad.stderr
     )
+
+
+# --------------------------------------------------------------------------- layout search
+
+
+def test_bubble_formula() -> None:
+    # 1F1B: (p-1)/(m+p-1); no pipeline, no bubble; Narayanan et al.'s example: p=4, m=8 -> 3/11
+    assert bubble_fraction(1, 7) == 0.0
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(8, 1) == pytest.approx(7 / 8)
+
+
+def _mem(shard: str, recompute: bool = False) -> dict[str, float]:
+    # stage of 2 layers of 1,000 parameters + 500 embedding; TP 2, DP 4; 3 micro-batches in flight
+    return gpu_memory(2500, 1000, 2, 8, 2, 4, 1, 3, 2, 4, 2.0, 2.0, 8.0, 2.0, recompute, shard)
+
+
+def test_gpu_memory_with_each_sharding_option_by_hand() -> None:
+    # 1,250 parameters per GPU; activations per layer and micro-batch s*b*h*(34 + 5*a*s/h)/t
+    # = 4*1*8*(34 + 5*2*4/8)/2 = 624 bytes (16-bit); with recomputation 2*s*b*h/t = 32 kept
+    act = 3 * 2 * 624
+    none = _mem("none")
+    assert none == {
+        "weights_bytes": 2500.0,
+        "grads_bytes": 2500.0,
+        "optimizer_bytes": 10000.0,
+        "gathered_weights_bytes": 0.0,
+        "activations_bytes": act,
+        "total_bytes": 15000.0 + act,
+    }
+    opt = _mem("optimizer")
+    assert opt["optimizer_bytes"] == 2500.0 and opt["weights_bytes"] == 2500.0 and opt["grads_bytes"] == 2500.0
+    assert opt["total_bytes"] == 7500.0 + act
+    full = _mem("full")  # everything / 4, plus two whole layers gathered: 2 * 1000/2 * 2 bytes
+    assert (full["weights_bytes"], full["grads_bytes"], full["optimizer_bytes"]) == (625.0, 625.0, 2500.0)
+    assert full["gathered_weights_bytes"] == 2000.0 and full["total_bytes"] == 5750.0 + act
+    rec = _mem("none", recompute=True)  # kept inputs of 3 x 2 layers, plus one layer recomputed at full size
+    assert rec["activations_bytes"] == 3 * 2 * 32 + 624
+    with pytest.raises(ValueError):
+        _mem("zero4")
+
+
+SMALL = Machine(
+    racks=4, gpus_per_rack=4, gpu_hbm_bytes=40e9, gpu_flops=1e15, mfu=0.5, scale_up_bytes_per_s=400e9, nic_bytes_per_s=50e9
+)
+SMALL_WORK = Work(
+    layers=8,
+    hidden=4096,
+    heads=32,
+    seq_len=4096,
+    vocab=32000,
+    layer_params=12 * 4096**2,
+    layer_forward_flops=24 * 4096 * 4096**2 + 4 * 4096**2 * 4096,
+    micro_batch=1,
+    global_batch_tokens=64 * 4096,
+    weight_bytes=2.0,
+    grad_bytes=2.0,
+    optimizer_bytes=12.0,
+    activation_bytes=2.0,
+    wire_bytes=2.0,
+)
+
+
+def test_one_layout_step_time_by_hand() -> None:
+    # TP 2, PP 2, 4 micro-batches -> d = 64 / 4 = 16 replicas on 64 GPUs
+    lay = evaluate(SMALL_WORK, SMALL, 2, 2, 4, False, "none")
+    assert (lay["data_parallel"], lay["layers_per_stage"], lay["gpus_used"]) == (16, 4, 64)
+    c = SMALL_WORK.layer_forward_flops / (2 * 1e15 * 0.5)
+    act = 4096 * 4096 * 2.0 / 2
+    tp = 2 * (2 * 1 / 2 * 2 * act / 400e9)  # two all-reduces of 2*act over 2 GPUs per layer and pass
+    fwd, bwd = 4 * (c + tp), 4 * (2 * c + tp)
+    send = act / 50e9 + 1 / 2 * act * 2 / 400e9
+    pipe = (4 + 2 - 1) * (fwd + bwd + 2 * send)
+    assert lay["pipeline_seconds"] == pytest.approx(pipe)
+    assert lay["bubble_seconds"] == pytest.approx(pipe / 5)
+    # DP: 2 copies per rack (4 GPUs / TP 2), 8 racks; stage = 4 layers + embedding, / TP, 2 bytes
+    grads = (4 * 12 * 4096**2 + 32000 * 4096) / 2 * 2.0
+    reduce = allreduce_seconds(grads, 2, 400e9) + allreduce_seconds(grads / 2, 8, 50e9)
+    assert lay["dp_reduce_seconds"] == pytest.approx(reduce)
+    per_layer = reduce / 4
+    exposed = per_layer + max(0.0, per_layer - bwd / 4) * 3
+    assert lay["step_seconds"] == pytest.approx(pipe + exposed)
+
+
+def test_search_returns_the_best_of_a_small_space_enumerated_by_hand() -> None:
+    space = Space(tensor_parallel=(1, 2, 4), pipeline_parallel=None, headroom=0.1)
+    found = search(SMALL_WORK, SMALL, space, top=3)
+    # by hand: every TP, every depth with distinct layers per stage (8 layers: 1, 2, 3, 4, 8), every
+    # micro-batch count from 1 to 64, recomputation on and off; keep what fits 90% of 40 GB and
+    # whose replicas fit the 16 GPUs
+    best = None
+    for t in (1, 2, 4):
+        for p in (1, 2, 3, 4, 8):
+            for micro in range(1, 65):
+                for rec in (False, True):
+                    lay = evaluate(SMALL_WORK, SMALL, t, p, micro, rec, "none")
+                    if lay["gpus_used"] > 16 or lay["memory_per_gpu_bytes"] > 36e9:
+                        continue
+                    if best is None or lay["seconds_per_token"] < best["seconds_per_token"]:
+                        best = lay
+    assert best is not None and found["best"]
+    top = found["best"][0]
+    assert top["seconds_per_token"] == pytest.approx(best["seconds_per_token"])
+    assert {k: top[k] for k in ("tensor_parallel", "pipeline_parallel", "recompute")} == {
+        k: best[k] for k in ("tensor_parallel", "pipeline_parallel", "recompute")
+    }
+    assert found["rejected"]["exceeds per-GPU HBM (with headroom)"] > 0  # TP 1 holds 8 layers x 16 bytes: too big
+    assert all(r["memory_per_gpu_bytes"] <= 36e9 for r in found["best"])
+    assert [r["seconds_per_token"] for r in found["best"]] == sorted(r["seconds_per_token"] for r in found["best"])
+
+
+def test_search_finds_a_fitting_layout_where_the_paper_rule_overflows_one_gpu() -> None:
+    out = run_plan(load_plan(SCEN / "sixteen-trillion-nvl72.yaml"))
+    rule = out["search"]["paper_rule"]
+    # the paper rule: 16 layers per rack x TP 4, 8 GPUs idle, 12% over one GPU by its own memory model
+    assert (rule["layers_per_rack"], rule["tensor_parallel"], rule["idle_gpus_per_rack"]) == (16, 4, 8)
+    assert rule["paper_memory_per_gpu_bytes"] / rule["gpu_hbm_bytes"] == pytest.approx(1.12, abs=0.01)
+    assert not rule["fits"] and "GB per GPU" in rule["reason"]
+    lay = out["layout"]
+    assert lay["fits"] and lay["policy"] == "search"
+    assert lay["memory_per_gpu_bytes"] <= 0.9 * lay["gpu_hbm_bytes"] and lay["step_seconds"] > 0
+    assert sum(out["search"]["rejected"].values()) > 0 and out["search"]["fitting"] >= 5
+    assert out["strategy_params"]["step_seconds"] == lay["step_seconds"]  # the strategies use the real step
+
+
+def test_a_fixed_tp_is_honoured_and_one_that_cannot_fit_is_refused() -> None:
+    out = run_plan(load_plan(SCEN / "two-sites-1024-h100.yaml", ["parallel.tensor_parallel=4"]))
+    assert out["layout"]["tensor_parallel"] == 4 and all(r["tensor_parallel"] == 4 for r in out["search"]["best"])
+    fixed = run_plan(load_plan(SCEN / "two-sites-1024-h100.yaml", ["parallel.tensor_parallel=4", "parallel.pipeline_parallel=8"]))
+    assert (fixed["layout"]["tensor_parallel"], fixed["layout"]["pipeline_parallel"]) == (4, 8)
+    with pytest.raises(ConfigError) as exc:  # one GPU holds 80 GB; 70B x 16 bytes over 1 x 1 cannot fit
+        run_plan(load_plan(SCEN / "two-sites-1024-h100.yaml", ["parallel.tensor_parallel=1", "parallel.pipeline_parallel=1"]))
+    assert str(exc.value).startswith("parallel.tensor_parallel:") and "\n" not in str(exc.value)
+    with pytest.raises(ConfigError) as exc:  # the paper rule with a fixed TP too small for a layer in a rack
+        run_plan(load_plan(SCEN / "paper-100T.yaml", ["parallel.tensor_parallel=1"]))
+    assert str(exc.value).startswith("parallel.tensor_parallel:")
+    with pytest.raises(ConfigError) as exc:  # fits the rack's pooled HBM, not one GPU: the user's TP must run
+        run_plan(load_plan(SCEN / "paper-100T.yaml", ["parallel.tensor_parallel=8"]))
+    assert str(exc.value).startswith("parallel.tensor_parallel: with 8-way TP a GPU needs 234 GB")
+    paper = run_plan(load_plan(SCEN / "paper-100T.yaml", ["parallel.tensor_parallel=12"]))
+    assert (paper["layout"]["tensor_parallel"], paper["layout"]["layers_per_rack"]) == (12, 6)
+
+
+def test_sharding_the_optimizer_lets_a_smaller_layout_fit() -> None:
+    base = ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=8"]
+    with pytest.raises(ConfigError):
+        run_plan(load_plan(SCEN / "two-sites-1024-h100.yaml", base))
+    for shard in ("optimizer", "full"):
+        out = run_plan(load_plan(SCEN / "two-sites-1024-h100.yaml", [*base, f"parallel.shard_optimizer={shard}"]))
+        assert out["layout"]["fits"] and out["layout"]["shard_optimizer"] == shard
+
+
+@pytest.mark.timeout(120)
+def test_plan_to_netsim_file_runs(tmp_path: Path) -> None:
+    for name in ("two-sites-1024-h100", "paper-100T"):
+        path = tmp_path / f"{name}.yaml"
+        proc = subprocess.run(
+            [sys.executable, "-m", "geotrain", "plan", str(SCEN / f"{name}.yaml"), "--netsim", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sc = load_scenario(path)  # the file geotrain netsim reads, as it is
+        names = [t.name for t in sc.traffic]
+        assert names == ["tp-allreduce", "pp-send", "dp-reduce"] and not sc.traffic[0].on_fabric
+        plan = run_plan(load_plan(SCEN / f"{name}.yaml"))
+        assert sc.traffic[1].bytes == pytest.approx(plan["step"].get("pp_send_bytes") or plan["step"]["pp_p2p_bytes"])
+        out, _ = run_scenario(sc.model_copy(update={"transport": sc.transport.model_copy(update={"routings": ["spray"]})}))
+        per = out["results"][0]["per_traffic_seconds"]
+        assert set(per) == {"pp-send", "dp-reduce"} and all(v > 0 for v in per.values())
+    # the paper's pipeline send: 0.3 GB per GPU in about 3 ms on 800 Gbit/s (section 4.1), here on the fabric
+    assert per["pp-send"] == pytest.approx(0.003, rel=0.1)
+
+
+PLAN_BAD = [
+    (["parallel.tensor_parallel=73"], "parallel.tensor_parallel"),
+    (["parallel.pipeline_parallel=300"], "parallel.pipeline_parallel"),
+    (["parallel.policy=paper", "parallel.search=true"], "parallel.search"),
+    (["parallel.pipeline_parallel=10"], "parallel.pipeline_parallel"),  # paper policy: one layer per stage
+    (["parallel.shard_optimizer=zero9"], "parallel.shard_optimizer"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", PLAN_BAD, ids=[" ".join(b[0]) for b in PLAN_BAD])
+def test_bad_layout_settings_name_the_field(overrides: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_plan(SCEN / "paper-100T.yaml", overrides)
+    assert str(exc.value).startswith(field + ":"), str(exc.value)

@@ -23,11 +23,15 @@ def layout(
     gpus_per_rack: int,
     rack_hbm_bytes: float,
     max_tp: int,
+    fixed_tp: int | None = None,
 ) -> dict[str, Any]:
-    """Best (layers per rack, TP) that fits, or ``{"fits": False, ...}`` with the reason."""
+    """Best (layers per rack, TP) that fits, or ``{"fits": False, ...}`` with the reason. With
+    ``fixed_tp`` the TP degree is that one and ``k`` runs from ``floor(gpus_per_rack / fixed_tp)`` down."""
     if max_tp < 1 or max_tp > gpus_per_rack:
         raise ValueError(f"tensor_parallel_max must be between 1 and the scale-up domain ({gpus_per_rack}), got {max_tp}")
-    for k in range(gpus_per_rack, 0, -1):
+    if fixed_tp is not None:
+        max_tp = fixed_tp
+    for k in range(gpus_per_rack if fixed_tp is None else gpus_per_rack // fixed_tp, 0, -1):
         tp = min(gpus_per_rack // k, max_tp)
         per_layer = static_bytes / layers + activation_bytes / (layers * tp)
         if k * per_layer <= rack_hbm_bytes:
@@ -47,10 +51,10 @@ def layout(
                 "dp_peers_scale_out": replicas / k,
                 "reason": "" if replicas >= 1 else f"one replica needs {layers / k:.0f} racks, only {racks} available",
             }
-    per_layer = static_bytes / layers + activation_bytes / (layers * min(gpus_per_rack, max_tp))
+    tp = min(gpus_per_rack, max_tp)
+    per_layer = static_bytes / layers + activation_bytes / (layers * tp)
     return {
         "fits": False,
-        "reason": f"one layer needs {per_layer / 1e12:.2f} TB even with {min(gpus_per_rack, max_tp)}-way TP; "
-        f"a rack has {rack_hbm_bytes / 1e12:.2f} TB",
+        "reason": f"one layer needs {per_layer / 1e12:.2f} TB even with {tp}-way TP; a rack has {rack_hbm_bytes / 1e12:.2f} TB",
         "memory_per_layer_bytes": per_layer,
     }

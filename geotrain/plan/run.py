@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
-
-from rich.console import Console
-from rich.table import Table
 
 from geotrain.errors import ConfigError
 from geotrain.netsim.sizing import hosts_capacity, size_fat_tree, tier_ports
@@ -17,6 +13,7 @@ from geotrain.plan.layout import layout
 from geotrain.plan.memory import memory
 from geotrain.plan.scaling import LAWS, optimal
 from geotrain.plan.scenario import PlanScenario
+from geotrain.plan.search import Machine, Space, Work, evaluate, search
 from geotrain.plan.step import step_times
 from geotrain.plan.strategies import STREAMING_TABLE4, TARGETS, required_bps, strategies
 
@@ -71,35 +68,8 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
         p.activation_bytes,
         p.recompute,
     )
-    static = mem["params_bytes"] + mem["grads_bytes"] + mem["optimizer_bytes"]
-    lay = layout(
-        m.layers, static, mem["activations_bytes"], fac["racks"], rack.gpus, rack.hbm_bytes, sc.parallel.tensor_parallel_max
-    )
     notes: list[str] = list(arch["notes"])
-    step: dict[str, Any] | None = None
-    if lay["fits"]:
-        step = step_times(
-            arch,
-            lay,
-            fac["gpu_peak_flops"],
-            sc.parallel.mfu,
-            p.wire_bytes,
-            p.grad_bytes,
-            m.micro_batch,
-            rack.scale_up_bytes_per_s,
-            rack.nic_bps / 8,
-            rack.gpus,
-            sc.sites.count,
-            sc.sites.rtt_ms / 1e3,
-            None if sc.sites.wan_budget_ms is None else sc.sites.wan_budget_ms / 1e3,
-        )
-        if lay["memory_per_gpu_bytes"] > lay["gpu_hbm_bytes"]:
-            notes.append(
-                f"per-GPU memory {lay['memory_per_gpu_bytes'] / 1e9:.0f} GB exceeds one GPU's "
-                f"{lay['gpu_hbm_bytes'] / 1e9:.0f} GB; the layout fits the rack's pooled HBM only"
-            )
-    else:
-        notes.append(f"model does not fit: {lay['reason']}")
+    lay, step, searched = _layout(sc, arch, mem, fac, rack, notes)
     # network: one fat tree per site for the GPUs it holds
     n = sc.network
     hosts_per_site = -(-fac["gpus"] // sc.sites.count)
@@ -125,7 +95,7 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
         "two_tier_hosts_4to1": hosts_capacity(tier_ports(n.radix, 2, [4.0])),
     }
     s = sc.strategies
-    step_s = s.step_seconds or (3 * step["layer_forward_seconds"] * m.layers if step else 1.0)
+    step_s = s.step_seconds or (lay["step_seconds"] if lay["fits"] else 1.0)  # the chosen layout's whole step
     strat = strategies(
         s.params or arch["params"],
         s.layers or m.layers,
@@ -147,6 +117,7 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
         "model": arch,
         "memory": mem,
         "layout": lay,
+        "search": searched,
         "step": step,
         "network": network,
         "strategies": strat["rows"],
@@ -181,6 +152,180 @@ def run_plan(sc: PlanScenario) -> dict[str, Any]:
     return out
 
 
+# the search's whole-step breakdown of its chosen layout (section 6 under policy: search)
+STEP_KEYS = (
+    "layer_forward_seconds",
+    "tp_seconds_per_layer_forward",
+    "stage_forward_seconds",
+    "stage_backward_seconds",
+    "pp_send_bytes",
+    "pp_send_seconds",
+    "pipeline_seconds",
+    "bubble_seconds",
+    "dp_grads_per_gpu_bytes",
+    "dp_reduce_seconds",
+    "dp_exposed_seconds",
+    "fsdp_gather_exposed_seconds",
+    "step_seconds",
+)
+
+
+def _work(sc: PlanScenario, arch: dict[str, Any]) -> Work:
+    m, p = sc.model, sc.precision
+    return Work(
+        layers=m.layers,
+        hidden=m.hidden,
+        heads=m.heads,
+        seq_len=m.seq_len,
+        vocab=m.vocab,
+        layer_params=arch["params_per_layer"],
+        layer_forward_flops=arch["layer_forward_flops"],
+        micro_batch=m.micro_batch,
+        global_batch_tokens=sc.parallel.global_batch_tokens,
+        weight_bytes=p.weight_bytes,
+        grad_bytes=p.grad_bytes,
+        optimizer_bytes=p.optimizer_bytes,
+        activation_bytes=p.activation_bytes,
+        wire_bytes=p.wire_bytes,
+    )
+
+
+def _layout(
+    sc: PlanScenario, arch: dict[str, Any], mem: dict[str, Any], fac: dict[str, Any], rack: Rack, notes: list[str]
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """(layout, per-layer step section, search result) under ``sc.layout_policy``.
+
+    Raises:
+        ConfigError: a fixed ``parallel.tensor_parallel`` / ``pipeline_parallel`` that fits nothing.
+    """
+    par, m, p = sc.parallel, sc.model, sc.precision
+    machine = Machine(
+        racks=fac["racks"],
+        gpus_per_rack=rack.gpus,
+        gpu_hbm_bytes=rack.hbm_bytes / rack.gpus,
+        gpu_flops=fac["gpu_peak_flops"],
+        mfu=par.mfu,
+        scale_up_bytes_per_s=rack.scale_up_bytes_per_s,
+        nic_bytes_per_s=rack.nic_bps / 8,
+    )
+    work = _work(sc, arch)
+    searched: dict[str, Any] | None = None
+    fixed = "parallel.tensor_parallel" if par.tensor_parallel else "parallel.pipeline_parallel"
+    if sc.layout_policy == "paper":
+        static = mem["params_bytes"] + mem["grads_bytes"] + mem["optimizer_bytes"]
+        lay = layout(
+            m.layers,
+            static,
+            mem["activations_bytes"],
+            fac["racks"],
+            rack.gpus,
+            rack.hbm_bytes,
+            par.tensor_parallel_max,
+            par.tensor_parallel,
+        )
+        lay["policy"] = "paper"
+        if not lay["fits"]:
+            if par.tensor_parallel:
+                raise ConfigError(
+                    f"parallel.tensor_parallel: {par.tensor_parallel}-way TP cannot hold the model: {lay['reason']}"
+                )
+            notes.append(f"model does not fit: {lay['reason']}")
+            return lay, None, None
+        if lay["memory_per_gpu_bytes"] > lay["gpu_hbm_bytes"] and par.tensor_parallel:  # the user's TP must run
+            raise ConfigError(
+                f"parallel.tensor_parallel: with {par.tensor_parallel}-way TP a GPU needs "
+                f"{lay['memory_per_gpu_bytes'] / 1e9:.0f} GB, one holds {lay['gpu_hbm_bytes'] / 1e9:.0f} GB"
+            )
+        if lay["memory_per_gpu_bytes"] > lay["gpu_hbm_bytes"]:  # the paper's own choice (50T): reproduced, flagged
+            notes.append(
+                f"per-GPU memory {lay['memory_per_gpu_bytes'] / 1e9:.0f} GB exceeds one GPU's "
+                f"{lay['gpu_hbm_bytes'] / 1e9:.0f} GB; the layout fits the rack's pooled HBM only"
+            )
+        # the whole step of this layout at the scenario's global batch, as the search would cost it
+        micro = max(1, -(-work.batch_sequences // (m.micro_batch * lay["data_parallel"])))
+        whole = evaluate(work, machine, lay["tensor_parallel"], m.layers, micro, p.recompute, par.shard_optimizer)
+        lay.update({k: whole[k] for k in ("micro_batches", "bubble_fraction", "step_seconds", "tokens_per_step")})
+    else:
+        tps = (par.tensor_parallel,) if par.tensor_parallel else tuple(range(1, par.tensor_parallel_max + 1))
+        pps = (par.pipeline_parallel,) if par.pipeline_parallel else None
+        space = Space(tps, pps, shard=par.shard_optimizer, headroom=par.memory_headroom)
+        searched = search(work, machine, space, par.top)
+        rule = layout(
+            m.layers,
+            mem["params_bytes"] + mem["grads_bytes"] + mem["optimizer_bytes"],
+            mem["activations_bytes"],
+            fac["racks"],
+            rack.gpus,
+            rack.hbm_bytes,
+            par.tensor_parallel_max,
+        )
+        searched["paper_rule"] = _paper_rule(
+            rule, work, machine, p.recompute, par.shard_optimizer, searched["memory_budget_bytes"]
+        )
+        if not searched["best"]:
+            why = _no_fit(searched)
+            if par.tensor_parallel or par.pipeline_parallel:
+                raise ConfigError(f"{fixed}: no layout with it fits one GPU: {why}")
+            notes.append(f"model does not fit: {why}")
+            return {"fits": False, "policy": "search", "reason": why}, None, searched
+        lay = {"fits": True, "policy": "search", "reason": "", **searched["best"][0]}
+        return lay, {k: lay[k] for k in STEP_KEYS}, searched
+    step = step_times(
+        arch,
+        lay,
+        fac["gpu_peak_flops"],
+        par.mfu,
+        p.wire_bytes,
+        p.grad_bytes,
+        m.micro_batch,
+        rack.scale_up_bytes_per_s,
+        rack.nic_bps / 8,
+        rack.gpus,
+        sc.sites.count,
+        sc.sites.rtt_ms / 1e3,
+        None if sc.sites.wan_budget_ms is None else sc.sites.wan_budget_ms / 1e3,
+    )
+    return lay, step, searched
+
+
+def _paper_rule(rule: dict[str, Any], work: Work, machine: Machine, recompute: bool, shard: str, budget: float) -> dict[str, Any]:
+    """The paper rule's layout costed like the search's, and why the search did or did not keep it."""
+    if not rule["fits"]:
+        return {"fits": False, "reason": rule["reason"]}
+    micro = max(1, -(-work.batch_sequences // (work.micro_batch * rule["data_parallel"])))
+    cost = evaluate(work, machine, rule["tensor_parallel"], work.layers, micro, recompute, shard)
+    idle = machine.gpus_per_rack - rule["gpus_used_per_rack"]
+    fits = cost["memory_per_gpu_bytes"] <= budget
+    reason = (
+        ""
+        if fits
+        else f"{rule['memory_per_gpu_bytes'] / 1e9:.0f} GB per GPU by the paper's memory model "
+        f"({rule['memory_per_gpu_bytes'] / machine.gpu_hbm_bytes:.0%} of one GPU's {machine.gpu_hbm_bytes / 1e9:.1f} GB), "
+        f"{cost['memory_per_gpu_bytes'] / 1e9:.0f} GB with 1F1B's {min(work.layers, micro)} micro-batches in flight; "
+        f"the budget is {budget / 1e9:.0f} GB"
+    )
+    return {
+        "fits": fits,
+        "reason": reason,
+        "layers_per_rack": rule["layers_per_rack"],
+        "idle_gpus_per_rack": idle,
+        "paper_memory_per_gpu_bytes": rule["memory_per_gpu_bytes"],  # the paper's model: one micro-batch's activations
+        **cost,
+    }
+
+
+def _no_fit(searched: dict[str, Any]) -> str:
+    rej = ", ".join(f"{why}: {n}" for why, n in searched["rejected"].items())
+    c = searched["closest_rejected"]
+    near = (
+        f"; the smallest needs {c['memory_per_gpu_bytes'] / 1e9:.0f} GB per GPU (TP {c['tensor_parallel']}, "
+        f"PP {c['pipeline_parallel']}) against {searched['memory_budget_bytes'] / 1e9:.0f} GB"
+        if c
+        else ""
+    )
+    return f"{sum(searched['rejected'].values())} candidates rejected ({rej}){near}"
+
+
 def _table4(s: Any) -> list[dict[str, Any]]:
     """Our closed form on Streaming DiLoCo's Table 4 settings (2 sites, H=100, 3-layer fragments)."""
     sizes = {"1B": (1e9, 24), "10B": (10e9, 48), "100B": (100e9, 108)}  # layer counts assumed (not in the table)
@@ -193,231 +338,3 @@ def _table4(s: Any) -> list[dict[str, Any]]:
             ]
             rows.append({"model": name, "algorithm": alg, "theirs_gbps": list(ref[alg]), "ours_gbps": ours})
     return rows
-
-
-def _fmt(x: Any) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, float):
-        if x == 0 or 1e-3 <= abs(x) < 1e6:
-            return f"{x:,.4g}"
-        return f"{x:.4g}"
-    if isinstance(x, int):
-        return f"{x:,}" if abs(x) < 1e9 else f"{x:.4g}"
-    return str(x)
-
-
-def print_plan(out: dict[str, Any], console: Console) -> None:
-    console.print(f"[bold]geotrain plan: {out['scenario']}[/bold]")
-
-    def section(title: str, rows: list[tuple[str, Any]]) -> None:
-        t = Table(title=title, title_justify="left", show_header=False)
-        t.add_column("quantity")
-        t.add_column("value", justify="right")
-        for k, v in rows:
-            t.add_row(k, _fmt(v))
-        console.print(t)
-
-    f = out["facility"]
-    section(
-        "1. Facility",
-        [
-            ("compute budget (USD)", f["compute_usd"]),
-            ("racks", f["racks"]),
-            ("GPUs", f["gpus"]),
-            ("compute power (W)", f["power_watts"]),
-            ("with non-compute overhead (W)", f["total_power_watts"]),
-            (f"peak FLOP/s ({f['precision']}{', sparse' if f['sparsity'] else ''})", f["peak_flops"]),
-            ("HBM (bytes)", f["hbm_bytes"]),
-        ],
-    )
-    b, sl = out["budget"], out["scaling"]
-    section(
-        "2. Budget and scaling law",
-        [
-            ("compute budget (FLOPs)", b["compute_flops"]),
-            ("law", sl["law"]),
-            ("constants", ", ".join(f"{k}={_fmt(v)}" for k, v in sl["constants"].items())),
-            ("compute-optimal parameters", sl["params"]),
-            ("tokens", sl["tokens"]),
-            ("tokens per parameter", sl["tokens_per_param"]),
-            ("predicted loss", sl["loss"]),
-        ],
-    )
-    t = Table(title="   every law at this budget", title_justify="left")
-    for c in ("law", "parameters", "tokens", "tokens/param", "loss"):
-        t.add_column(c, justify="right")
-    for law, r in out["scaling_all_laws"].items():
-        t.add_row(law, _fmt(r["params"]), _fmt(r["tokens"]), _fmt(r["tokens_per_param"]), _fmt(r["loss"]))
-    console.print(t)
-    a = out["model"]
-    section(
-        "3. Architecture",
-        [
-            ("layers x hidden x heads", f"{a['layers']} x {a['hidden']} x {a['heads']}"),
-            ("parameters", a["params"]),
-            ("forward FLOPs per layer (one sequence)", a["layer_forward_flops"]),
-            ("forward FLOPs per sequence", a["model_forward_flops_per_sequence"]),
-            ("training FLOPs per token", a["training_flops_per_token"]),
-        ],
-    )
-    mm = out["memory"]
-    section(
-        "4. Memory (whole model)",
-        [
-            ("weights", mm["params_bytes"]),
-            ("gradients", mm["grads_bytes"]),
-            ("optimizer", mm["optimizer_bytes"]),
-            ("activations", mm["activations_bytes"]),
-            ("total", mm["total_bytes"]),
-        ],
-    )
-    lay = out["layout"]
-    if lay["fits"]:
-        section(
-            "5. 3D-parallel layout",
-            [
-                ("layers per rack (same layer, different replicas)", lay["layers_per_rack"]),
-                ("tensor parallel", lay["tensor_parallel"]),
-                ("pipeline parallel", lay["pipeline_parallel"]),
-                ("data parallel (replicas)", lay["data_parallel"]),
-                ("memory per layer (bytes)", lay["memory_per_layer_bytes"]),
-                ("memory per GPU (bytes)", lay["memory_per_gpu_bytes"]),
-                ("scale-out DP peers", lay["dp_peers_scale_out"]),
-            ],
-        )
-    else:
-        console.print(f"[bold red]5. 3D-parallel layout: DOES NOT FIT[/bold red]: {lay['reason']}")
-    st = out["step"]
-    if st:
-        section("6. Step time and communication (seconds)", [(k.replace("_", " "), v) for k, v in st.items()])
-    nt = out["network"]
-    ft = nt["fat_tree"]
-    section(
-        "7. Scale-out network per site",
-        [("hosts per site", nt["hosts_per_site"]), ("fits", ft["fits"])]
-        + (
-            [
-                ("tiers", ft["tiers"]),
-                ("switch boxes", ft["switches"]),
-                ("chips", ft["chips"]),
-                ("switch links", ft["switch_links"]),
-                ("optics (USD)", ft["optics_usd"]),
-            ]
-            if ft["fits"]
-            else [("reason", ft["reason"])]
-        )
-        + [("two tiers at this radix: full bisection", nt["two_tier_hosts_full"]), ("two tiers, 4:1", nt["two_tier_hosts_4to1"])],
-    )
-    t = Table(title="8. Low-communication strategies across sites (required Gbit/s for utilisation)", title_justify="left")
-    for c in ("algorithm", "bits", "H", "fragments", "90%", "95%", "99%", "predicted on this link"):
-        t.add_column(c, justify="right")
-    for r in out["strategies"]:
-        req = [v / 1e9 for v in r["required_bps"].values()]
-        t.add_row(
-            r["algorithm"],
-            _fmt(r["bits"]),
-            _fmt(r["H"]),
-            _fmt(r["fragments"]),
-            *(_fmt(x) for x in req),
-            f"{r['predicted_utilization']:.1%}",
-        )
-    console.print(t)
-    rec = out["recommendation"]
-    console.print(
-        f"Recommendation: [bold]{rec['algorithm']}[/bold], H={rec['H']}, fragments={rec['fragments']}, codec {rec['codec']}: "
-        f"predicted utilisation {rec['predicted_utilization']:.1%} "
-        f"({'meets' if rec['meets_target'] else 'MISSES'} the {rec['target']:.0%} target)"
-    )
-    if "streaming_table4" in out:
-        t = Table(title="Streaming DiLoCo Table 4 (theirs) vs our closed form, Gbit/s for 90/95/99%", title_justify="left")
-        for c in ("model", "algorithm", "theirs", "ours"):
-            t.add_column(c, justify="right")
-        for r in out["streaming_table4"]:
-            t.add_row(
-                r["model"],
-                r["algorithm"],
-                " / ".join(f"{x:g}" for x in r["theirs_gbps"]),
-                " / ".join(f"{x:.1f}" for x in r["ours_gbps"]),
-            )
-        console.print(t)
-    if "paper" in out:
-        t = Table(title=f"Ours vs the paper ({out['paper']['source']})", title_justify="left")
-        for c in ("quantity", "paper", "ours", "ours / paper"):
-            t.add_column(c, justify="right" if c != "quantity" else "left")
-        for r in out["paper"]["figures"]:
-            t.add_row(r["key"], _fmt(r["paper"]), _fmt(r["ours"]), f"{r['ratio']:.3f}" if r["ratio"] is not None else "-")
-        console.print(t)
-        for note in out["paper"]["notes"]:
-            console.print(f"  note: {note}", highlight=False)
-    for note in out["notes"]:
-        console.print(f"  [yellow]warning:[/yellow] {note}", highlight=False)
-    console.print(f"elapsed {out['elapsed_seconds'] * 1e3:.1f} ms")
-
-
-def plot_plan(sc: PlanScenario, out: dict[str, Any], directory: Path) -> list[Path]:
-    """model size vs training months (paper Figure 1a) and bandwidth vs utilisation per strategy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    directory.mkdir(parents=True, exist_ok=True)
-    months = np.arange(1, 25)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    peak = out["facility"]["peak_flops"]
-    for law in LAWS:
-        ax.plot(
-            months,
-            [
-                optimal(law, compute_budget(peak, sc.budget.utilization, float(mo)), sc.budget.tokens_per_param)["params"] / 1e12
-                for mo in months
-            ],
-            label=law,
-            lw=2.5 if law == sc.budget.law else 1.2,
-        )
-    ax.set_xlabel("training months")
-    ax.set_ylabel("compute-optimal parameters (T)")
-    ax.set_title(f"{sc.name}: model size vs training time")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    p1 = directory / "model_size_vs_months.png"
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
-    sp = out["strategy_params"]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    us = np.linspace(0.5, 0.995, 60)
-    for alg in ("dp", "diloco", "streaming", "streaming_fp4"):
-        bps = [
-            required_bps(
-                alg,
-                u,
-                sp["params"],
-                sp["step_seconds"],
-                sc.sites.count,
-                sp["rtt_s"],
-                sp["H"],
-                sp["fragments"],
-                sp["tau"],
-                sc.strategies.bits,
-            )
-            / 1e9
-            for u in us
-        ]
-        ax.plot(bps, us * 100, label=alg)
-    ax.axvline(sp["link_bps"] / 1e9, color="k", ls="--", lw=1, label="this link")
-    ax.set_xscale("log")
-    ax.set_xlabel("inter-site bandwidth (Gbit/s)")
-    ax.set_ylabel("compute utilisation (%)")
-    ax.set_title(f"{sc.name}: bandwidth needed per strategy")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
-    p2 = directory / "bandwidth_vs_utilization.png"
-    fig.savefig(p2, dpi=120)
-    plt.close(fig)
-    return [p1, p2]

@@ -70,6 +70,28 @@ class PrecisionConfig(Section):
 
 class ParallelConfig(Section):
     tensor_parallel_max: int = Field(default=72, ge=1, description="Largest TP degree (at most the scale-up domain).")
+    tensor_parallel: int | None = Field(default=None, ge=1, description="Fix the TP degree (default: the policy chooses).")
+    pipeline_parallel: int | None = Field(
+        default=None, ge=1, description="Fix the number of pipeline stages (default: the policy chooses)."
+    )
+    policy: Literal["search", "paper"] | None = Field(
+        default=None,
+        description="Layout rule: 'search' (every layout that fits one GPU, ranked by step time) or 'paper' (the founding "
+        "paper's rack-packing rule). Default: paper for scenarios with paper figures, else search.",
+    )
+    search: bool | None = Field(default=None, description="Shorthand: true = policy search, false = policy paper.")
+    shard_optimizer: Literal["none", "optimizer", "full"] = Field(
+        default="none",
+        description="ZeRO sharding across data parallelism: optimizer state (stage 1), or weights, gradients and "
+        "optimizer state (full: stage 3 / FSDP).",
+    )
+    memory_headroom: float = Field(
+        default=0.1, ge=0, lt=1, description="Share of each GPU's HBM the search leaves free (allocator, buffers)."
+    )
+    global_batch_tokens: float = Field(
+        default=16e6, gt=0, description="Tokens per optimizer step, fixed across layouts (Llama 3 405B: 16M)."
+    )
+    top: int = Field(default=5, ge=1, le=100, description="Layouts the search prints.")
     mfu: float = Field(default=1.0, gt=0, le=1, description="Model FLOPs utilisation for step times (paper: 100%).")
 
 
@@ -127,12 +149,41 @@ class PlanScenario(Section):
 
     @model_validator(mode="after")
     def _tp(self) -> PlanScenario:
-        if self.parallel.tensor_parallel_max > self.facility.rack.gpus:
+        par, gpus = self.parallel, self.facility.rack.gpus
+        if par.tensor_parallel_max > gpus:
             raise ValueError(
-                f"parallel.tensor_parallel_max: {self.parallel.tensor_parallel_max} exceeds the scale-up domain "
-                f"(facility.rack.gpus = {self.facility.rack.gpus})"
+                f"parallel.tensor_parallel_max: {par.tensor_parallel_max} exceeds the scale-up domain (facility.rack.gpus = {gpus})"
+            )
+        if par.tensor_parallel is not None and par.tensor_parallel > gpus:
+            raise ValueError(
+                f"parallel.tensor_parallel: {par.tensor_parallel} exceeds the scale-up domain (facility.rack.gpus = {gpus})"
+            )
+        if par.tensor_parallel is not None and par.tensor_parallel > par.tensor_parallel_max:
+            raise ValueError(
+                f"parallel.tensor_parallel: {par.tensor_parallel} exceeds parallel.tensor_parallel_max ({par.tensor_parallel_max})"
+            )
+        if par.pipeline_parallel is not None and par.pipeline_parallel > self.model.layers:
+            raise ValueError(
+                f"parallel.pipeline_parallel: {par.pipeline_parallel} stages exceed model.layers ({self.model.layers})"
+            )
+        if par.search is not None and par.policy is not None and par.search != (par.policy == "search"):
+            raise ValueError(f"parallel.search: {par.search} contradicts parallel.policy: {par.policy}")
+        if self.layout_policy == "paper" and par.pipeline_parallel not in (None, self.model.layers):
+            raise ValueError(
+                f"parallel.pipeline_parallel: the paper policy puts one layer per stage ({self.model.layers}); "
+                "use parallel.policy: search for other depths"
             )
         return self
+
+    @property
+    def layout_policy(self) -> str:
+        """``parallel.policy``, else ``parallel.search``, else paper when the scenario has paper figures."""
+        par = self.parallel
+        if par.policy is not None:
+            return par.policy
+        if par.search is not None:
+            return "search" if par.search else "paper"
+        return "paper" if self.paper is not None and self.paper.figures else "search"
 
 
 def load_plan(path: str | Path | None, overrides: list[str] | None = None) -> PlanScenario:
