@@ -165,7 +165,7 @@ def evaluate(w: Work, m: Machine, t: int, p: int, micro: int, recompute: bool, s
         "recompute": recompute,
         "shard_optimizer": shard,
         "gpus_used": t * p * d,
-        "racks_used": p * racks_dp,
+        "racks_used": math.ceil(p * d / (G // t)),  # racks whose TP-group slots it fills
         "dp_copies_per_rack": k,
         "dp_racks": racks_dp,
         "memory": mem,
