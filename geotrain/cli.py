@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from geotrain.config import Config, load_config
-from geotrain.errors import ConfigError
+from geotrain.errors import CheckpointError, ConfigError, LaunchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train one model across several datacenters.")
 console = Console(soft_wrap=True)
@@ -86,7 +86,6 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     """Train (by default DiLoCo on 2 sites x 2 workers, plus the DDP baseline on the same tokens)."""
     cfg = _load(config, set_)
     from geotrain.comm.topology import Topology
-    from geotrain.errors import CheckpointError, LaunchError
     from geotrain.launch.preflight import preflight
     from geotrain.report.outputs import write_outputs
     from geotrain.report.tables import print_table
@@ -233,7 +232,6 @@ def site(
 ) -> None:
     """Run one site of an elastic run on this machine (one command per site; docs/ELASTIC.md)."""
     cfg = _load(config, set_)
-    from geotrain.errors import CheckpointError, LaunchError
     from geotrain.launch.site import run_site
 
     try:
@@ -275,7 +273,6 @@ def chaos(
 ) -> None:
     """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency."""
     from geotrain.bench.chaos import chaos_table, run_soaks
-    from geotrain.errors import LaunchError
 
     seed_list, hog_list = _ints(seeds, "--seeds", 0, 2**31), _ints(cpu_hogs, "--cpu-hogs", 0, 64)
     try:
@@ -343,15 +340,15 @@ def bench_codec_quality_cmd(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write codec_quality.png here (a directory).")] = None,
     out: OutOpt = Path("runs/codec-quality"),
     streaming_h: Annotated[int, typer.Option("--streaming-h", min=1, help="H of the streaming+fp4 point.")] = 100,
+    seeds: Annotated[int, typer.Option("--seeds", min=1, max=20, help="Seeds per configuration.")] = 3,
     set_: SetOpt = None,
 ) -> None:
-    """Eval loss vs inter-site bytes at equal tokens: ddp, diloco with every codec, streaming with fp4."""
+    """Eval loss vs inter-site bytes at equal tokens over seeds: ddp, diloco, int8, streaming+fp4, sparseloco, muloco."""
     from geotrain.bench.quality import codec_quality, plot_quality, print_quality
-    from geotrain.errors import LaunchError
 
     _load(None, set_)  # bad overrides fail here, before any run starts
     try:
-        result = codec_quality(out, set_, streaming_h, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+        result = codec_quality(out, set_, streaming_h, seeds, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
     except LaunchError as exc:
         _fail(f"a run failed: {exc}", 1)
     print_quality(result, _wide(140))
@@ -373,7 +370,6 @@ def bench_privacy_cmd(
 ) -> None:
     """Secure aggregation overhead (bytes, time) vs plain, key-agreement cost by site count, eval loss with and without privacy."""
     from geotrain.bench.privacy import bench_key_agreement, bench_overhead, bench_quality, print_privacy
-    from geotrain.errors import LaunchError
 
     chosen = {p.strip() for p in parts.split(",") if p.strip()}
     if not chosen or chosen - {"overhead", "keys", "quality"}:
@@ -466,7 +462,6 @@ def bench_wan_cmd(
 ) -> None:
     """Compute utilisation, inter-site bytes and loss of ddp, diloco, streaming and eager streaming across link speeds."""
     from geotrain.bench.wan import bench_wan, plot_timeline, plot_wan, print_wan
-    from geotrain.errors import LaunchError
 
     set_ = [f"sync.tau={tau}", *(set_ or [])]
     _load(None, set_)  # bad overrides fail here, before any run starts

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from geotrain.codecs import CODEC_NAMES, FP4, Int4, Int8, Residual, build_codec, relative_error, roundtrip
+from geotrain.codecs import CODEC_NAMES, FP4, Int4, Int8, Residual, SparseLoCo, build_codec, relative_error, roundtrip
 from geotrain.codecs import reference as R
 from geotrain.codecs.powersgd import PowerSGD
 from geotrain.errors import NonFiniteError
@@ -77,6 +77,55 @@ def test_kernels_match_torch_reference(n: int) -> None:
         assert torch.equal(b[4 * nb :], packed), cls.name
         assert torch.equal(b[: 4 * nb].view(torch.float32), scales)
         torch.testing.assert_close(codec.decode(b, n), R.block4_decode(packed, scales, n, 64, fp4))
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 4095, 4096, 4097, 100_003])
+@pytest.mark.parametrize("fraction", [0.005, 0.01, 0.05])
+def test_sparseloco_kernel_matches_torch_reference(n: int, fraction: float) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3 + 0.5
+    x[50:150] = 1.25  # ties at the threshold: the lowest indices are kept, in both
+    codec = SparseLoCo(fraction, 4096)
+    buf = codec.encode(x)
+    nc = -(-n // 4096)
+    entries, scales = R.sparse2_encode(x, fraction, 4096)
+    assert torch.equal(buf[: 8 * nc].view(torch.float32).view(-1, 2), scales)
+    assert torch.equal(codec.decode(buf, n), R.sparse2_decode(entries, scales, n, 4096))
+
+
+def test_sparseloco_keeps_the_top_k_of_every_chunk_at_two_levels() -> None:
+    n, chunk = 10_000, 1024
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    codec = SparseLoCo(0.02, chunk)
+    y = roundtrip(codec, x)
+    # chunks of 1024, 1024, ..., 784: k = ceil(0.02 m) = 21 per full chunk, 16 for the last
+    ks = [21] * 9 + [16]
+    assert codec.encoded_nbytes(n) == 10 * 8 + sum((k * (10 + 2) + 7) // 8 for k in ks)
+    for c, k in enumerate(ks):
+        xs, ys = x[c * chunk : (c + 1) * chunk], y[c * chunk : (c + 1) * chunk]
+        kept = ys != 0
+        assert int(kept.sum()) == k
+        assert float(xs[~kept].abs().max()) <= float(xs[kept].abs().min())  # the largest, exactly
+        assert torch.equal(ys[kept].sign(), xs[kept].sign())
+        assert len(set(ys[kept].abs().tolist())) <= 2  # two magnitudes per chunk
+    assert codec.ratio(n) > 100
+
+
+def test_sparseloco_error_feedback_keeps_residual_plus_sent_equal_to_the_input() -> None:
+    codec = SparseLoCo(0.01, 4096)
+    gen = torch.Generator().manual_seed(5)
+    ef = Residual()
+    total_in = torch.zeros(50_000, dtype=torch.float64)
+    total_sent = torch.zeros(50_000, dtype=torch.float64)
+    for _ in range(5):  # what the rounds sent plus what is still held back is everything put in
+        x = torch.randn(50_000, generator=gen)
+        total_in += x.double()
+        ef.add_to(x)
+        sent = roundtrip(codec, x)
+        ef.tensor = x - sent
+        dropped = sent == 0
+        assert torch.equal(ef.tensor[dropped], x[dropped])  # nothing of a dropped value is lost
+        total_sent += sent.double()
+    torch.testing.assert_close(total_sent + ef.tensor.double(), total_in, rtol=0, atol=1e-5)
 
 
 def test_fp4_levels_are_powers_of_two_of_the_block_max() -> None:
@@ -154,7 +203,7 @@ def _coded_rank(rank: int, sites: int, workers: int) -> dict:
                 x = torch.randn(n, generator=torch.Generator().manual_seed(n + 17 * site))  # same within a site
                 parts = [torch.randn(n, generator=torch.Generator().manual_seed(n + 17 * s)) for s in range(sites)]
                 truth = torch.stack(parts).sum(0)
-                comm.all_reduce_across_sites(x, codec, Residual() if name == "topk" else None)
+                comm.all_reduce_across_sites(x, codec, Residual() if codec.reduce == "gather" else None)
                 out[(name, n)] = {
                     "x": hashlib.sha256(x.numpy().tobytes()).hexdigest(),
                     "err": relative_error(truth, x),
@@ -193,7 +242,7 @@ def test_coded_all_reduce_identical_everywhere_with_exact_bytes(sites: int, work
                 raw = 4 * sum(others) + (sites - 1) * 4 * own
             assert res[key]["inter"] == expected, key
             assert res[key]["raw"] == raw, key
-        bound = {"topk": 1.0, "none": 1e-6}.get(name, 4 * GAUSS_BOUND.get(name, 1.0))
+        bound = {"topk": 1.0, "sparseloco": 1.0, "none": 1e-6}.get(name, 4 * GAUSS_BOUND.get(name, 1.0))
         if n >= 4099:
             assert first["err"] <= bound, (key, first["err"])
 
@@ -283,6 +332,8 @@ def test_powersgd_matches_pytorch_powersgd_quality() -> None:
         ("sync.codec=int9", "sync.codec: Input should be"),
         ("sync.bits=3", "sync.bits: the int8 codec sends 8 bits per value (allowed: 8; got 3)"),
         ("sync.topk_fraction=0", "sync.topk_fraction: Input should be greater than 0"),
+        ("sync.sparse_fraction=0.2", "sync.sparse_fraction: Input should be less than or equal to 0.05"),
+        ("sync.sparse_fraction=0.001", "sync.sparse_fraction: Input should be greater than or equal to 0.005"),
         ("sync.rank=0", "sync.rank: Input should be greater than or equal to 1"),
         ("sync.block_size=63", "sync.block_size: must be even"),
         ("run.backend=nccl", "sync.codec: codecs encode CPU tensors"),

@@ -78,6 +78,18 @@ BAD = [
     ("topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}]\n", [], "same number of workers"),
     ("- just\n- a list\n", [], "must hold a mapping"),
     (None, ["optim.betas=[0.9]"], "optim.betas"),
+    (
+        None,
+        ["optim.name=muon", "optim.momentum=0.9"],
+        "optim.momentum: applies to name=sgd only (name=muon; Muon's is optim.muon_momentum)",
+    ),
+    (None, ["optim.muon_momentum=1"], "optim.muon_momentum: Input should be less than 1"),
+    (None, ["optim.name=lion"], "optim.name: Input should be 'adamw', 'sgd' or 'muon'"),
+    (
+        None,
+        ["sync.codec=sparseloco", "sync.sparse_fraction=0.1"],
+        "sync.sparse_fraction: Input should be less than or equal to 0.05",
+    ),
     (None, ["train.steps"], "--set: expected KEY=VALUE"),
     (None, ["privacy.dp.epsilon=0"], "privacy.dp.epsilon: Input should be greater than 0"),
     (None, ["privacy.dp.delta=1"], "privacy.dp.delta: Input should be less than 1"),

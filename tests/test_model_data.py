@@ -117,3 +117,25 @@ def test_a_directory_corpus_reads_text_files_only(tmp_path: Path) -> None:
     data = read_corpus(str(tmp_path))
     assert b"kept text" in data and b"also kept" in data
     assert b"not read" not in data and b"binary" not in data and b"compressed" not in data
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest() -> None:
+    from geotrain.config import OptimConfig
+    from geotrain.run.optim import MuonAdamW, muon_split
+
+    model = build_model(ModelConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    muon, adamw = muon_split(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    # per block: attention qkv and projection, the MLP's two matrices
+    assert sorted(names[id(p)] for p in muon) == sorted(
+        f"blocks.{b}.{m}.weight" for b in range(2) for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+    )
+    rest = {names[id(p)] for p in adamw}
+    assert {"wte.weight", "wpe.weight"} <= rest  # embeddings (and the head tied to wte) stay on AdamW
+    assert all(p.dim() == 1 for p in adamw if names[id(p)] not in ("wte.weight", "wpe.weight", "head.weight"))
+    assert len(muon) + len(adamw) == len(list(model.parameters()))
+    opt = MuonAdamW(model, OptimConfig(name="muon"))
+    # one set of param groups, shared with the two optimizers: a scheduler's lr reaches both
+    opt.param_groups[0]["lr"] = 1e-3
+    assert opt.muon.param_groups[0]["lr"] == 1e-3 and opt.adamw.param_groups[0]["lr"] != 1e-3
+    assert set(opt.state_dict()) == {"muon", "adamw"}

@@ -173,3 +173,21 @@ def test_eager_streaming_ends_on_one_model_and_learns(tmp_path: Path) -> None:
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
     assert s["final_sync_inter_site_bytes"] > 0  # the closing average of the sites' models
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["sync.algorithm=ddp"],
+        ["sync.algorithm=diloco", "sync.codec=sparseloco", "sync.sparse_fraction=0.02"],
+        ["sync.algorithm=streaming", "sync.tau=1"],
+    ],
+    ids=["ddp", "diloco+sparseloco", "streaming"],
+)
+def test_muon_inner_optimizer_end_to_end(tmp_path: Path, extra: list[str]) -> None:
+    s, _ = _run(tmp_path, "muon", ["train.steps=8", "sync.H=4", "optim.name=muon", *extra])
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+    if "sync.codec=sparseloco" in extra:
+        assert s["codec"] == "sparseloco" and s["compression_ratio"] > 50, s["compression_ratio"]

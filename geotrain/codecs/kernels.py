@@ -161,3 +161,158 @@ def block4_decode(packed: np.ndarray, scales: np.ndarray, block: int, is_fp4: bo
             out[start + 2 * j + 1] = lut[byte >> 4]
         if (stop - start) & 1:
             out[stop - 1] = lut[np.int64(packed[base + pairs]) & 15]
+
+
+@_jit
+def _kth_largest(a: np.ndarray, k: int) -> np.float32:  # pragma: no cover - compiled
+    """The k-th largest value of ``a`` (1-based), by quickselect in place (median-of-three pivots)."""
+    lo = 0
+    hi = a.size - 1
+    target = a.size - k  # its index in ascending order
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        x, y, z = a[lo], a[mid], a[hi]
+        pivot = max(min(x, y), min(max(x, y), z))
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while a[j] > pivot:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if target <= j:
+            hi = j
+        elif target >= i:
+            lo = i
+        else:
+            return a[target]
+    return a[target]
+
+
+@_jit
+def sparse2_encode(
+    x: np.ndarray, chunk: int, fraction: float, offset_bits: int, scales: np.ndarray, packed: np.ndarray
+) -> float:  # pragma: no cover - compiled
+    """SparseLoCo-style: per chunk of ``chunk`` values, the ``ceil(fraction * len)`` largest in
+    magnitude (ties: lowest index first), each as a chunk-local offset of ``offset_bits`` bits and a
+    2-bit code (sign, and whether its magnitude is at or above the kept values' mean). The chunk's
+    two fp32 scales are the mean magnitude of each level (the mean itself for an empty level).
+    Entries are bit-packed little-endian, in index order; each chunk starts on a byte.
+    Returns the finiteness probe (NaN if any input is not finite).
+    """
+    n = x.size
+    probe = 0.0
+    tmp = np.empty(chunk, dtype=np.float32)
+    kept = np.empty(chunk, dtype=np.int64)
+    cidx = np.empty(chunk, dtype=np.int64)
+    width = offset_bits + 2
+    pos = 0  # byte where this chunk's entries start
+    for base in range(0, n, chunk):
+        c = base // chunk
+        m = min(chunk, n - base)
+        k = min(m, max(1, int(np.ceil(fraction * m))))
+        # a lower bound on the threshold from a strided sample (2x oversampled), then one pass
+        # that keeps only the candidates above it; the exact k-th largest is selected among them
+        cand = np.float32(0.0)
+        if m >= 1024:
+            stride = m // 256
+            for i in range(256):
+                tmp[i] = abs(x[base + i * stride])
+            cand = _kth_largest(tmp[:256], min(256, 2 * ((k * 256 + m - 1) // m) + 2))
+        nb = 0
+        for i in range(m):
+            v = x[base + i]
+            probe += v * 0.0
+            a = abs(v)
+            if a >= cand:
+                cidx[nb] = i
+                tmp[nb] = a
+                nb += 1
+        if probe != probe:
+            return probe
+        if nb < k:  # the sample overestimated the threshold: select among all values
+            for i in range(m):
+                cidx[i] = i
+                tmp[i] = abs(x[base + i])
+            nb = m
+        thr = _kth_largest(tmp[:nb], k)
+        got = 0
+        total = 0.0
+        for j in range(nb):  # the candidates are in index order
+            a = abs(x[base + cidx[j]])
+            if a > thr:
+                kept[got] = cidx[j]
+                got += 1
+                total += a
+        if got < k:  # values equal to the threshold fill the rest, lowest index first, in index order
+            need = k - got
+            got = 0
+            total = 0.0
+            for j in range(nb):
+                a = abs(x[base + cidx[j]])
+                if a > thr or (a == thr and need > 0):
+                    if not a > thr:
+                        need -= 1
+                    kept[got] = cidx[j]
+                    got += 1
+                    total += a
+        mean = np.float32(total / k)
+        s_lo = 0.0
+        s_hi = 0.0
+        n_lo = 0
+        n_hi = 0
+        for j in range(k):
+            a = abs(x[base + kept[j]])
+            if a >= mean:
+                s_hi += a
+                n_hi += 1
+            else:
+                s_lo += a
+                n_lo += 1
+        scales[2 * c] = s_lo / n_lo if n_lo else mean
+        scales[2 * c + 1] = s_hi / n_hi if n_hi else mean
+        nbytes = (k * width + 7) >> 3
+        for b in range(nbytes):
+            packed[pos + b] = 0
+        bit = 0
+        for j in range(k):
+            v = x[base + kept[j]]
+            code = (kept[j] << 2) | (2 if v < 0 else 0) | (1 if abs(v) >= mean else 0)
+            for t in range(width):
+                if (code >> t) & 1:
+                    packed[pos + ((bit + t) >> 3)] |= np.uint8(1 << ((bit + t) & 7))
+            bit += width
+        pos += nbytes
+    return probe
+
+
+@_jit
+def sparse2_decode(
+    packed: np.ndarray, scales: np.ndarray, chunk: int, fraction: float, offset_bits: int, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Inverse of :func:`sparse2_encode`: zeros except the kept entries, each ± its level's scale."""
+    n = out.size
+    width = offset_bits + 2
+    mask = (1 << width) - 1
+    for i in range(n):
+        out[i] = 0.0
+    pos = 0
+    end = packed.size
+    for base in range(0, n, chunk):
+        c = base // chunk
+        m = min(chunk, n - base)
+        k = min(m, max(1, int(np.ceil(fraction * m))))
+        bit = 0
+        for _ in range(k):
+            at = pos + (bit >> 3)
+            window = np.int64(0)
+            for b in range(min(5, end - at)):  # width <= 32 bits spans at most 5 bytes
+                window |= np.int64(packed[at + b]) << (8 * b)
+            code = (window >> (bit & 7)) & mask
+            bit += width
+            mag = scales[2 * c + (code & 1)]
+            out[base + (code >> 2)] = -mag if code & 2 else mag
+        pos += (k * width + 7) >> 3

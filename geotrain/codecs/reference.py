@@ -8,6 +8,8 @@ of :mod:`geotrain.codecs.powersgd`, needs a process group, so it runs in tests/t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -78,3 +80,45 @@ def block4_decode(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int
         mag = torch.where(e > 0, s * torch.pow(2.0, (e - 7).float()), torch.zeros_like(s))
         return torch.where(codes & 8 > 0, -mag, mag)
     return (codes - 8).float() * (s / 7.0)
+
+
+def sparse2_encode(x: torch.Tensor, fraction: float, chunk: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """SparseLoCo's format with tensor ops: per chunk, (kept offsets, 2-bit codes) and the two
+    level scales. Returns ([offsets, codes] per chunk row block, scales fp32 [chunks, 2])."""
+    n = x.numel()
+    full = n // chunk * chunk
+    blocks = [x[:full].view(-1, chunk)] if full else []
+    if n > full:
+        blocks.append(x[full:].view(1, -1))
+    entries, scales = [], []
+    for b in blocks:
+        m = b.shape[1]
+        k = min(m, max(1, math.ceil(fraction * m)))
+        a = b.abs()
+        idx = torch.sort(-a, dim=1, stable=True).indices[:, :k].sort(dim=1).values  # ties: lowest index
+        mag = a.gather(1, idx)
+        mean = (mag.double().sum(1) / k).float().unsqueeze(1)
+        hi = mag >= mean
+        n_hi = hi.sum(1, keepdim=True)
+        n_lo = k - n_hi
+        s_hi = torch.where(n_hi > 0, (mag.double() * hi).sum(1, keepdim=True) / n_hi.clamp_min(1), mean.double())
+        s_lo = torch.where(n_lo > 0, (mag.double() * ~hi).sum(1, keepdim=True) / n_lo.clamp_min(1), mean.double())
+        codes = (b.gather(1, idx) < 0).long() * 2 + hi.long()
+        entries.append((idx, codes))
+        scales.append(torch.cat([s_lo, s_hi], dim=1).float())
+    return [torch.stack([i.reshape(-1), c.reshape(-1)]) for i, c in entries], (torch.cat(scales) if scales else torch.empty(0, 2))
+
+
+def sparse2_decode(entries: list[torch.Tensor], scales: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """Dense fp32 from :func:`sparse2_encode`'s output: zeros except ± each kept entry's level scale."""
+    full = n // chunk * chunk
+    shapes = ([(full // chunk, chunk, 0)] if full else []) + ([(1, n - full, full)] if n > full else [])
+    out = torch.zeros(n)
+    row = 0
+    for (rows, _, base), e in zip(shapes, entries, strict=True):
+        idx, codes = e[0].view(rows, -1), e[1].view(rows, -1)
+        mag = scales[row : row + rows].gather(1, codes & 1)
+        pos = idx + base + (torch.arange(rows) * chunk).unsqueeze(1)
+        out[pos.reshape(-1)] = torch.where(codes & 2 > 0, -mag, mag).reshape(-1)
+        row += rows
+    return out

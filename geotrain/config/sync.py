@@ -36,7 +36,7 @@ class SyncConfig(Section):
     alpha: float = Field(
         default=0.5, ge=0, le=1, description="Streaming DiLoCo: merged = alpha * local + (1 - alpha) * new global."
     )
-    codec: Literal["none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "powersgd"] = Field(
+    codec: Literal["none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd"] = Field(
         default="none",
         description="Encoding of what crosses sites (DiLoCo/streaming pseudo-gradients, DDP gradients); in-site traffic stays fp32.",
     )
@@ -46,6 +46,12 @@ class SyncConfig(Section):
     block_size: int = Field(default=64, ge=2, le=1 << 20, description="fp4/int4: values per fp32 scale (even).")
     sigma_range: float = Field(default=6.0, gt=0, le=64, description="int8: buckets span mean ± sigma_range · std.")
     topk_fraction: float = Field(default=0.01, gt=0, le=1, description="topk: fraction of entries sent.")
+    sparse_fraction: float = Field(
+        default=0.01, ge=0.005, le=0.05, description="sparseloco: fraction of each chunk's entries sent (0.5-5%)."
+    )
+    sparse_chunk: int = Field(
+        default=4096, ge=64, le=1 << 20, description="sparseloco: values per chunk (top-k, offsets and 2-bit scales per chunk)."
+    )
     rank: int = Field(default=4, ge=1, le=4096, description="powersgd: approximation rank.")
     chunk_bytes: int = Field(
         default=4 << 20,
@@ -67,7 +73,8 @@ class SyncConfig(Section):
     )
     error_feedback: bool | None = Field(
         default=None,
-        description="Add what the codec left out to the next round's input; default: on for topk and powersgd, off otherwise.",
+        description="Add what the codec left out to the next round's input; default: on for topk, sparseloco and powersgd, "
+        "off otherwise.",
     )
 
     @model_validator(mode="after")
@@ -92,4 +99,4 @@ class SyncConfig(Section):
     def uses_error_feedback(self) -> bool:
         if self.error_feedback is not None:
             return self.error_feedback
-        return self.codec in ("topk", "powersgd")
+        return self.codec in ("topk", "sparseloco", "powersgd")

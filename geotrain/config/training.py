@@ -73,11 +73,16 @@ class TrainConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "sgd"] = Field(default="adamw", description="Inner optimizer.")
+    name: Literal["adamw", "sgd", "muon"] = Field(
+        default="adamw",
+        description="Inner optimizer; 'muon': torch.optim.Muon for the hidden weight matrices and AdamW for embeddings, "
+        "head, norms and biases (MuLoCo).",
+    )
     lr: float = Field(default=4e-4, gt=0, le=10, description="Inner learning rate (DiLoCo paper: 4e-4).")
     weight_decay: float = Field(default=0.1, ge=0, le=1, description="Weight decay (DiLoCo paper: 0.1).")
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], description="AdamW betas (DiLoCo paper: 0.9, 0.95).")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Momentum for name=sgd.")
+    muon_momentum: float = Field(default=0.95, ge=0, lt=1, description="Muon's Nesterov momentum (name=muon).")
     warmup_steps: int = Field(default=20, ge=0, description="Linear learning-rate warm-up steps.")
     schedule: Literal["constant", "cosine"] = Field(
         default="cosine", description="Learning rate after warm-up: constant, or cosine decay to 10% at the last step."
@@ -90,6 +95,15 @@ class OptimConfig(Section):
         if len(v) != 2 or not all(0 <= b < 1 for b in v):
             raise ValueError("must be two numbers in [0, 1)")
         return v
+
+    @model_validator(mode="after")
+    def _momentum(self) -> OptimConfig:
+        if self.momentum and self.name != "sgd":
+            raise ValueError(
+                f"momentum: applies to name=sgd only (name={self.name}"
+                + ("; Muon's is optim.muon_momentum)" if self.name == "muon" else ")")
+            )
+        return self
 
 
 class CheckpointConfig(Section):

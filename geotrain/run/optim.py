@@ -1,7 +1,10 @@
 """The inner optimizer and its learning-rate schedule, from the optim section.
 
-AdamW (DiLoCo paper: lr 4e-4, weight decay 0.1, betas 0.9/0.95) or SGD; linear warm-up, then
-constant or cosine decay to 10% at the last step.
+AdamW (DiLoCo paper: lr 4e-4, weight decay 0.1, betas 0.9/0.95), SGD, or Muon for the hidden
+weight matrices with AdamW for the rest (MuLoCo, arXiv 2505.23725: embeddings, the output head,
+norms and biases stay on AdamW, as Muon's authors advise). Muon's step is scaled to AdamW's update
+RMS (``adjust_lr_fn="match_rms_adamw"``), so one learning rate and schedule serve both. Linear
+warm-up, then constant or cosine decay to 10% at the last step.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ def build_optimizer(
     opt: torch.optim.Optimizer
     if cfg.name == "adamw":
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]))
+    elif cfg.name == "muon":
+        opt = MuonAdamW(model, cfg)
     else:
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
@@ -34,3 +39,47 @@ def build_optimizer(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon's, AdamW's) trainable parameters: Muon takes every 2-D weight except embedding tables
+    and the output head (``*head.weight``, or tied to an embedding); AdamW takes the rest."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() == 2 and id(p) not in embeddings and not name.endswith("head.weight"):
+            muon.append(p)
+        else:
+            adamw.append(p)
+    return muon, adamw
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` over :func:`muon_split`'s matrices and AdamW over the rest, as one
+    optimizer: the two share their param groups with this one, so a scheduler reaches both, and
+    one state dict holds both."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig) -> None:
+        muon, adamw = muon_split(model)
+        if not muon:
+            raise ValueError("optim.name=muon: the model has no hidden weight matrix for Muon")
+        self.muon = torch.optim.Muon(
+            muon, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw"
+        )
+        self.adamw = torch.optim.AdamW(adamw, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]))
+        super().__init__([{"params": muon}, {"params": adamw}], {"lr": cfg.lr})
+        self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        self.muon.step()
+        self.adamw.step()
+
+    def state_dict(self) -> dict[str, object]:  # type: ignore[override]
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:  # type: ignore[override]
+        self.muon.load_state_dict(state_dict["muon"])  # type: ignore[arg-type]
+        self.adamw.load_state_dict(state_dict["adamw"])  # type: ignore[arg-type]

@@ -24,7 +24,14 @@ def make_codec(cfg: SyncConfig) -> Codec | None:
     """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec)."""
     if cfg.codec in ("none", "powersgd"):
         return None
-    return build_codec(cfg.codec, sigma_range=cfg.sigma_range, block_size=cfg.block_size, topk_fraction=cfg.topk_fraction)
+    return build_codec(
+        cfg.codec,
+        sigma_range=cfg.sigma_range,
+        block_size=cfg.block_size,
+        topk_fraction=cfg.topk_fraction,
+        sparse_fraction=cfg.sparse_fraction,
+        sparse_chunk=cfg.sparse_chunk,
+    )
 
 
 def contiguous_split(sizes: Sequence[int], parts: int) -> list[int]:
