@@ -375,3 +375,26 @@ def test_bench_codecs_cli_writes_json(tmp_path: Path) -> None:
     assert entries["fp4"]["ratio"] == pytest.approx(4 * n / (n // 2 + 4 * n // 64))
     assert 0 < entries["int8"]["rel_error_pseudo_gradient"] < 0.05
     assert "int8" in proc.stdout and "speed-up" in proc.stdout
+
+
+def test_codec_quality_summary_and_reuse_of_finished_runs(tmp_path: Path) -> None:
+    import yaml
+
+    from geotrain.bench.quality import _finished, summarise
+
+    pts = [
+        {"label": lab, "seed": s, "final_eval_loss": loss, "inter_site_bytes": b, "hashes_agree": True}
+        for lab, s, loss, b in [("ddp", 1, 2.0, 1000), ("ddp", 2, 2.2, 1000), ("x", 1, 2.02, 10), ("x", 2, 2.2, 10)]
+    ]
+    ddp, x = summarise(pts)
+    assert ddp["mean_gap_to_ddp"] == 0 and ddp["bytes_ratio_vs_ddp"] == 1
+    # gaps at the same seed: +1% and 0%
+    assert x["mean_gap_to_ddp"] == pytest.approx(0.005) and x["std_gap_to_ddp"] == pytest.approx(math.sqrt(2) * 0.005)
+    assert x["mean_eval_loss"] == pytest.approx(2.11) and x["bytes_ratio_vs_ddp"] == 100
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"a": 1}))
+    assert _finished(run, {"a": 1}) is None  # no summary: not finished
+    (run / "summary.json").write_text('{"final_eval_loss": 1.5}')
+    assert _finished(run, {"a": 1}) == {"final_eval_loss": 1.5}
+    assert _finished(run, {"a": 2}) is None  # another configuration: trained again

@@ -139,3 +139,21 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest() -> None:
     opt.param_groups[0]["lr"] = 1e-3
     assert opt.muon.param_groups[0]["lr"] == 1e-3 and opt.adamw.param_groups[0]["lr"] != 1e-3
     assert set(opt.state_dict()) == {"muon", "adamw"}
+
+
+def test_muon_orthogonalises_in_fp32_on_cpu_like_torch_does_in_bf16() -> None:
+    import torch.optim._muon as torch_muon
+
+    from geotrain.run.optim import _fp32_newton_schulz, _newton_schulz_fp32
+
+    coeffs = (3.4445, -4.775, 2.0315)
+    for shape in ((64, 192), (192, 64)):
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        ours = _newton_schulz_fp32(g, coeffs, 5, 1e-7)
+        theirs = torch_muon._zeropower_via_newtonschulz(g, coeffs, 5, 1e-7).float()
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        assert float((ours - theirs).norm() / theirs.norm()) < 0.03  # bf16 rounding apart
+    original = torch_muon._zeropower_via_newtonschulz
+    with _fp32_newton_schulz():
+        assert torch_muon._zeropower_via_newtonschulz is _newton_schulz_fp32
+    assert torch_muon._zeropower_via_newtonschulz is original  # restored after the step

@@ -6,10 +6,13 @@ real launcher. Gaps to DDP are taken at the same seed (same init and data order)
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from geotrain.bench.common import table
 
@@ -53,8 +56,11 @@ def codec_quality(
             cfg = load_config(
                 None, [*(extra or []), *overrides, f"train.seed={seed}", "run.baseline=none", "train.save_final=false"]
             )
-            say(f"{label}, seed {seed}: {cfg.train.steps} steps")
-            s = launch_local(cfg, out / f"{label.replace(' ', '_').replace('=', '')}-seed{seed}", console_print=None)
+            run = out / f"{label.replace(' ', '_').replace('=', '')}-seed{seed}"
+            s = _finished(run, cfg.model_dump())
+            say(f"{label}, seed {seed}: {cfg.train.steps} steps" + (" (finished before: reused)" if s else ""))
+            if s is None:
+                s = launch_local(cfg, run, console_print=None)
             points.append(
                 {
                     "label": label,
@@ -87,6 +93,16 @@ def codec_quality(
     }
     met = {k: (checks[k] <= t if k.endswith("_loss") else checks[k] >= t) for k, t in QUALITY_TARGETS.items()}
     return {"seeds": seeds, "points": points, "summary": summary, "checks": checks, "targets": QUALITY_TARGETS, "met": met}
+
+
+def _finished(run: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of a run this sweep already finished in ``run`` with exactly ``config``, so an
+    interrupted sweep restarted on the same ``--out`` does not train it again; else None."""
+    summary, saved = run / "summary.json", run / "config.yaml"
+    if not (summary.exists() and saved.exists()) or yaml.safe_load(saved.read_text()) != config:
+        return None
+    done: dict[str, Any] = json.loads(summary.read_text())
+    return done
 
 
 def summarise(points: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,10 +9,13 @@ warm-up, then constant or cosine decay to 10% at the last step.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+import torch.optim._muon as _muon
 
 from geotrain.config import OptimConfig
 
@@ -74,7 +77,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: object = None) -> None:  # type: ignore[override]
-        self.muon.step()
+        on_cpu = self.muon.param_groups[0]["params"][0].device.type == "cpu"
+        with _fp32_newton_schulz() if on_cpu else contextlib.nullcontext():
+            self.muon.step()
         self.adamw.step()
 
     def state_dict(self) -> dict[str, object]:  # type: ignore[override]
@@ -83,3 +88,32 @@ class MuonAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, object]) -> None:  # type: ignore[override]
         self.muon.load_state_dict(state_dict["muon"])  # type: ignore[arg-type]
         self.adamw.load_state_dict(state_dict["adamw"])  # type: ignore[arg-type]
+
+
+def _newton_schulz_fp32(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz orthogonalisation with the same coefficients and steps as
+    torch's, in fp32: torch's runs it in bf16, which CPUs without bf16 matrix units execute about
+    20x slower than fp32 (2 s per step of the default model here, against 0.1 s)."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def _fp32_newton_schulz() -> Iterator[None]:
+    """Run torch.optim.Muon's orthogonalisation in fp32 for the duration of one step (CPU only)."""
+    original = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = original
