@@ -24,7 +24,7 @@ class ModelConfig(Section):
     hf: dict[str, Any] = Field(
         default_factory=lambda: {"model_type": "gpt2"},
         description="For kind=hf: keyword arguments for transformers.AutoConfig.for_model (model_type plus sizes). "
-        "Sizes not given are taken from n_layer/n_head/n_embd/block_size; vocab is always 256 (bytes).",
+        "Sizes not given are taken from n_layer/n_head/n_embd/block_size; the vocabulary follows the data (256 bytes, or the token shards' tokenizer).",
     )
 
     @model_validator(mode="after")
@@ -40,8 +40,9 @@ class ModelConfig(Section):
 class DataConfig(Section):
     corpus: str | None = Field(
         default=None,
-        description="A text file or directory of text files to train on. Default (null): text that ships with "
-        "CPython (pydoc topics and standard-library sources), so nothing is downloaded.",
+        description="A text file or directory of text files to train on (bytes as tokens), or a directory made by "
+        "geotrain data prepare (memory-mapped token shards; the model's vocabulary follows their tokenizer). "
+        "Default (null): text that ships with CPython (pydoc topics and standard-library sources), so nothing is downloaded.",
     )
     eval_fraction: float = Field(default=0.05, gt=0, lt=0.5, description="Share of the corpus held out for evaluation.")
     non_iid: bool = Field(

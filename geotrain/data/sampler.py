@@ -8,12 +8,14 @@ are fixed and identical on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from geotrain.config import DataConfig
 from geotrain.data.corpus import load_corpus, split_corpus
 from geotrain.data.shards import shard_for_rank, site_shard
+from geotrain.data.tokens import TokenSampler, check_same_vocabulary, is_token_dir, token_eval_batches, token_sampler
 
 
 class BatchSampler:
@@ -23,6 +25,7 @@ class BatchSampler:
         if tokens.numel() <= block_size + 1:
             raise ValueError(f"data.corpus: shard of {tokens.numel()} tokens is too small for model.block_size={block_size}")
         self.tokens = tokens
+        self.num_tokens = tokens.numel()
         self.block_size = block_size
         self.batch_size = batch_size
         self.gen = torch.Generator().manual_seed(seed)
@@ -56,7 +59,7 @@ def eval_batches(
 
 @dataclass
 class RankData:
-    train: BatchSampler
+    train: BatchSampler | TokenSampler
     eval: list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -72,14 +75,27 @@ def build_rank_data(
     site_corpus: str | None = None,
 ) -> RankData:
     """A rank's sampler and the shared evaluation batches. With ``site_corpus`` the rank trains only
-    on that (site-private) corpus; evaluation stays on the shared held-out split of ``data.corpus``."""
+    on that (site-private) corpus; evaluation stays on the shared held-out split of ``data.corpus``.
+    A directory made by ``geotrain data prepare`` is read as memory-mapped token shards."""
+    per_site = world // num_sites
+    seed_rank = seed * 1_000_033 + rank
+    if is_token_dir(cfg.corpus):
+        root = Path(str(cfg.corpus))
+        evals = token_eval_batches(root, block_size, batch_size, eval_batches_n, seed)
+        if site_corpus is not None:
+            check_same_vocabulary(root, site_corpus, "topology.sites[].corpus")
+            train = token_sampler(Path(site_corpus), rank % per_site, per_site, 1, False, block_size, batch_size, seed_rank)
+        else:
+            train = token_sampler(root, rank, world, num_sites, cfg.non_iid, block_size, batch_size, seed_rank)
+        return RankData(train=train, eval=evals)
+    if is_token_dir(site_corpus):
+        raise ValueError("topology.sites[].corpus: token shards need data.corpus to be token shards of the same tokenizer")
     splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
     if site_corpus is not None:
-        per_site = world // num_sites
         shard = site_shard(site_corpus, rank % per_site, per_site, cfg.eval_fraction)
     else:
         shard = shard_for_rank(splits, rank, world, num_sites, cfg.non_iid)
     return RankData(
-        train=BatchSampler(shard, block_size, batch_size, seed * 1_000_033 + rank),
+        train=BatchSampler(shard, block_size, batch_size, seed_rank),
         eval=eval_batches(splits.eval_tokens, block_size, batch_size, eval_batches_n, seed),
     )

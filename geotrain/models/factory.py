@@ -8,16 +8,17 @@ from __future__ import annotations
 import torch.nn as nn
 
 from geotrain.config import ModelConfig
-from geotrain.models.gpt import GPT
+from geotrain.models.gpt import GPT, VOCAB_SIZE
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """The model for ``cfg``: geotrain's GPT, or a Hugging Face causal LM built from a config."""
+def build_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> nn.Module:
+    """The model for ``cfg``: geotrain's GPT, or a Hugging Face causal LM built from a config;
+    ``vocab_size`` follows the data (256 byte tokens, or the prepared shards' tokenizer)."""
     if cfg.kind == "hf":
         from geotrain.models.hf import build_hf_model
 
-        return build_hf_model(cfg)
-    return GPT(cfg)
+        return build_hf_model(cfg, vocab_size)
+    return GPT(cfg, vocab_size)
 
 
 def count_params(model: nn.Module) -> int:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from geotrain.config import ModelConfig
 
-VOCAB_SIZE = 256  # byte-level tokenizer
+VOCAB_SIZE = 256  # byte tokens (the default); token shards bring their tokenizer's vocabulary
 
 
 class CausalSelfAttention(nn.Module):
@@ -51,15 +51,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` pre-LN blocks, tied LM head."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> None:
         super().__init__()
         self.block_size = cfg.block_size
-        self.wte = nn.Embedding(VOCAB_SIZE, cfg.n_embd)
+        self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, VOCAB_SIZE, bias=False)
+        self.head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         self.head.weight = self.wte.weight  # weight tying
         # per-example gradients (DP-SGD) need the position lookup batched too; same values either way
         self.batched_positions = False

@@ -44,7 +44,7 @@ class HFCausalLM(nn.Module):
 _SIZE_KEYS["mistral"] = _SIZE_KEYS["qwen2"] = _SIZE_KEYS["llama"]  # same names, same sizes
 
 
-def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+def hf_config_kwargs(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> dict[str, Any]:
     """AutoConfig keyword arguments for ``cfg`` (the family's own names for geotrain's sizes).
 
     Raises:
@@ -59,16 +59,16 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     if model_type != "gpt2":
         kwargs.setdefault("intermediate_size", 4 * cfg.n_embd)
         kwargs.setdefault("num_key_value_heads", cfg.n_head)
-    kwargs["vocab_size"] = VOCAB_SIZE
+    kwargs["vocab_size"] = vocab_size
     kwargs["model_type"] = model_type
     return kwargs
 
 
-def build_hf_model(cfg: ModelConfig) -> nn.Module:
+def build_hf_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("model.kind=hf needs transformers: pip install 'geotrain[hf]'") from exc
-    kwargs = hf_config_kwargs(cfg)
+    kwargs = hf_config_kwargs(cfg, vocab_size)
     hf_cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     return HFCausalLM(AutoModelForCausalLM.from_config(hf_cfg))

@@ -32,7 +32,7 @@ from geotrain.comm.procs import die_with_parent
 from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
-from geotrain.data import build_rank_data
+from geotrain.data import build_rank_data, vocab_size
 from geotrain.elastic.auth import optional_secret
 from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, MembershipRefused
 from geotrain.models import build_model, count_params
@@ -133,7 +133,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
     member = None
     try:
         torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
-        model = build_model(cfg.model).to(groups.device)
+        model = build_model(cfg.model, vocab_size(cfg.data)).to(groups.device)
         check_same_start(model, groups.world)
         eval_model = copy.deepcopy(model)
         own = cfg.topology.sites[where.site_index].corpus
@@ -164,7 +164,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             seed=cfg.train.seed,
             steps=cfg.train.steps,
             rounds_planned=fragment_count(cfg.sync, n_tensors) * math.ceil(cfg.train.steps / cfg.sync.H),
-            sample_rate=cfg.train.batch_size / (data.train.tokens.numel() - cfg.model.block_size - 1),
+            sample_rate=cfg.train.batch_size / (data.train.num_tokens - cfg.model.block_size - 1),
             run_id=seal.run if seal is not None else None,
         )
         outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients

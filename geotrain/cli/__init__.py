@@ -1,0 +1,275 @@
+"""The ``geotrain`` command line.
+
+``geotrain train`` with no arguments is the main job: DiLoCo on 2 sites x 2 workers and the DDP
+baseline on the same tokens, then a side-by-side table, ``OUT/loss.png`` and
+``OUT/summary.json``. Config errors print one line naming the field and exit with code 2.
+Torch is imported only once the config is valid, so bad input is rejected fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from geotrain.cli.bench import bench_app
+from geotrain.cli.common import ConfigOpt, OutOpt, SetOpt, console, fail, ints, load, scenario_step, wide, write_json
+from geotrain.cli.data import data_app
+from geotrain.config import Config
+from geotrain.errors import CheckpointError, ConfigError, LaunchError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train one model across several datacenters.")
+app.add_typer(bench_app, name="bench")
+app.add_typer(data_app, name="data")
+
+
+def _run_one(cfg: Config, out: Path, progress: Progress) -> dict[str, Any]:
+    from geotrain.launch.local import launch_local
+    from geotrain.report.metrics import last_step
+
+    task = progress.add_task(f"{cfg.sync.algorithm:>6}", total=cfg.train.steps)
+    metrics = out / "metrics" / "rank0.jsonl"
+
+    def poll() -> None:
+        progress.update(task, completed=last_step(metrics))
+
+    def forward(line: str) -> None:
+        progress.console.print(line, markup=False, highlight=False)
+
+    summary = launch_local(cfg, out, console_print=forward, on_poll=poll)
+    progress.update(task, completed=cfg.train.steps)
+    return summary
+
+
+@app.command()
+def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("runs/geotrain")) -> None:
+    """Train (by default DiLoCo on 2 sites x 2 workers, plus the DDP baseline on the same tokens)."""
+    cfg = load(config, set_)
+    from geotrain.comm.topology import Topology
+    from geotrain.launch.preflight import preflight
+    from geotrain.report.outputs import write_outputs
+    from geotrain.report.tables import print_table
+
+    try:
+        preflight(cfg)
+    except ConfigError as exc:
+        fail(f"config error: {exc}")
+    except CheckpointError as exc:
+        fail(f"checkpoint.resume: refused: {exc}")
+    topo = Topology.from_config(cfg.topology)
+    algorithms: list[str] = [cfg.sync.algorithm]
+    if cfg.run.baseline not in ("none", cfg.sync.algorithm):
+        algorithms.append(cfg.run.baseline)
+    out.mkdir(parents=True, exist_ok=True)
+    console.print(f"geotrain: {', '.join(algorithms)} on {topo.describe()}, {cfg.train.steps} steps -> {out}")
+    runs = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        for alg in algorithms:
+            run_dir = out / alg if len(algorithms) > 1 else out
+            try:
+                runs.append(_run_one(cfg.with_algorithm(alg), run_dir, progress))
+            except LaunchError as exc:
+                fail(f"{alg} run failed: {exc}", 1)
+            except KeyboardInterrupt:
+                fail("interrupted; all ranks stopped", 130)
+    print_table(runs, console)
+    for r in runs:
+        if "survivors" in r:  # elastic
+            fails = ", ".join(f"{f['kind']} {f['site']} (detected {f['detection_seconds'] or 0:.1f}s)" for f in r["failures"])
+            console.print(
+                f"elastic: {r['rounds_committed']} rounds committed, {r['rounds_rolled_back']} rolled back; "
+                f"survivors {', '.join(r['survivors'])} identical: {'yes' if r['consistent'] else 'NO'}; "
+                f"failures: {fails or 'none'}"
+            )
+    write_outputs(runs, out)
+    console.print(f"wrote {out / 'summary.json'}, {out / 'loss.png'}; TensorBoard: tensorboard --logdir {out}")
+
+
+@app.command("config")
+def show_config(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the config reference instead.")] = False,
+) -> None:
+    """Validate a config and print it with every default filled in."""
+    if markdown:
+        from geotrain.config import markdown_reference
+
+        print(markdown_reference())
+        return
+    cfg = load(config, set_)
+    console.print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), markup=False, highlight=False)
+
+
+@app.command()
+def netsim(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML (see scenarios/netsim/ and docs/NETSIM.md).")],
+    set_: SetOpt = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the result as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write fct_cdf.png (completion-time CDF per routing) here.")] = None,
+    flows_csv: Annotated[Path | None, typer.Option("--flows", help="Write every flow's completion time as CSV here.")] = None,
+) -> None:
+    """Size a datacenter fabric and simulate synchronized training traffic (ECMP vs multipath)."""
+    from geotrain.netsim.scenario import load_scenario
+
+    sc = scenario_step(load_scenario, scenario, set_)
+    from geotrain.netsim.report import print_report
+    from geotrain.netsim.run import plot_fct_cdf, run_scenario, write_flows_csv
+
+    out, flows = scenario_step(run_scenario, sc)  # some limits are only known once the fabric is built
+    print_report(out, wide(132))
+    if json_out is not None:
+        write_json(out, json_out)
+    if plot is not None:
+        plot_fct_cdf(flows, plot / "fct_cdf.png", f"{sc.name}: {sc.fabric.hosts} hosts")
+        console.print(f"wrote {plot / 'fct_cdf.png'}")
+    if flows_csv is not None:
+        write_flows_csv(flows, flows_csv)
+        console.print(f"wrote {flows_csv}")
+
+
+@app.command()
+def plan(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML (see scenarios/plan/ and docs/PLAN.md).")],
+    set_: SetOpt = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the plan as JSON here.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write model_size_vs_months.png and bandwidth_vs_utilization.png here.")
+    ] = None,
+    netsim: Annotated[Path | None, typer.Option("--netsim", help="Write the layout's traffic as a netsim scenario.")] = None,
+) -> None:
+    """Plan a (multi-site) training run: facility, scaling law, memory, layout, step time, network, sync strategy."""
+    from geotrain.plan.scenario import load_plan
+
+    sc = scenario_step(load_plan, scenario, set_)
+    from geotrain.plan.report import plot_plan, print_plan
+    from geotrain.plan.run import run_plan
+    from geotrain.plan.tonetsim import write_netsim
+
+    out = scenario_step(run_plan, sc)  # some inputs only the arithmetic can reject (a budget that buys no rack)
+    print_plan(out, wide(132))
+    if json_out is not None:
+        write_json(out, json_out)
+    if plot is not None:
+        for path in plot_plan(sc, out, plot):
+            console.print(f"wrote {path}")
+    if netsim is not None:
+        console.print(f"wrote {scenario_step(write_netsim, sc, out, netsim)}: run it with geotrain netsim {netsim}")
+
+
+@app.command()
+def lighthouse(
+    bind: Annotated[str, typer.Option(help="HOST:PORT to listen on (a loopback, private or VPN address).")] = "127.0.0.1:29510",
+    min_sites: Annotated[int, typer.Option(help="Fewest sites a round needs.")] = 1,
+    heartbeat_timeout: Annotated[float, typer.Option(help="Seconds of silence before a site is dropped.")] = 2.0,
+) -> None:
+    """Run the membership coordinator of elastic runs (torchft's Lighthouse) in the foreground.
+
+    Run it under a supervisor that restarts it (systemd Restart=always, a Kubernetes Deployment):
+    while it is down, sites keep doing inner steps and postpone their rounds."""
+    from geotrain.elastic.lighthouse import lighthouse_main
+
+    args = ["--bind", bind, "--min-sites", str(min_sites), "--heartbeat-timeout", str(heartbeat_timeout)]
+    raise typer.Exit(lighthouse_main(args))
+
+
+@app.command()
+def site(
+    site_name: Annotated[str, typer.Option("--site", help="This machine's site: a name from topology.sites.")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    lighthouse_addr: Annotated[
+        str | None, typer.Option("--lighthouse", help="HOST:PORT of the running Lighthouse (default: elastic.lighthouse).")
+    ] = None,
+    bind: Annotated[
+        str, typer.Option(help="This machine's address the other sites reach (its round store and Gloo traffic).")
+    ] = "127.0.0.1",
+    incarnation: Annotated[
+        int, typer.Option(min=0, max=1_000_000, help="0 on the first start; 1, 2, ... when restarting a failed site.")
+    ] = 0,
+    out: OutOpt = Path("runs/site"),
+) -> None:
+    """Run one site of an elastic run on this machine (one command per site; docs/ELASTIC.md)."""
+    cfg = load(config, set_)
+    from geotrain.launch.site import run_site
+
+    try:
+        summary = run_site(cfg, out, site_name, lighthouse_addr, bind, incarnation)
+    except ConfigError as exc:
+        fail(f"config error: {exc}")
+    except CheckpointError as exc:
+        fail(f"checkpoint.resume: refused: {exc}")
+    except LaunchError as exc:
+        fail(f"site failed: {exc}", 1)
+    console.print(f"site {site_name} finished; wrote {summary}")
+
+
+@app.command()
+def chaos(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here (default: OUT/chaos.json).")] = None,
+    out: OutOpt = Path("runs/chaos"),
+    sites: Annotated[int, typer.Option(min=3, max=16, help="Sites (one worker each).")] = 4,
+    rounds: Annotated[int, typer.Option(min=5, max=1000, help="DiLoCo rounds.")] = 30,
+    H: Annotated[int, typer.Option("--H", min=2, max=1000, help="Inner steps per round.")] = 200,
+    failures: Annotated[
+        int, typer.Option(min=0, max=1000, help="Site failures to plan (some may be skipped: see the report).")
+    ] = 12,
+    seeds: Annotated[str, typer.Option("--seeds", help="Seeds of the failure plan, comma-separated (a run each).")] = "0",
+    cpu_hogs: Annotated[
+        str, typer.Option("--cpu-hogs", help="Busy-looping processes beside the soak, comma-separated (a run each); 0: quiet.")
+    ] = "0",
+    restart_after: Annotated[float, typer.Option(min=0, max=600, help="Seconds until a failed site restarts.")] = 1.0,
+) -> None:
+    """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency."""
+    from geotrain.bench.chaos import chaos_table, run_soaks
+
+    seed_list, hog_list = ints(seeds, "--seeds", 0, 2**31), ints(cpu_hogs, "--cpu-hogs", 0, 64)
+    try:
+        kw = {"sites": sites, "rounds": rounds, "H": H, "failures": failures, "restart_after": restart_after}
+        report = run_soaks(out, seed_list, hog_list, console_print=None, **kw)
+    except LaunchError as exc:
+        fail(f"chaos run failed: {exc}", 1)
+    table = chaos_table(report, f"chaos: {sites} sites, {rounds} rounds of H={H}")
+    wide(120).print(table)
+    write_json(report, json_out or out / "chaos.json")
+    if not all(r["consistent"] for r in report["runs"]):
+        fail("survivors' global models differ", 1)
+
+
+audit_app = typer.Typer(help="The sites' signed audit logs.", no_args_is_help=True, add_completion=False)
+app.add_typer(audit_app, name="audit")
+
+
+@audit_app.command("verify")
+def audit_verify_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory holding audit*.jsonl (one per site).")],
+    keys: Annotated[
+        Path | None, typer.Option("--keys", help="JSON {site: public key hex} pinned out of band (else each log's own).")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the findings as JSON here.")] = None,
+) -> None:
+    """Check every site's signed hash chain and the sites' agreement on each round; exit 1 on any finding."""
+    from geotrain.privacy.audit import verify_dir
+
+    try:
+        lines, findings = verify_dir(run_dir, keys)
+    except ValueError as exc:
+        fail(f"audit verify: {exc}")
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
+    if json_out is not None:
+        write_json({"findings": [vars(f) for f in findings]}, json_out)
+    if findings:
+        fail(f"audit verify: {len(findings)} finding(s) in {run_dir}", 1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""``geotrain bench ...``: benchmarks that print a table and write JSON (their code is in ``geotrain.bench``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from geotrain.cli.common import (
+    JsonOpt,
+    LatencyOpt,
+    OutOpt,
+    SetOpt,
+    bit_rates,
+    console,
+    fail,
+    load,
+    progress_line,
+    wide,
+    write_json,
+)
+from geotrain.errors import LaunchError
+
+bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True, add_completion=False)
+
+
+@bench_app.command("codecs")
+def bench_codecs_cmd(
+    json_out: JsonOpt = None,
+    size_mib: Annotated[float, typer.Option("--size-mib", min=0.001, max=4096, help="fp32 tensor size for throughput.")] = 64,
+    reps: Annotated[int, typer.Option(min=1, max=100, help="Timed repetitions (median).")] = 5,
+    rank: Annotated[int, typer.Option(min=1, max=1024, help="PowerSGD rank.")] = 4,
+) -> None:
+    """Every codec: compression ratio, reconstruction error, one-core encode/decode GB/s vs a torch-ops reference."""
+    from geotrain.bench.codecs import bench_codecs, print_codecs
+
+    out = bench_codecs(size_mib, reps, rank, progress=progress_line)
+    print_codecs(out, wide(160))
+    if json_out is not None:
+        write_json(out, json_out)
+
+
+@bench_app.command("codec-quality")
+def bench_codec_quality_cmd(
+    json_out: JsonOpt = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write codec_quality.png here (a directory).")] = None,
+    out: OutOpt = Path("runs/codec-quality"),
+    streaming_h: Annotated[int, typer.Option("--streaming-h", min=1, help="H of the streaming+fp4 point.")] = 100,
+    seeds: Annotated[int, typer.Option("--seeds", min=1, max=20, help="Seeds per configuration.")] = 3,
+    set_: SetOpt = None,
+) -> None:
+    """Eval loss vs inter-site bytes at equal tokens over seeds: ddp, diloco, int8, streaming+fp4, sparseloco, muloco."""
+    from geotrain.bench.quality import codec_quality, plot_quality, print_quality
+
+    load(None, set_)  # bad overrides fail here, before any run starts
+    try:
+        result = codec_quality(out, set_, streaming_h, seeds, progress=progress_line)
+    except LaunchError as exc:
+        fail(f"a run failed: {exc}", 1)
+    print_quality(result, wide(140))
+    if json_out is not None:
+        write_json(result, json_out)
+    if plot is not None:
+        console.print(f"wrote {plot_quality(result, plot / 'codec_quality.png')}")
+
+
+@bench_app.command("privacy")
+def bench_privacy_cmd(
+    json_out: JsonOpt = None,
+    out: OutOpt = Path("runs/privacy"),
+    parts: Annotated[str, typer.Option("--parts", help="Comma-separated: overhead, keys, quality.")] = "overhead,keys,quality",
+    sizes: Annotated[str, typer.Option("--sizes", help="Site counts for the key-agreement table.")] = "4,8,16",
+    reps: Annotated[int, typer.Option(min=1, max=50, help="Timed aggregation rounds per mode.")] = 5,
+    eps: Annotated[str, typer.Option("--eps", help="The two ε values of the quality table (low,high).")] = "2,8",
+    set_: SetOpt = None,
+) -> None:
+    """Secure aggregation overhead (bytes, time) vs plain, key-agreement cost by site count, eval loss with and without privacy."""
+    from geotrain.bench.privacy import bench_key_agreement, bench_overhead, bench_quality, print_privacy
+
+    chosen = {p.strip() for p in parts.split(",") if p.strip()}
+    if not chosen or chosen - {"overhead", "keys", "quality"}:
+        fail(f"--parts: choose from overhead, keys, quality (got {parts!r})")
+    try:
+        site_counts = tuple(int(v) for v in sizes.split(","))
+        eps_low, eps_high = (float(v) for v in eps.split(","))
+    except ValueError:
+        fail(f"--sizes/--eps: expected comma-separated numbers (got {sizes!r}, {eps!r})")
+    if any(n < 2 or n > 64 for n in site_counts) or not 0 < eps_low < eps_high:
+        fail("--sizes: site counts between 2 and 64; --eps: 0 < low < high")
+    load(None, set_)
+    result: dict[str, Any] = {}
+    if "overhead" in chosen:
+        console.print("[dim]overhead: secure vs plain aggregation over Gloo[/dim]")
+        result["overhead"] = bench_overhead(reps=reps)
+    if "keys" in chosen:
+        console.print("[dim]key agreement and masking cost[/dim]")
+        result["key_agreement"] = bench_key_agreement(site_counts)
+    if "quality" in chosen:
+        try:
+            result["quality"] = bench_quality(out, set_, eps_low, eps_high, progress=progress_line)
+        except LaunchError as exc:
+            fail(f"a run failed: {exc}", 1)
+    print_privacy(result, wide(150))
+    if json_out is not None:
+        write_json(result, json_out)
+
+
+@bench_app.command("link")
+def bench_link_cmd(
+    json_out: JsonOpt = None,
+    speeds: Annotated[str, typer.Option(help="Link bandwidths in bit/s, comma-separated.")] = "1e7,1e8,1e9",
+    latency: LatencyOpt = 0.04,
+    reps: Annotated[int, typer.Option(min=1, max=50, help="Timed transfers per point (median).")] = 3,
+) -> None:
+    """Transfer time over an emulated link vs size/bandwidth + latency, in-process and kernel (root) modes."""
+    from geotrain.bench.link import bench_link, print_link
+
+    out = bench_link(bit_rates(speeds, "--speeds"), latency, reps=reps)
+    print_link(out, wide(140))
+    if json_out is not None:
+        write_json(out, json_out)
+
+
+@bench_app.command("allreduce")
+def bench_allreduce_cmd(
+    json_out: JsonOpt = None,
+    sizes_mib: Annotated[str, typer.Option("--sizes-mib", help="Message sizes in MiB, comma-separated.")] = "1,16,64,128",
+    bandwidth: Annotated[float, typer.Option("--bandwidth", min=1, help="Inter-site bandwidth in bit/s.")] = 1e9,
+    latency: LatencyOpt = 0.04,
+    reps: Annotated[int, typer.Option(min=1, max=50, help="Timed runs per point (median).")] = 3,
+    lanes: Annotated[int, typer.Option(min=1, max=64, help="Chunks in flight (sync.lanes).")] = 4,
+    chunk_mib: Annotated[float, typer.Option("--chunk-mib", min=0.01, max=1024, help="Chunk size (sync.chunk_bytes).")] = 4,
+) -> None:
+    """Hierarchical vs flat all-reduce on emulated links: busbw, link utilisation, α-β prediction."""
+    from geotrain.bench.allreduce import bench_allreduce, print_allreduce
+
+    sizes = bit_rates(sizes_mib, "--sizes-mib")
+    out = bench_allreduce(sizes, bandwidth, latency, reps=reps, lanes=lanes, chunk_bytes=int(chunk_mib * (1 << 20)))
+    print_allreduce(out, wide(140))
+    if json_out is not None:
+        write_json(out, json_out)
+
+
+@bench_app.command("wan")
+def bench_wan_cmd(
+    json_out: JsonOpt = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write wan.png and wan_timeline.png here (a directory).")] = None,
+    out: OutOpt = Path("runs/bench-wan"),
+    speeds: Annotated[str, typer.Option(help="Inter-site bandwidths in bit/s, comma-separated.")] = "1e7,1e8,1e9,1e10",
+    latency: LatencyOpt = 0.04,
+    steps: Annotated[int, typer.Option(min=10, help="Inner steps per run (ddp fewer on slow links).")] = 150,
+    timeline_bps: Annotated[float, typer.Option("--timeline-bps", min=1, help="Link of the timeline run.")] = 1e7,
+    tau: Annotated[int, typer.Option(min=0, help="Streaming: steps a fragment's exchange may take (sync.tau).")] = 20,
+    set_: SetOpt = None,
+) -> None:
+    """Compute utilisation, inter-site bytes and loss of ddp, diloco, streaming and eager streaming across link speeds."""
+    from geotrain.bench.wan import bench_wan, plot_timeline, plot_wan, print_wan
+
+    set_ = [f"sync.tau={tau}", *(set_ or [])]
+    load(None, set_)  # bad overrides fail here, before any run starts
+    bws = bit_rates(speeds, "--speeds")
+    try:
+        result = bench_wan(
+            out,
+            bws,
+            latency,
+            steps=steps,
+            extra=set_,
+            timeline_bps=timeline_bps,
+            progress=progress_line,
+        )
+    except LaunchError as exc:
+        fail(f"a run failed: {exc}", 1)
+    print_wan(result, wide(140))
+    if json_out is not None:
+        write_json(result, json_out)
+    if plot is not None:
+        console.print(f"wrote {plot_wan(result, plot / 'wan.png')}")
+        if result["timeline_run"]:
+            console.print(f"wrote {plot_timeline(Path(result['timeline_run']), plot / 'wan_timeline.png')}")

@@ -1,0 +1,326 @@
+"""``geotrain data prepare``: text inputs to token shards on disk, with a manifest.
+
+Inputs are text files, directories of them, JSONL (one JSON object per line, its text in a field)
+and Parquet (a text column). Documents are tokenized with the Hugging Face ``tokenizers`` library:
+a byte-level BPE trained on the inputs, or a local ``tokenizer.json`` / tokenizer directory; never
+downloaded. ``bytes`` keeps geotrain's zero-setup byte vocabulary.
+
+Output (``OUT/``), in the style of nanoGPT's ``.bin`` files:
+
+- ``train-00000.bin``, ... and ``eval-00000.bin``, ...: flat little-endian ``uint16``/``uint32`` ids;
+  documents are joined by the tokenizer's end-of-text id when it has one;
+- every ``round(1/eval_fraction)``-th block of ``BLOCK_TOKENS`` tokens goes to the eval split (as the
+  byte corpus does), so a corpus of one document still has an evaluation split;
+- ``tokenizer.json`` (unless ``bytes``) and ``manifest.json`` (written last, by rename): token counts,
+  sha256 of every shard, dtype, vocabulary size, the tokenizer's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geotrain.data.corpus import BLOCK_BYTES, TEXT_SUFFIXES
+
+FORMAT = "geotrain-tokens/1"
+MANIFEST = "manifest.json"
+BLOCK_TOKENS = BLOCK_BYTES
+EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class PrepareError(ValueError):
+    """Bad input to ``data prepare``: the message names the input (one line)."""
+
+
+def _text_file(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise PrepareError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not raw.strip():
+        raise PrepareError(f"{path}: empty")
+    if b"\0" in raw[:8192]:
+        raise PrepareError(f"{path}: binary, not text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PrepareError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _jsonl(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        with open(path, "rb") as fh:
+            n = 0
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise PrepareError(f"{path}:{lineno}: not a JSON object ({exc})") from None
+                text = obj.get(text_field) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    raise PrepareError(f"{path}:{lineno}: no string field {text_field!r} (--text-field)")
+                n += 1
+                yield text
+    except OSError as exc:
+        raise PrepareError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if n == 0:
+        raise PrepareError(f"{path}: empty")
+
+
+def _parquet(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepareError(f"{path}: Parquet input needs pyarrow: pip install 'geotrain[hf]'") from None
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
+        raise PrepareError(f"{path}: not a readable Parquet file ({exc})") from None
+    if text_field not in pf.schema_arrow.names:
+        raise PrepareError(f"{path}: no column {text_field!r} (--text-field; columns: {', '.join(pf.schema_arrow.names)})")
+    if pf.metadata.num_rows == 0:
+        raise PrepareError(f"{path}: empty")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if not isinstance(text, str):
+                raise PrepareError(f"{path}: column {text_field!r} holds a non-string value")
+            yield text
+
+
+def _files(inputs: list[Path]) -> list[Path]:
+    """The files to read: each input file, and a directory's text/JSONL/Parquet files (not hidden, not
+    empty: an empty ``__init__.py`` in a tree is no error, an empty file named on its own is)."""
+    files: list[Path] = []
+    for p in inputs:
+        if not p.exists():
+            raise PrepareError(f"{p}: not found")
+        if p.is_dir():
+            usable = TEXT_SUFFIXES | {".jsonl", ".parquet"}
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and f.suffix.lower() in usable
+                and not any(s.startswith(".") for s in f.relative_to(p).parts)
+                and f.stat().st_size > 0
+            )
+            if not found:
+                raise PrepareError(f"{p}: no text, JSONL or Parquet files in this directory")
+            files.extend(found)
+        else:
+            files.append(p)
+    return files
+
+
+def documents(inputs: list[Path], text_field: str = "text") -> Iterator[str]:
+    """Every document of ``inputs`` in a fixed order (a text file is one document)."""
+    for f in _files(inputs):
+        suffix = f.suffix.lower()
+        if suffix == ".jsonl":
+            yield from _jsonl(f, text_field)
+        elif suffix == ".parquet":
+            yield from _parquet(f, text_field)
+        else:
+            yield _text_file(f)
+
+
+@dataclass
+class Tokenizer:
+    """What ``prepare`` needs of a tokenizer: ids of a text, the vocabulary size, an end-of-text id."""
+
+    name: str
+    vocab_size: int
+    eot_id: int | None
+    hf: Any = None  # a tokenizers.Tokenizer, or None for bytes
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids followed by the end-of-text id (when the tokenizer has one)."""
+        end = [] if self.eot_id is None else [self.eot_id]
+        if self.hf is None:
+            return [list(t.encode("utf-8")) + end for t in texts]
+        return [list(e.ids) + end for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+
+def _eot(hf: Any) -> int | None:
+    for tok in EOT_CANDIDATES:
+        i = hf.token_to_id(tok)
+        if i is not None:
+            return int(i)
+    return None
+
+
+def load_tokenizer(spec: str, inputs: list[Path], vocab_size: int, text_field: str) -> Tokenizer:
+    """``bytes``, ``bpe`` (trained on ``inputs``), a ``tokenizer.json`` or a local tokenizer directory."""
+    if spec == "bytes":
+        return Tokenizer("bytes", 256, None)
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if spec == "bpe":
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(documents(inputs, text_field), trainer=trainer)
+        return Tokenizer(f"bpe-{hf.get_vocab_size()}", hf.get_vocab_size(), _eot(hf), hf)
+    path = Path(spec)
+    if not path.exists():
+        raise PrepareError(f"--tokenizer: {spec}: not found (give bytes, bpe, a tokenizer.json or a tokenizer directory)")
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if file.is_file():
+        try:
+            hf = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+            raise PrepareError(f"--tokenizer: {file}: not a tokenizer.json ({exc})") from None
+    else:
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True).backend_tokenizer
+        except Exception as exc:  # transformers raises OSError, ValueError, ... for a directory it cannot use
+            raise PrepareError(f"--tokenizer: {path}: no usable Hugging Face tokenizer ({exc})") from None
+    return Tokenizer(str(path), hf.get_vocab_size(with_added_tokens=True), _eot(hf), hf)
+
+
+def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _write_blocks(
+    tok: Tokenizer, inputs: list[Path], text_field: str, writers: dict[str, _ShardWriter], every: int
+) -> tuple[int, int]:
+    """Tokenize every document into blocks; every ``every``-th block to eval. Returns (documents, blocks)."""
+    pending = np.zeros(0, dtype=np.int64)
+    blocks = docs = 0
+    for batch in _batched(documents(inputs, text_field), 256):
+        pending = np.concatenate([pending, *(np.asarray(i, dtype=np.int64) for i in tok.encode_batch(batch))])
+        docs += len(batch)
+        full = pending.size // BLOCK_TOKENS
+        for b in range(full):
+            writers["eval" if blocks % every == every - 1 else "train"].add(pending[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS])
+            blocks += 1
+        pending = pending[full * BLOCK_TOKENS :]
+    if pending.size:
+        writers["eval" if blocks % every == every - 1 else "train"].add(pending)
+        blocks += 1
+    for w in writers.values():
+        w.flush()
+    return docs, blocks
+
+
+@dataclass
+class _ShardWriter:
+    out: Path
+    split: str
+    dtype: Any
+    shard_tokens: int
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    _buf: list[np.ndarray] = field(default_factory=list)
+    _n: int = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        while ids.size:
+            take = min(ids.size, self.shard_tokens - self._n)
+            self._buf.append(ids[:take])
+            self._n += take
+            ids = ids[take:]
+            if self._n == self.shard_tokens:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self._n:
+            return
+        arr = np.concatenate(self._buf).astype(self.dtype)
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        (self.out / name).write_bytes(arr.tobytes())  # little-endian on every platform geotrain runs on
+        self.shards.append({"file": name, "tokens": int(arr.size), "sha256": hashlib.sha256(arr.tobytes()).hexdigest()})
+        self._buf, self._n = [], 0
+
+
+def prepare(
+    inputs: list[Path],
+    tokenizer: str,
+    out: Path,
+    *,
+    vocab_size: int = 8192,
+    text_field: str = "text",
+    dtype: str = "auto",
+    eval_fraction: float = 0.05,
+    shard_tokens: int = 1 << 24,
+) -> dict[str, Any]:
+    """Tokenize ``inputs`` into shards under ``out``; returns the manifest (also ``out/manifest.json``)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PrepareError(f"--out: {out} exists and is not an empty directory")
+    if not 0 < eval_fraction < 0.5:
+        raise PrepareError(f"--eval-fraction: must be > 0 and < 0.5 (got {eval_fraction})")
+    tok = load_tokenizer(tokenizer, inputs, vocab_size, text_field)
+    if dtype == "auto":
+        dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+    if dtype not in DTYPES:
+        raise PrepareError(f"--dtype: choose from auto, uint16, uint32 (got {dtype!r})")
+    if tok.vocab_size > (1 << (8 * np.dtype(DTYPES[dtype]).itemsize)):
+        raise PrepareError(f"--dtype: {dtype} cannot hold the ids of {tok.name} (vocabulary {tok.vocab_size}); use uint32")
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    writers = {s: _ShardWriter(out, s, DTYPES[dtype], shard_tokens) for s in ("train", "eval")}
+    try:
+        docs, blocks = _write_blocks(tok, inputs, text_field, writers, max(2, round(1 / eval_fraction)))
+        if not writers["eval"].shards or not writers["train"].shards:
+            raise PrepareError(
+                f"{', '.join(map(str, inputs))}: too little text: {blocks} blocks of {BLOCK_TOKENS} tokens, "
+                f"none {'held out' if not writers['eval'].shards else 'left to train on'} at --eval-fraction {eval_fraction}"
+            )
+    except BaseException:  # leave nothing half-written behind: the shards so far, and the directory if it was new
+        for w in writers.values():
+            for sh in w.shards:
+                (out / sh["file"]).unlink(missing_ok=True)
+        if created:
+            out.rmdir()
+        raise
+    tok_sha = None
+    if tok.hf is not None:
+        tok.hf.save(str(out / "tokenizer.json"))
+        tok_sha = hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    manifest = {
+        "format": FORMAT,
+        "tokenizer": "bytes" if tok.hf is None else "tokenizer.json",
+        "tokenizer_source": tok.name,
+        "tokenizer_sha256": tok_sha,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "dtype": dtype,
+        "eval_fraction": eval_fraction,
+        "block_tokens": BLOCK_TOKENS,
+        "documents": docs,
+        "inputs": [str(p) for p in inputs],
+        "tokens": {s: sum(sh["tokens"] for sh in w.shards) for s, w in writers.items()},
+        "shards": {s: w.shards for s, w in writers.items()},
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
+    return manifest
