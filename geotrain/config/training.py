@@ -21,11 +21,19 @@ class ModelConfig(Section):
     n_embd: int = Field(default=128, ge=8, le=65536, description="Hidden size; must be divisible by n_head.")
     block_size: int = Field(default=64, ge=4, le=65536, description="Sequence length (context) in tokens.")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability.")
+    pretrained: str | None = Field(
+        default=None,
+        description="A local directory to start from: a Hugging Face model (kind=hf; from_pretrained, never downloaded; "
+        "its config sets the sizes) or a geotrain GPT export (kind=gpt; its sizes must equal these). "
+        "Its vocabulary must hold the data's.",
+    )
     hf: dict[str, Any] = Field(
         default_factory=lambda: {"model_type": "gpt2"},
         description="For kind=hf: keyword arguments for transformers.AutoConfig.for_model (model_type plus sizes). "
         "Sizes not given are taken from n_layer/n_head/n_embd/block_size; the vocabulary follows the data (256 bytes, or the token shards' tokenizer).",
     )
+
+    _pretrained_exists = field_validator("pretrained")(existing_path)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -67,7 +75,10 @@ class TrainConfig(Section):
     threads: int = Field(
         default=0, ge=0, le=1024, description="torch threads per rank; 0 = CPU cores / ranks on this machine (at least 1)."
     )
-    save_final: bool = Field(default=True, description="Write the final global model to OUT/final_model.pt.")
+    save_final: bool = Field(
+        default=True,
+        description="Write the final global model to OUT/final_model.pt and OUT/final_model/ (safetensors and its config; the tokenizer.json when trained on token shards), which model.pretrained can load.",
+    )
     timeline: bool = Field(
         default=False, description="Record per-rank compute and network intervals to OUT/timeline/rank{r}.json (for plots)."
     )

@@ -10,7 +10,7 @@
 from geotrain.data.corpus import load_corpus, split_corpus
 from geotrain.data.sampler import BatchSampler, RankData, build_rank_data, eval_batches
 from geotrain.data.shards import check_data, shard_for_rank, site_shard
-from geotrain.data.tokens import vocab_size
+from geotrain.data.tokens import tokenizer_file, vocab_size
 
 __all__ = [
     "BatchSampler",
@@ -22,5 +22,6 @@ __all__ = [
     "shard_for_rank",
     "site_shard",
     "split_corpus",
+    "tokenizer_file",
     "vocab_size",
 ]

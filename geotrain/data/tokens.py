@@ -31,6 +31,12 @@ def vocab_size(cfg: DataConfig) -> int:
     return int(read_manifest(Path(str(cfg.corpus)))["vocab_size"]) if is_token_dir(cfg.corpus) else 256
 
 
+def tokenizer_file(cfg: DataConfig) -> Path | None:
+    """The ``tokenizer.json`` the data was prepared with (None for bytes), to ship with an exported model."""
+    f = Path(str(cfg.corpus)) / "tokenizer.json"
+    return f if is_token_dir(cfg.corpus) and f.is_file() else None
+
+
 def read_manifest(root: Path) -> dict[str, Any]:
     """The manifest of a prepared directory, checked against the files (sizes; sha256 is ``verify``'s job)."""
     try:

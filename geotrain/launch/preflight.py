@@ -1,6 +1,6 @@
 """Checks that need more than the config's own fields, run before any process starts, so bad
 input is refused with one line and nothing is launched: the corpus can feed every rank, a
-checkpoint to resume from verifies, the membership secret file is readable, and codecs are not
+checkpoint to resume from verifies, a pretrained model fits the model section and the data's vocabulary, the membership secret file is readable, and codecs are not
 combined with the NCCL backend.
 """
 
@@ -11,9 +11,10 @@ from pathlib import Path
 from geotrain.comm.groups import choose_backend
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
-from geotrain.data import check_data
+from geotrain.data import check_data, vocab_size
 from geotrain.elastic.auth import optional_secret
 from geotrain.errors import ConfigError, MembershipRefused
+from geotrain.models import check_pretrained
 from geotrain.run.checkpoint import Seal, verify
 
 
@@ -28,6 +29,7 @@ def preflight(cfg: Config, site: int | None = None) -> None:
     topo = Topology.from_config(cfg.topology)
     try:
         check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites], site)
+        check_pretrained(cfg.model, vocab_size(cfg.data))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     secret = None

@@ -2,10 +2,12 @@
 
 - :mod:`.gpt`: a GPT decoder (after nanoGPT), byte vocabulary;
 - :mod:`.hf`: Hugging Face causal LMs built from a config (the ``hf`` extra);
-- :mod:`.factory`: ``build_model`` from the model section, ``count_params``.
+- :mod:`.factory`: ``build_model`` from the model section, ``count_params``;
+- :mod:`.pretrained`: local pretrained weights in, safetensors out.
 """
 
 from geotrain.models.factory import build_model, count_params
 from geotrain.models.gpt import GPT, VOCAB_SIZE
+from geotrain.models.pretrained import check_pretrained, export_model
 
-__all__ = ["GPT", "VOCAB_SIZE", "build_model", "count_params"]
+__all__ = ["GPT", "VOCAB_SIZE", "build_model", "check_pretrained", "count_params", "export_model"]

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs built from a config (no weight download).
+"""Hugging Face causal LMs built from a config, or loaded from a local directory (never downloaded).
 
 Optional: needs the ``hf`` extra (``pip install 'geotrain[hf]'``). The model is created with
 ``AutoModelForCausalLM.from_config`` so it starts from random weights and nothing is fetched
@@ -69,6 +69,8 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("model.kind=hf needs transformers: pip install 'geotrain[hf]'") from exc
+    if cfg.pretrained is not None:  # its own config sets the sizes; local files only
+        return HFCausalLM(AutoModelForCausalLM.from_pretrained(cfg.pretrained, local_files_only=True, dtype=torch.float32))
     kwargs = hf_config_kwargs(cfg, vocab_size)
     hf_cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     return HFCausalLM(AutoModelForCausalLM.from_config(hf_cfg))

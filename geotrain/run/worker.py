@@ -32,10 +32,10 @@ from geotrain.comm.procs import die_with_parent
 from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
-from geotrain.data import build_rank_data, vocab_size
+from geotrain.data import build_rank_data, tokenizer_file, vocab_size
 from geotrain.elastic.auth import optional_secret
 from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, MembershipRefused
-from geotrain.models import build_model, count_params
+from geotrain.models import build_model, count_params, export_model
 from geotrain.privacy.build import build_privacy
 from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import rank_record, run_summary
@@ -255,6 +255,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             if cfg.train.save_final:
                 load_parameters(eval_model, sync.global_parameters())
                 torch.save(eval_model.state_dict(), out / "final_model.pt")
+                export_model(eval_model, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
         if cfg.train.timeline:
             write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
         dist.barrier(group=groups.world)
