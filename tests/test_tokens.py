@@ -183,12 +183,17 @@ def test_blocks_are_shared_out_disjointly_and_completely(non_iid: bool) -> None:
 
 
 def test_windows_are_contiguous_pieces_of_one_shard_and_resume_exactly(prepared: Path) -> None:
-    shards = TokenShards(prepared, "train", block_size=64)
+    shards = TokenShards(prepared, "train", block_size=64, reader="mmap")
     assert len(shards.maps) > 1 and shards.n_blocks == sum(-(-(len(mm) - 64) // BLOCK_TOKENS) for mm in shards.maps)
     # shard 0 holds 30,000 tokens: 7 whole blocks and a short 8th of 1,328 that still gives whole windows
     assert shards.maps[0].size == 30_000 and shards.first_block[1] == 8
     assert np.array_equal(shards.window(7, 1263, 65), shards.maps[0][-65:])
     assert np.array_equal(shards.window(7, 1264, 65), shards.maps[0][7 * 4096 : 7 * 4096 + 65])  # offsets wrap
+    reader = TokenShards(prepared, "train", block_size=64)  # the default: pread, nothing mapped
+    reader.MAX_OPEN = 1  # one descriptor open at a time, however many shards
+    for b in range(shards.n_blocks):
+        assert np.array_equal(reader.window(b, 77 * b, 65), shards.window(b, 77 * b, 65))
+    assert reader.maps is None and len(reader._fds) == 1
     text = b"".join(bytes(np.asarray(mm)) for mm in shards.maps)  # uint16 bytes: text byte then 0
     a = token_sampler(prepared, 1, 4, 2, False, 64, 8, seed=7)
     x, y = a.next()
@@ -252,3 +257,14 @@ def test_training_on_prepared_bpe_shards(tmp_path: Path) -> None:
     assert s["final_eval_loss"] < 5.5  # ln(320) = 5.77 for a uniform guess over the vocabulary
     assert len(set(s["global_param_hash"].values())) == 1
     assert torch.load(out / "final_model.pt", weights_only=True)["wte.weight"].shape[0] == 320
+
+
+def test_bench_scale_grows_a_valid_directory_and_probes_both_readers(prepared: Path, tmp_path: Path) -> None:
+    from geotrain.bench.scale import _grown, probe
+
+    size = _grown(prepared, tmp_path / "big", 400_000)
+    verify(tmp_path / "big")  # a real prepared directory: manifest, sizes and hashes agree
+    assert size >= 400_000 and read_manifest(tmp_path / "big")["tokens"]["train"] * 2 == size
+    for reader in ("pread", "mmap"):
+        p = probe(tmp_path / "big", 20, reader)
+        assert p["tokens_per_second"] > 0 and p["rss_bytes"] >= p["rss_anon_bytes"] > 0

@@ -179,3 +179,22 @@ def bench_wan_cmd(
         console.print(f"wrote {plot_wan(result, plot / 'wan.png')}")
         if result["timeline_run"]:
             console.print(f"wrote {plot_timeline(Path(result['timeline_run']), plot / 'wan_timeline.png')}")
+
+
+@bench_app.command("scale")
+def bench_scale_cmd(
+    json_out: JsonOpt = None,
+    out: OutOpt = Path("runs/scale"),
+    batches: Annotated[int, typer.Option(min=10, max=1_000_000, help="Batches each loader probe draws.")] = 3000,
+    big_gib: Annotated[float, typer.Option("--big-gib", min=0.01, max=64, help="Size of the large shard directory.")] = 1.0,
+) -> None:
+    """The token-shard loader (pread, and mmap beside it): tokens/s against training's, resident memory at ~10 MB and ~1 GB of shards."""
+    from geotrain.bench.scale import bench_scale, print_scale
+
+    try:
+        result = bench_scale(out, batches, int(big_gib * 2**30), progress=progress_line)
+    except LaunchError as exc:
+        fail(f"bench scale: training run failed: {exc}", 1)
+    print_scale(result, wide(150))
+    if json_out is not None:
+        write_json(result, json_out)

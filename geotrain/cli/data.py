@@ -1,4 +1,4 @@
-"""``geotrain data ...``: turn text into token shards that training memory-maps."""
+"""``geotrain data ...``: turn text into token shards that training reads window by window."""
 
 from __future__ import annotations
 

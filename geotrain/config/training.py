@@ -49,7 +49,7 @@ class DataConfig(Section):
     corpus: str | None = Field(
         default=None,
         description="A text file or directory of text files to train on (bytes as tokens), or a directory made by "
-        "geotrain data prepare (memory-mapped token shards; the model's vocabulary follows their tokenizer). "
+        "geotrain data prepare (token shards read window by window, never whole; the model's vocabulary follows their tokenizer). "
         "Default (null): text that ships with CPython (pydoc topics and standard-library sources), so nothing is downloaded.",
     )
     eval_fraction: float = Field(default=0.05, gt=0, lt=0.5, description="Share of the corpus held out for evaluation.")

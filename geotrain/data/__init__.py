@@ -4,7 +4,7 @@
 - :mod:`.shards`: which tokens each rank reads (IID, non-IID, site-private), launch-time checks;
 - :mod:`.sampler`: reproducible random windows, fixed evaluation batches, a rank's data;
 - :mod:`.prepare`: ``geotrain data prepare``, text/JSONL/Parquet to token shards with a manifest;
-- :mod:`.tokens`: those shards memory-mapped, shared out per rank, sampled like the bytes.
+- :mod:`.tokens`: those shards read window by window (never whole), shared out per rank, sampled like the bytes.
 """
 
 from geotrain.data.corpus import load_corpus, split_corpus

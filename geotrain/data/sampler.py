@@ -76,7 +76,7 @@ def build_rank_data(
 ) -> RankData:
     """A rank's sampler and the shared evaluation batches. With ``site_corpus`` the rank trains only
     on that (site-private) corpus; evaluation stays on the shared held-out split of ``data.corpus``.
-    A directory made by ``geotrain data prepare`` is read as memory-mapped token shards."""
+    A directory made by ``geotrain data prepare`` is read as token shards, window by window."""
     per_site = world // num_sites
     seed_rank = seed * 1_000_033 + rank
     if is_token_dir(cfg.corpus):

@@ -1,4 +1,4 @@
-"""Token shards made by ``geotrain data prepare``, memory-mapped: resident memory does not grow with the corpus.
+"""Token shards made by ``geotrain data prepare``, read window by window: resident memory does not grow with the corpus.
 
 The shards of a split are cut into blocks of ``max(block_tokens, block_size + 1)`` tokens (a block
 never crosses a shard file; a shard's last block may be shorter if it holds one window). Blocks are shared out like the byte corpus's: IID, block *b* to rank
@@ -11,6 +11,7 @@ state is the data position, so a resumed run draws the same batches.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,28 +90,59 @@ def rank_blocks(n_blocks: int, rank: int, world: int, num_sites: int, non_iid: b
 
 
 class TokenShards:
-    """One split of a prepared directory, memory-mapped, as numbered blocks of ``block`` tokens."""
+    """One split of a prepared directory as numbered blocks of ``block`` tokens, read window by window.
 
-    def __init__(self, root: Path, split: str, block_size: int) -> None:
+    ``reader="pread"`` (the default) reads each window with one ``os.pread`` from the page cache:
+    nothing is mapped into the process, so its resident memory does not grow with the corpus.
+    ``reader="mmap"`` memory-maps the shards instead; the pages a rank touches then count in its
+    RSS (``geotrain bench scale`` measures both; docs/SCALE.md).
+    """
+
+    MAX_OPEN = 64  # file descriptors kept open per split
+
+    def __init__(self, root: Path, split: str, block_size: int, reader: str = "pread") -> None:
+        self._fds: dict[int, int] = {}  # first: __del__ runs even when the manifest is refused
         m = read_manifest(root)
         self.manifest = m
         self.vocab_size = int(m["vocab_size"])
         self.block = max(int(m["block_tokens"]), block_size + 1)
-        dtype = DTYPES[m["dtype"]]
-        self.maps = [np.memmap(root / sh["file"], dtype=dtype, mode="r") for sh in m["shards"][split] if sh["tokens"]]
+        self.dtype = np.dtype(DTYPES[m["dtype"]])
+        kept = [sh for sh in m["shards"][split] if sh["tokens"]]
+        self.files = [root / sh["file"] for sh in kept]
+        self.lengths = [int(sh["tokens"]) for sh in kept]
+        self.maps = [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files] if reader == "mmap" else None
         # a shard's last block may be shorter, if it still holds one window of block_size + 1 tokens
-        counts = np.array(
-            [-(-(len(mm) - block_size) // self.block) if len(mm) > block_size else 0 for mm in self.maps], dtype=np.int64
-        )
+        counts = np.array([-(-(n - block_size) // self.block) if n > block_size else 0 for n in self.lengths], dtype=np.int64)
         self.first_block = np.concatenate([[0], np.cumsum(counts)])  # block id where each shard starts
         self.n_blocks = int(self.first_block[-1])
+
+    def read(self, shard: int, start: int, length: int) -> np.ndarray:
+        """Tokens ``start : start + length`` of shard number ``shard``, as int64."""
+        if self.maps is not None:
+            return np.asarray(self.maps[shard][start : start + length], dtype=np.int64)
+        fd = self._fds.get(shard)
+        if fd is None:
+            if len(self._fds) >= self.MAX_OPEN:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = self._fds[shard] = os.open(self.files[shard], os.O_RDONLY)
+        raw = os.pread(fd, length * self.dtype.itemsize, start * self.dtype.itemsize)
+        if len(raw) != length * self.dtype.itemsize:
+            raise ValueError(f"{self.files[shard]}: shorter than its manifest says (changed while training?)")
+        return np.frombuffer(raw, dtype=self.dtype).astype(np.int64)
 
     def window(self, block_id: int, offset: int, length: int) -> np.ndarray:
         shard = int(np.searchsorted(self.first_block, block_id, side="right")) - 1
         start = (block_id - int(self.first_block[shard])) * self.block
-        room = min(self.block, len(self.maps[shard]) - start) - length + 1  # window starts this block allows
-        start += offset % room
-        return np.asarray(self.maps[shard][start : start + length], dtype=np.int64)
+        room = min(self.block, self.lengths[shard] - start) - length + 1  # window starts this block allows
+        return self.read(shard, start + offset % room, length)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class TokenSampler:
