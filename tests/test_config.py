@@ -108,6 +108,13 @@ BAD = [
     (None, ["elastic.enabled=true", "elastic.min_sites=3"], "elastic.min_sites: 3 is more than the number of sites (2)"),
     (None, ["elastic.enabled=true", "fault.hang=[Z@3]"], "fault.hang: unknown site 'Z' (sites: A, B)"),
     (None, ["elastic.enabled=true", "elastic.secret_file=/nonexistent/s"], "elastic.secret_file: cannot read /nonexistent/s"),
+    (None, ["train.precision=fp16"], "train.precision: Input should be 'fp32' or 'bf16'"),
+    (None, ["train.grad_accum=0"], "train.grad_accum: Input should be greater than or equal to 1"),
+    (
+        None,
+        ["privacy.dp.unit=example", "privacy.dp.epsilon=8", "train.grad_accum=2"],
+        "train.grad_accum: per-example DP-SGD clips each micro-batch's per-example gradients; not with privacy.dp.unit=example",
+    ),
 ]
 
 

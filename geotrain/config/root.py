@@ -55,6 +55,11 @@ class Config(Section):
                 raise ValueError(
                     f"privacy.threshold: {p.threshold} is more than a site and its {k} neighbours can hold (graph=sparse)"
                 )
+        if p.dp.unit == "example" and (self.train.grad_accum > 1 or self.model.activation_checkpointing):
+            what = "train.grad_accum" if self.train.grad_accum > 1 else "model.activation_checkpointing"
+            raise ValueError(
+                f"{what}: per-example DP-SGD clips each micro-batch's per-example gradients; not with privacy.dp.unit=example"
+            )
         c = self.checkpoint
         if c.resume not in (None, "auto") and self.run.baseline not in ("none", self.sync.algorithm):
             raise ValueError("checkpoint.resume: a checkpoint path resumes one run; set run.baseline=none (or resume=auto)")

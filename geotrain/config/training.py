@@ -21,6 +21,9 @@ class ModelConfig(Section):
     n_embd: int = Field(default=128, ge=8, le=65536, description="Hidden size; must be divisible by n_head.")
     block_size: int = Field(default=64, ge=4, le=65536, description="Sequence length (context) in tokens.")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability.")
+    activation_checkpointing: bool = Field(
+        default=False, description="Recompute each block's activations in the backward pass instead of keeping them."
+    )
     pretrained: str | None = Field(
         default=None,
         description="A local directory to start from: a Hugging Face model (kind=hf; from_pretrained, never downloaded; "
@@ -63,7 +66,19 @@ class DataConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(default=300, ge=1, le=10_000_000, description="Inner (local) optimizer steps per worker.")
-    batch_size: int = Field(default=8, ge=1, le=65536, description="Sequences per worker per step.")
+    batch_size: int = Field(default=8, ge=1, le=65536, description="Sequences per worker per micro-batch.")
+    grad_accum: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Micro-batches per step: their gradients are averaged before the (synchronised) step, "
+        "so the batch of a step is batch_size x grad_accum sequences per worker.",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="bf16: forward and backward under torch.autocast(bfloat16); parameters, gradients, inner and "
+        "outer optimizer state stay fp32 (master weights), and evaluation runs in fp32.",
+    )
     seed: int = Field(default=1234, ge=0, description="Seed for model init and data sampling.")
     eval_every: int = Field(
         default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp."

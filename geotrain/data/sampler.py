@@ -61,6 +61,7 @@ def eval_batches(
 class RankData:
     train: BatchSampler | TokenSampler
     eval: list[tuple[torch.Tensor, torch.Tensor]]
+    micro_batches: int = 1  # batches a training step draws (train.grad_accum)
 
 
 def build_rank_data(

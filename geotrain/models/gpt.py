@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from geotrain.config import ModelConfig
 
@@ -63,6 +64,7 @@ class GPT(nn.Module):
         self.head.weight = self.wte.weight  # weight tying
         # per-example gradients (DP-SGD) need the position lookup batched too; same values either way
         self.batched_positions = False
+        self.checkpointing = cfg.activation_checkpointing  # recompute each block in backward
         self.apply(self._init)
         # GPT-2 scaled init of residual projections
         for name, p in self.named_parameters():
@@ -86,6 +88,6 @@ class GPT(nn.Module):
             pos = pos.expand(idx.shape[0], t)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))

@@ -65,6 +65,17 @@ def hf_config_kwargs(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> dict[str
 
 
 def build_hf_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE) -> nn.Module:
+    model = _hf_model(cfg, vocab_size)
+    if cfg.activation_checkpointing:
+        inner: Any = model.inner
+        if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
+            inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _hf_model(cfg: ModelConfig, vocab_size: int) -> HFCausalLM:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover - depends on the environment

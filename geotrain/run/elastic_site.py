@@ -70,7 +70,7 @@ def join_elastic(
     def load(state: dict[str, Any]) -> None:
         objs.load_training(state)
         if member.joining:  # a restarted site takes the source's step: its data stream catches up
-            data.train.skip(int(state["step"]))
+            data.train.skip(int(state["step"]) * data.micro_batches)
 
     def note(message: str) -> None:
         if where.local_rank == 0:

@@ -113,6 +113,7 @@ def train_loop(
     *,
     steps: int,
     start: int = 0,
+    precision: str = "fp32",
     eval_every: int,
     timeline: bool = False,
     after_step: Callable[[int], None] | None = None,
@@ -120,6 +121,7 @@ def train_loop(
     """Train from ``start`` to ``steps``; the numbers the summary needs.
 
     Args:
+        precision: 'bf16' runs forward and backward under autocast; parameters stay fp32.
         eval_every: evaluate the global model every this many steps (and at the start and end).
         timeline: record this rank's compute intervals (for the timeline plot).
         after_step: called after every step's log (checkpoints, failure injection).
@@ -142,10 +144,14 @@ def train_loop(
                 log(me, step, f"privacy budget ε={privacy.cfg.dp.epsilon} reached: stopping after step {last}")
             break
         clock.start()
-        x, y = data.train.next()
-        loss = model(x.to(device), y.to(device))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = torch.zeros((), device=device)
+        for _ in range(data.micro_batches):  # gradients add up in .grad; the step averages them once
+            x, y = data.train.next()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                micro = model(x.to(device), y.to(device)) / data.micro_batches
+            micro.backward()
+            loss += micro.detach()
         optimizer.step()  # the sync algorithm's hooks average gradients / run the outer step
         scheduler.step()
         clock.stop()

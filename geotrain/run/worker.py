@@ -150,10 +150,11 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             cfg.train.seed,
             site_corpus=cfg.topology.sites[where.site_index].corpus,
         )
+        data.micro_batches = cfg.train.grad_accum
         optimizer, scheduler = build_optimizer(cfg.optim, model, cfg.train.steps)
         if cfg.train.timeline:
             comm.stats.intervals = []
-        tokens_per_rank_step = cfg.train.batch_size * cfg.model.block_size
+        tokens_per_rank_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
         n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
         seal = ckpt.Seal.of(optional_secret(cfg.elastic))
         privacy = build_privacy(
@@ -213,6 +214,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             evaluator,
             sink,
             privacy,
+            precision=cfg.train.precision,
             steps=cfg.train.steps,
             start=start,
             eval_every=cfg.eval_every,
