@@ -1,7 +1,8 @@
 """Checks that need more than the config's own fields, run before any process starts, so bad
 input is refused with one line and nothing is launched: the corpus can feed every rank, a
-checkpoint to resume from verifies, a pretrained model fits the model section and the data's vocabulary, the membership secret file is readable, and codecs are not
-combined with the NCCL backend.
+pretrained model fits the model section and the data's vocabulary, a checkpoint to resume from
+verifies, the membership secret file is readable, and codecs are not combined with the NCCL
+backend.
 """
 
 from __future__ import annotations
