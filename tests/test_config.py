@@ -113,7 +113,12 @@ BAD = [
     (
         None,
         ["privacy.dp.unit=example", "privacy.dp.epsilon=8", "train.grad_accum=2"],
-        "train.grad_accum: per-example DP-SGD clips each micro-batch's per-example gradients; not with privacy.dp.unit=example",
+        "train.grad_accum: not with privacy.dp.unit=example (its per-example gradient hooks need one eager micro-batch per step)",
+    ),
+    (
+        None,
+        ["privacy.dp.unit=example", "privacy.dp.epsilon=8", "train.compile=true"],
+        "train.compile: not with privacy.dp.unit=example",
     ),
 ]
 

@@ -63,3 +63,20 @@ def test_grad_accum_bf16_and_checkpointing_in_a_two_site_run(tmp_path: Path) -> 
     assert s["hashes_agree_within_sites"] and len(set(s["global_param_hash"].values())) == 1
     curve = s["runs"][0]["eval_curve"]
     assert curve[-1]["eval_loss"] < curve[0]["eval_loss"] - 0.3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_compiled_training_matches_eager(tmp_path: Path) -> None:
+    """train.compile on 1 site x 1 worker: the same losses as eager, to float tolerance."""
+    one = "topology:\n  sites: [{name: A, workers: 1}]\n"
+    common = ["sync.algorithm=ddp", "train.steps=8", "train.eval_every=4"]
+    runs = {}
+    for compiled in ("false", "true"):
+        out = tmp_path / f"compile-{compiled}"
+        train_cli(out, [*common, f"train.compile={compiled}"], topology=one, timeout=360)
+        runs[compiled] = read_summary(out)["runs"][0]["eval_curve"]
+    assert [p["step"] for p in runs["true"]] == [0, 4, 8]
+    for a, b in zip(runs["false"], runs["true"], strict=True):
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-4)
+    assert runs["true"][-1]["eval_loss"] < runs["true"][0]["eval_loss"]

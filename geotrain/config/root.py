@@ -55,10 +55,16 @@ class Config(Section):
                 raise ValueError(
                     f"privacy.threshold: {p.threshold} is more than a site and its {k} neighbours can hold (graph=sparse)"
                 )
-        if p.dp.unit == "example" and (self.train.grad_accum > 1 or self.model.activation_checkpointing):
-            what = "train.grad_accum" if self.train.grad_accum > 1 else "model.activation_checkpointing"
+        if p.dp.unit == "example" and (self.train.grad_accum > 1 or self.model.activation_checkpointing or self.train.compile):
+            what = (
+                "train.grad_accum"
+                if self.train.grad_accum > 1
+                else "model.activation_checkpointing"
+                if self.model.activation_checkpointing
+                else "train.compile"
+            )
             raise ValueError(
-                f"{what}: per-example DP-SGD clips each micro-batch's per-example gradients; not with privacy.dp.unit=example"
+                f"{what}: not with privacy.dp.unit=example (its per-example gradient hooks need one eager micro-batch per step)"
             )
         c = self.checkpoint
         if c.resume not in (None, "auto") and self.run.baseline not in ("none", self.sync.algorithm):

@@ -79,6 +79,11 @@ class TrainConfig(Section):
         description="bf16: forward and backward under torch.autocast(bfloat16); parameters, gradients, inner and "
         "outer optimizer state stay fp32 (master weights), and evaluation runs in fp32.",
     )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the training model in place (parameter names, checkpoints and sync unchanged; "
+        "the first step pays the compilation, tens of seconds on a CPU). Evaluation stays eager.",
+    )
     seed: int = Field(default=1234, ge=0, description="Seed for model init and data sampling.")
     eval_every: int = Field(
         default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp."

@@ -151,6 +151,8 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             site_corpus=cfg.topology.sites[where.site_index].corpus,
         )
         data.micro_batches = cfg.train.grad_accum
+        if cfg.train.compile:  # in place: the same parameters under the same names, for sync and checkpoints
+            model.compile()
         optimizer, scheduler = build_optimizer(cfg.optim, model, cfg.train.steps)
         if cfg.train.timeline:
             comm.stats.intervals = []
