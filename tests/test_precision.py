@@ -3,6 +3,7 @@ keeps fp32 master weights, and gradient accumulation over micro-batches trains a
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,7 @@ def test_grad_accum_bf16_and_checkpointing_in_a_two_site_run(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.skipif(not any(map(shutil.which, ("cc", "gcc", "clang"))), reason="torch.compile on CPU needs a C compiler")
 def test_compiled_training_matches_eager(tmp_path: Path) -> None:
     """train.compile on 1 site x 1 worker: the same losses as eager, to float tolerance."""
     one = "topology:\n  sites: [{name: A, workers: 1}]\n"

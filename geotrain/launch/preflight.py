@@ -1,12 +1,13 @@
 """Checks that need more than the config's own fields, run before any process starts, so bad
 input is refused with one line and nothing is launched: the corpus can feed every rank, a
 pretrained model fits the model section and the data's vocabulary, a checkpoint to resume from
-verifies, the membership secret file is readable, and codecs are not combined with the NCCL
-backend.
+verifies, the membership secret file is readable, codecs are not combined with the NCCL
+backend, and ``train.compile`` on CPU has a C compiler.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from geotrain.comm.groups import choose_backend
@@ -41,5 +42,7 @@ def preflight(cfg: Config, site: int | None = None) -> None:
             raise ConfigError(str(exc)) from None
     if cfg.checkpoint.resume not in (None, "auto"):
         verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign)
+    if cfg.train.compile and choose_backend(cfg.run.backend) == "gloo" and not any(map(shutil.which, ("cc", "gcc", "clang"))):
+        raise ConfigError("train.compile: on CPU torch.compile needs a C compiler (cc, gcc or clang); none is on PATH")
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
         raise ConfigError(f"sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})")
