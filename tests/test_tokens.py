@@ -268,3 +268,11 @@ def test_bench_scale_grows_a_valid_directory_and_probes_both_readers(prepared: P
     for reader in ("pread", "mmap"):
         p = probe(tmp_path / "big", 20, reader)
         assert p["tokens_per_second"] > 0 and p["rss_bytes"] >= p["rss_anon_bytes"] > 0
+
+
+def test_a_missing_tokenizers_library_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "t.txt").write_text("hello " * 3000)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails as if it were not installed
+    with pytest.raises(PrepareError, match=r"^--tokenizer bpe: needs the Hugging Face tokenizers library"):
+        prepare([tmp_path / "t.txt"], "bpe", tmp_path / "o")
+    assert not (tmp_path / "o").exists()

@@ -164,7 +164,10 @@ def load_tokenizer(spec: str, inputs: list[Path], vocab_size: int, text_field: s
     """``bytes``, ``bpe`` (trained on ``inputs``), a ``tokenizer.json`` or a local tokenizer directory."""
     if spec == "bytes":
         return Tokenizer("bytes", 256, None)
-    from tokenizers import Tokenizer as HFTokenizer
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        raise PrepareError(f"--tokenizer {spec}: needs the Hugging Face tokenizers library: pip install tokenizers") from None
 
     if spec == "bpe":
         from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -192,7 +195,11 @@ def load_tokenizer(spec: str, inputs: list[Path], vocab_size: int, text_field: s
     else:
         try:
             from transformers import AutoTokenizer
-
+        except ImportError:
+            raise PrepareError(
+                f"--tokenizer: {path}: a tokenizer directory needs transformers: pip install 'geotrain[hf]'"
+            ) from None
+        try:
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True).backend_tokenizer
         except Exception as exc:  # transformers raises OSError, ValueError, ... for a directory it cannot use
             raise PrepareError(f"--tokenizer: {path}: no usable Hugging Face tokenizer ({exc})") from None
