@@ -54,11 +54,10 @@ def verify_cmd(
     root: Annotated[Path, typer.Argument(help="A directory written by geotrain data prepare.")],
 ) -> None:
     """Check a prepared directory's manifest, file sizes and every shard's sha256 (reads every byte)."""
-    from geotrain.data.tokens import read_manifest, verify
+    from geotrain.data.tokens import verify
 
     try:
-        m = read_manifest(root)
-        verify(root)
+        m = verify(root)
     except ValueError as exc:
         fail(f"data verify: {exc}")
     shards = len(m["shards"]["train"]) + len(m["shards"]["eval"])

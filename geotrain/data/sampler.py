@@ -15,7 +15,14 @@ import torch
 from geotrain.config import DataConfig
 from geotrain.data.corpus import load_corpus, split_corpus
 from geotrain.data.shards import shard_for_rank, site_shard
-from geotrain.data.tokens import TokenSampler, check_same_vocabulary, is_token_dir, token_eval_batches, token_sampler
+from geotrain.data.tokens import (
+    TokenSampler,
+    check_same_vocabulary,
+    is_token_dir,
+    refuse_token_site_corpus,
+    token_eval_batches,
+    token_sampler,
+)
 
 
 class BatchSampler:
@@ -89,8 +96,7 @@ def build_rank_data(
         else:
             train = token_sampler(root, rank, world, num_sites, cfg.non_iid, block_size, batch_size, seed_rank)
         return RankData(train=train, eval=evals)
-    if is_token_dir(site_corpus):
-        raise ValueError("topology.sites[].corpus: token shards need data.corpus to be token shards of the same tokenizer")
+    refuse_token_site_corpus([site_corpus])
     splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
     if site_corpus is not None:
         shard = site_shard(site_corpus, rank % per_site, per_site, cfg.eval_fraction)

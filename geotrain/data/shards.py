@@ -14,7 +14,7 @@ import torch
 
 from geotrain.config import DataConfig
 from geotrain.data.corpus import Splits, load_corpus, read_corpus, split_corpus
-from geotrain.data.tokens import check_token_data, is_token_dir
+from geotrain.data.tokens import check_token_data, is_token_dir, refuse_token_site_corpus
 
 
 def shard_for_rank(splits: Splits, rank: int, world: int, num_sites: int, non_iid: bool) -> torch.Tensor:
@@ -54,8 +54,7 @@ def check_data(
     if is_token_dir(cfg.corpus):
         check_token_data(Path(str(cfg.corpus)), world, num_sites, cfg.non_iid, block_size, site_corpora or [], only_site)
         return
-    if site_corpora and any(is_token_dir(c) for c in site_corpora):
-        raise ValueError("topology.sites[].corpus: token shards need data.corpus to be token shards of the same tokenizer")
+    refuse_token_site_corpus(site_corpora or [])
     splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
     if splits.eval_tokens.numel() <= block_size + 1:
         raise ValueError(f"data.corpus: held-out split too small for model.block_size={block_size}")

@@ -55,8 +55,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
     return m
 
 
-def verify(root: Path) -> None:
-    """Every shard's sha256 against the manifest (reads every byte: for ``data prepare`` and tests)."""
+def verify(root: Path) -> dict[str, Any]:
+    """Every shard's sha256 against the manifest (reads every byte: ``geotrain data verify``, tests); the manifest."""
     import hashlib
 
     m = read_manifest(root)
@@ -68,6 +68,7 @@ def verify(root: Path) -> None:
                     h.update(chunk)
             if h.hexdigest() != sh["sha256"]:
                 raise ValueError(f"{root / sh['file']}: sha256 differs from the manifest")
+    return m
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,12 @@ def check_token_data(
         site = TokenShards(Path(own), "train", block_size)
         if site.n_blocks < per_site:
             raise ValueError(f"{where}: {site.n_blocks} blocks of {site.block} tokens for {per_site} workers")
+
+
+def refuse_token_site_corpus(site_corpora: list[str | None]) -> None:
+    """With a text ``data.corpus``, no site may bring token shards (the model has one vocabulary)."""
+    if any(is_token_dir(c) for c in site_corpora):
+        raise ValueError("topology.sites[].corpus: token shards need data.corpus to be token shards of the same tokenizer")
 
 
 def check_same_vocabulary(root: Path, site_corpus: str, where: str) -> None:

@@ -37,8 +37,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     return c
 
 
-def pretrained_vocab(cfg: ModelConfig) -> int:
-    """The vocabulary of the model at ``cfg.pretrained``, read from its config alone (no weights).
+def _checked_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The config of the model at ``cfg.pretrained`` (no weights read), checked against the model section.
 
     Raises:
         ValueError: one line naming ``model.pretrained``: not a model of ``model.kind``, or its sizes
@@ -55,24 +55,28 @@ def pretrained_vocab(cfg: ModelConfig) -> int:
         for k in GPT_SIZES:
             if c[k] != getattr(cfg, k):
                 raise ValueError(f"model.{k}: {getattr(cfg, k)}, but the pretrained GPT at {path} has {c[k]}")
-        return int(c["vocab_size"])
-    if "model_type" not in c or not isinstance(c.get("vocab_size"), int):
+    elif "model_type" not in c or not isinstance(c.get("vocab_size"), int):
         raise ValueError(f"model.pretrained: {path} is not a Hugging Face model directory (config.json without model_type)")
-    return int(c["vocab_size"])
+    return c
+
+
+def pretrained_vocab(cfg: ModelConfig) -> int:
+    """The vocabulary of the model at ``cfg.pretrained`` (see :func:`_checked_config` for what is refused)."""
+    return int(_checked_config(cfg)["vocab_size"])
 
 
 def check_pretrained(cfg: ModelConfig, data_vocab: int) -> None:
     """Refuse, before launch, a pretrained model that cannot read the data's tokens."""
     if cfg.pretrained is None:
         return
-    have = pretrained_vocab(cfg)
+    c = _checked_config(cfg)
+    have = int(c["vocab_size"])
     if data_vocab > have:
         raise ValueError(
             f"model.pretrained: the model's vocabulary ({have:,}) is smaller than the data's ({data_vocab:,}); "
             "prepare the data with the model's tokenizer (geotrain data prepare --tokenizer MODEL_DIR)"
         )
     if cfg.kind == "hf":
-        c = _read_config(Path(str(cfg.pretrained)))
         positions = c.get("n_positions", c.get("max_position_embeddings"))
         if isinstance(positions, int) and cfg.block_size > positions:
             raise ValueError(f"model.block_size: {cfg.block_size}, but the pretrained model takes at most {positions} positions")
