@@ -276,3 +276,12 @@ def test_a_missing_tokenizers_library_is_one_line(tmp_path: Path, monkeypatch: p
     with pytest.raises(PrepareError, match=r"^--tokenizer bpe: needs the Hugging Face tokenizers library"):
         prepare([tmp_path / "t.txt"], "bpe", tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+def test_shard_bytes_follow_the_dtype_prepare_chose(tmp_path: Path) -> None:
+    """--shard-mib is bytes: with uint32 ids a shard holds half the tokens it would as uint16."""
+    (tmp_path / "t.txt").write_text("\n".join(_docs(200, seed=5)))
+    for dtype, tokens in (("uint16", 20_000), ("uint32", 10_000)):
+        m = prepare([tmp_path / "t.txt"], "bytes", tmp_path / dtype, dtype=dtype, shard_bytes=40_000)
+        assert m["shards"]["train"][0]["tokens"] == tokens
+        assert (tmp_path / dtype / "train-00000.bin").stat().st_size == 40_000

@@ -28,7 +28,6 @@ def prepare_cmd(
     """Tokenize INPUTS into uint16/uint32 shards with a manifest (counts, sha256); train on it with data.corpus=OUT."""
     from geotrain.data.prepare import PrepareError, prepare
 
-    item = 4 if dtype == "uint32" else 2
     try:
         m = prepare(
             inputs,
@@ -38,7 +37,7 @@ def prepare_cmd(
             text_field=text_field,
             dtype=dtype,
             eval_fraction=eval_fraction,
-            shard_tokens=max(1, int(shard_mib * (1 << 20)) // item),
+            shard_bytes=int(shard_mib * (1 << 20)),
         )
     except PrepareError as exc:
         fail(f"data prepare: {exc}")

@@ -278,8 +278,10 @@ def prepare(
     dtype: str = "auto",
     eval_fraction: float = 0.05,
     shard_tokens: int = 1 << 24,
+    shard_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``inputs`` into shards under ``out``; returns the manifest (also ``out/manifest.json``)."""
+    """Tokenize ``inputs`` into shards under ``out``; returns the manifest (also ``out/manifest.json``).
+    Shards hold ``shard_tokens`` tokens, or ``shard_bytes`` bytes when given."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PrepareError(f"--out: {out} exists and is not an empty directory")
     if not 0 < eval_fraction < 0.5:
@@ -293,6 +295,8 @@ def prepare(
         raise PrepareError(f"--dtype: {dtype} cannot hold the ids of {tok.name} (vocabulary {tok.vocab_size}); use uint32")
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    if shard_bytes is not None:  # the file size asked for, in tokens of the dtype just chosen
+        shard_tokens = max(1, shard_bytes // np.dtype(DTYPES[dtype]).itemsize)
     writers = {s: _ShardWriter(out, s, DTYPES[dtype], shard_tokens) for s in ("train", "eval")}
     try:
         docs, blocks = _write_blocks(tok, inputs, text_field, writers, max(2, round(1 / eval_fraction)))
