@@ -117,8 +117,7 @@ def bench_loader(
         None, [f"data.corpus={work / 'small'}", "run.baseline=none", f"train.steps={train_steps}", "train.save_final=false"]
     )
     s = launch_local(cfg, work / "run", console_print=None)
-    world = cfg.topology.sites[0].workers * len(cfg.topology.sites)
-    training = s["tokens"] / world / s["wall_seconds"]
+    training = s["tokens"] / s["world_size"] / s["wall_seconds"]
     out = {
         "batches": batches,
         "small_dir_bytes": _dir_bytes(work / "small"),
