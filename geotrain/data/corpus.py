@@ -23,12 +23,17 @@ DEFAULT_CORPUS_BYTES = 3_000_000
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".csv", ".json", ".html"}
 
 
+def hidden_below(f: Path, root: Path) -> bool:
+    """Whether a part of ``f``'s path below ``root`` is hidden (``.git`` objects, a ``.venv``, dotfiles)."""
+    return any(part.startswith(".") for part in f.relative_to(root).parts)
+
+
 def is_text_file(f: Path, root: Path) -> bool:
     """A file of a directory corpus to train on: a text suffix, nothing hidden on its path below
     ``root`` (no ``.git`` objects, no ``.venv``), and no NUL byte in its first 8 KiB (not binary)."""
     if not f.is_file() or f.suffix.lower() not in TEXT_SUFFIXES:
         return False
-    if any(part.startswith(".") for part in f.relative_to(root).parts):
+    if hidden_below(f, root):
         return False
     with open(f, "rb") as fh:
         return b"\0" not in fh.read(8192)

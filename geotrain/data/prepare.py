@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from geotrain.data.corpus import BLOCK_BYTES, TEXT_SUFFIXES
+from geotrain.data.corpus import BLOCK_BYTES, TEXT_SUFFIXES, hidden_below
 
 FORMAT = "geotrain-tokens/1"
 MANIFEST = "manifest.json"
@@ -110,10 +110,7 @@ def _files(inputs: list[Path]) -> list[Path]:
             found = sorted(
                 f
                 for f in p.rglob("*")
-                if f.is_file()
-                and f.suffix.lower() in usable
-                and not any(s.startswith(".") for s in f.relative_to(p).parts)
-                and f.stat().st_size > 0
+                if f.is_file() and f.suffix.lower() in usable and not hidden_below(f, p) and f.stat().st_size > 0
             )
             if not found:
                 raise PrepareError(f"{p}: no text, JSONL or Parquet files in this directory")
