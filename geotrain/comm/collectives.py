@@ -376,15 +376,30 @@ class Collectives:
         self._check(x)
         self._timed(self._ring_all_gather, x, self.groups.intra_ranks, self.lanes[0].intra, sizes, wide=False)
 
-    def all_reduce_across_sites(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
+    def all_reduce_across_sites(
+        self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None, *, sharded: bool = False
+    ) -> None:
         """Sum over sites of a tensor that is already identical on every rank of a site.
 
         Each local rank all-reduces only its 1/G shard across sites, then the site all-gathers:
         the inter-site traffic of a hierarchical all-reduce without the (needless) in-site
         reduce-scatter.
+
+        ``sharded``: ``x`` is this rank's own shard of the site's tensor (FSDP: local rank i holds
+        the same part in every site), so the across-sites step is all there is: the same bytes
+        cross sites, and no in-site all-gather follows.
         """
         self._check(x)
-        self._timed(self._site_pipeline, x, codec, ef, False)
+        if sharded:
+            self._timed(self._shard_across, x, codec, ef)
+        else:
+            self._timed(self._site_pipeline, x, codec, ef, False)
+
+    def _shard_across(self, x: torch.Tensor, codec: Codec | None, ef: Residual | None) -> None:
+        if codec is None:
+            self._laned(x, lambda c, lane: self._across(c, lane, None, None))
+        else:
+            self._across(x, self.lanes[0], codec, ef)
 
     def site_values(self, value: float) -> list[float]:
         """Every site's ``value`` (one float per site, the same on every rank of a site), in site
@@ -393,6 +408,11 @@ class Collectives:
         slots[self._my_site] = value
         self.all_reduce_across_sites(slots)
         return slots.tolist()
+
+    def sum_in_site(self, x: torch.Tensor) -> None:
+        """Sum a small control value over this rank's site, on lane 0's site group (safe from the
+        background exchange thread while the training thread uses the main site group)."""
+        self.ring_all_reduce(x, self.groups.intra_ranks, self.lanes[0].intra, wide=False)
 
     def all_reduce_inter(self, x: torch.Tensor) -> None:
         """Sum over this rank's cross-site group (its local rank in every site), fp32, lane 0."""

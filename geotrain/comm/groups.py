@@ -5,7 +5,10 @@ in the same order on every rank (``new_group`` is itself collective):
 
 * one **intra-site** group per site (all local ranks of that site),
 * one **inter-site** group per local rank *i* (local rank *i* of every site),
-* the **global** group (the default world group).
+* the **global** group (the default world group),
+* with ``site_mesh``, one more group per site under a 1-D :class:`DeviceMesh` for FSDP2
+  (``sync.within_site=fsdp``): FSDP's collectives get a group of their own, so they never
+  interleave with geotrain's ring collectives on the site group.
 
 The object is passed explicitly to whoever needs a group; there are no module globals.
 :func:`round_group` creates the one other kind: a Gloo group over a store, outside any world
@@ -20,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from geotrain.comm.topology import RankInfo, Topology
 
@@ -97,6 +101,7 @@ class ProcessGroups:
         lanes: groups for the pipelined collectives (see :class:`Lane`).
         owns_world: whether :meth:`build` initialised torch.distributed (then :meth:`destroy`
             tears it down; else only the groups it created).
+        mesh: the site's device mesh for FSDP2 (None unless built with ``site_mesh``).
     """
 
     topology: Topology
@@ -107,6 +112,7 @@ class ProcessGroups:
     backend: str
     lanes: list[Lane]
     owns_world: bool = True
+    mesh: DeviceMesh | None = None
 
     @property
     def intra_ranks(self) -> list[int]:
@@ -123,7 +129,9 @@ class ProcessGroups:
         return torch.device("cpu")
 
     @classmethod
-    def build(cls, topology: Topology, backend: str = "auto", timeout_s: float = 300, lanes: int = 1) -> ProcessGroups:
+    def build(
+        cls, topology: Topology, backend: str = "auto", timeout_s: float = 300, lanes: int = 1, site_mesh: bool = False
+    ) -> ProcessGroups:
         """Initialise torch.distributed from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
         MASTER_PORT, as set by geotrain's launcher or torchrun) unless the caller already did, and
         build every group, plus ``lanes`` sets of groups for the pipelined collectives.
@@ -157,7 +165,12 @@ class ProcessGroups:
         world = dist.group.WORLD
         assert world is not None
         lane_list = [Lane(*_site_groups(topology, me), world=dist.new_group(topology.all_ranks())) for _ in range(lanes)]
-        return cls(topology, me, world, intra, inter, backend, lane_list, owns_world)
+        mesh = None
+        if site_mesh:  # every rank creates every site's group, in site order (new_group is collective)
+            mesh_groups = [dist.new_group(topology.site_ranks(s)) for s in range(topology.num_sites)]
+            device = "cuda" if backend == "nccl" else "cpu"
+            mesh = DeviceMesh.from_group(mesh_groups[me.site_index], device, mesh_dim_names=("site",))
+        return cls(topology, me, world, intra, inter, backend, lane_list, owns_world, mesh)
 
     def destroy(self) -> None:
         if not dist.is_initialized():
@@ -165,7 +178,10 @@ class ProcessGroups:
         if self.owns_world:
             dist.destroy_process_group()
             return
-        for g in {self.intra, self.inter, *(x for lane in self.lanes for x in (lane.intra, lane.inter, lane.world))}:
+        mine = {self.intra, self.inter, *(x for lane in self.lanes for x in (lane.intra, lane.inter, lane.world))}
+        if self.mesh is not None:
+            mine.add(self.mesh.get_group())
+        for g in mine:
             if g is not self.world:
                 dist.destroy_process_group(g)
 

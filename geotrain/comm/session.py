@@ -30,6 +30,7 @@ def open_collectives(
     run_key: str | None = None,
     links: Topology | None = None,
     site_index: int | None = None,
+    site_mesh: bool = False,
 ) -> Collectives:
     """Initialise torch.distributed from the environment and build this rank's groups (cut from
     ``topology``), its link emulation in mode ``emulate`` and its collectives.
@@ -40,8 +41,9 @@ def open_collectives(
         links, site_index: the topology whose links are emulated and this rank's site in it, when
             the process group is not the whole run (elastic mode: a site's own world). Default:
             ``topology`` and this rank's site.
+        site_mesh: also build the site's device mesh for FSDP2 (``sync.within_site=fsdp``).
     """
-    groups = ProcessGroups.build(topology, backend, timeout_s, lanes=lanes)
+    groups = ProcessGroups.build(topology, backend, timeout_s, lanes=lanes, site_mesh=site_mesh)
     key = run_key if run_key is not None else os.environ.get("MASTER_PORT", "0")
     where = groups.me.site_index if site_index is None else site_index
     wan = link_emulator(links or topology, where, emulate, key)

@@ -84,7 +84,30 @@ class Config(Section):
             if not self.elastic.enabled:
                 raise ValueError(f"fault.{kind}: killing, hanging or tampering with a site needs elastic.enabled=true")
         self._elastic_fits(len(names))
+        self._fsdp_fits()
         return self
+
+    def _fsdp_fits(self) -> None:
+        """What sync.within_site=fsdp is not combined with yet (docs/DESIGN.md §23 says why)."""
+        if self.sync.within_site != "fsdp":
+            return
+        p = self.privacy
+        refused = [
+            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
+            (p.dp.unit != "none", "privacy.dp.unit", "set privacy.dp.unit=none"),
+            (self.sync.allreduce == "flat", "sync.allreduce", "use sync.allreduce=hierarchical"),
+            (self.sync.eager, "sync.eager", "set sync.eager=false"),
+            (self.train.compile, "train.compile", "set train.compile=false"),
+            (
+                self.checkpoint.every > 0 or self.checkpoint.resume is not None,
+                "checkpoint",
+                "set checkpoint.every=0 and resume=none",
+            ),
+        ]
+        for bad, field, fix in refused:
+            if bad:
+                raise ValueError(f"{field}: not combined with sync.within_site=fsdp yet; {fix} (or sync.within_site=replicate)")
 
     def _elastic_fits(self, n: int) -> None:
         e = self.elastic

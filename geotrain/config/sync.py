@@ -16,6 +16,10 @@ class SyncConfig(Section):
         default="diloco",
         description="'ddp': all-reduce gradients over all ranks every step. 'diloco': all-reduce in a site every step, average pseudo-gradients across sites every H steps. 'streaming': Streaming DiLoCo, fragments synced at staggered steps and merged tau steps later.",
     )
+    within_site: Literal["replicate", "fsdp"] = Field(
+        default="replicate",
+        description="How a site holds the model: 'replicate' (every worker a whole copy, gradients all-reduced in the site) or 'fsdp' (FSDP2 fully_shard per block and root on the site's mesh: parameters, gradients, inner and outer optimizer state sharded over the site's workers; HSDP).",
+    )
     H: int = Field(default=50, ge=1, le=1_000_000, description="DiLoCo inner steps per outer round.")
     outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate (DiLoCo paper: 0.7).")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum (DiLoCo paper: 0.9).")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.groups import ProcessGroups
@@ -23,13 +24,15 @@ from geotrain.data import RankData
 from geotrain.privacy.build import Privacy
 from geotrain.report.metrics import MetricsSink, log
 from geotrain.sync import SyncAlgorithm
+from geotrain.sync.base import local_tensor
 
 
 @torch.no_grad()
 def load_parameters(module: nn.Module, params: list[torch.Tensor]) -> None:
-    """Copy ``params`` (e.g. the global parameters of a sync algorithm) into ``module``."""
+    """Copy ``params`` (e.g. the global parameters of a sync algorithm) into ``module`` (an FSDP
+    module: each rank's own shards into its shards)."""
     for dst, src in zip(module.parameters(), params, strict=True):
-        dst.copy_(src)
+        local_tensor(dst).copy_(src)
 
 
 class Evaluator:
@@ -48,6 +51,7 @@ class Evaluator:
     ) -> None:
         self.model, self.batches, self.groups = model, batches, groups
         self.tokens_per_step = tokens_per_step
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self.curve: list[dict[str, float]] = []
         self.seconds = 0.0
 
@@ -58,9 +62,13 @@ class Evaluator:
         self.model.eval()
         world, rank = g.topology.world_size, g.me.rank
         acc = torch.zeros(2, dtype=torch.float64)
-        for x, y in self.batches[rank::world]:
+        mine = self.batches[rank::world]
+        for x, y in mine:
             acc[0] += float(self.model(x.to(g.device), y.to(g.device)))
             acc[1] += 1
+        if self.sharded:  # every rank of a site runs as many forwards (each gathers the site's shards)
+            for x, y in self.batches[: -(-len(self.batches) // world) - len(mine)]:
+                self.model(x.to(g.device), y.to(g.device))
         dist.all_reduce(acc, group=g.world)
         return float(acc[0] / acc[1])
 

@@ -41,6 +41,7 @@ from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import rank_record, run_summary
 from geotrain.run import checkpoint as ckpt
 from geotrain.run.elastic_site import join_elastic
+from geotrain.run.fsdp import copy_on, shard_model
 from geotrain.run.loop import Evaluator, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
 from geotrain.run.state import RankObjects, check_same_start
@@ -124,6 +125,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         run_key=os.environ.get("GEOTRAIN_WAN_KEY") or None,  # elastic: one key for all sites (else MASTER_PORT)
         links=place.full,
         site_index=place.site_index if place.elastic else None,
+        site_mesh=cfg.sync.within_site == "fsdp",
     )
     groups = comm.groups
     me, where = groups.me, place.where(groups.me)
@@ -136,6 +138,13 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         model = build_model(cfg.model, vocab_size(cfg.data)).to(groups.device)
         check_same_start(model, groups.world)
         eval_model = copy.deepcopy(model)
+        fsdp = groups.mesh is not None
+        # the shape of the model to export, without its memory: rank 0 fills it with the gathered global model
+        template = copy_on(eval_model, "meta") if fsdp and me.rank == 0 and cfg.train.save_final else None
+        if fsdp:  # HSDP: sharded over the site's workers (docs/SCALE.md); the evaluation copy too
+            assert groups.mesh is not None
+            shard_model(model, groups.mesh, cfg.train.precision)
+            shard_model(eval_model, groups.mesh, cfg.train.precision, reshard_root=True)
         own = cfg.topology.sites[where.site_index].corpus
         if own is not None and not Path(own).exists():  # checked here: it may exist on this site's machine only
             raise ConfigError(f"topology.sites[{where.site_index}].corpus: file or directory not found on this machine: {own}")
@@ -216,7 +225,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             evaluator,
             sink,
             privacy,
-            precision=cfg.train.precision,
+            precision="fp32" if fsdp else cfg.train.precision,  # under FSDP its mixed-precision policy does bf16
             steps=cfg.train.steps,
             start=start,
             eval_every=cfg.eval_every,
@@ -226,6 +235,9 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         sink.close()
         privacy.close()
         # every rank's numbers, gathered on the world group (control plane)
+        final_params = None
+        if cfg.train.save_final:  # whole tensors (sharded: gathered in each site, every rank takes part)
+            final_params = sync.full_tensors(sync.global_parameters())
         gathered: list[Any] = [None] * place.world.world_size
         dist.all_gather_object(gathered, rank_record(me, comm.stats, result, sync.global_hash()), group=groups.world)
         summary = None
@@ -256,10 +268,15 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
                 (out / "elastic" / f"summary-{where.site}.json").write_text(json.dumps(summary, indent=2))
             else:
                 (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            if cfg.train.save_final:
-                load_parameters(eval_model, sync.global_parameters())
-                torch.save(eval_model.state_dict(), out / "final_model.pt")
-                export_model(eval_model, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
+            if final_params is not None:
+                whole = eval_model
+                if template is not None:
+                    whole = copy_on(template, "cpu")
+                    for name, buf in eval_model.named_buffers():  # FSDP leaves buffers whole
+                        whole.get_buffer(name).copy_(buf)
+                load_parameters(whole, final_params)
+                torch.save(whole.state_dict(), out / "final_model.pt")
+                export_model(whole, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
         if cfg.train.timeline:
             write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
         dist.barrier(group=groups.world)

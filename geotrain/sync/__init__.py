@@ -69,6 +69,8 @@ def build_sync(
         cls = StreamingDiLoCo if cfg.algorithm == "streaming" else DiLoCo
         outer = cls(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
         outer.private, outer.guard, outer.nan_at = private, guard, set(nan_at or ())
+        if guard is not None:
+            guard.sharded = outer.sharded
         alg = outer
     alg.example_dp = example_dp
     return alg

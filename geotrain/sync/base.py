@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from geotrain.comm.collectives import Collectives
 from geotrain.sync.guard import UpdateGuard
@@ -77,8 +78,20 @@ class RoundMembership(Protocol):
         ...
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: its shard of an FSDP2 (DTensor) parameter or gradient, a view
+    of the storage FSDP all-gathers from (writes to it are what the next forward sees); else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    locals_ = [local_tensor(p) for p in params]
+    return torch.cat(
+        [
+            (local_tensor(p.grad) if p.grad is not None else torch.zeros_like(t)).reshape(-1)
+            for p, t in zip(params, locals_, strict=True)
+        ]
+    )
 
 
 def views_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -87,10 +100,10 @@ def views_like(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
 
 
 def write_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    for p, v in zip(params, views_like(flat, params), strict=True):
+    for p, v in zip(params, views_like(flat, [local_tensor(p) for p in params]), strict=True):
         if p.grad is None:
-            p.grad = torch.empty_like(p)
-        p.grad.copy_(v)
+            p.grad = torch.zeros_like(p)
+        local_tensor(p.grad).copy_(v)
 
 
 def clip_flat_(flat: torch.Tensor, max_norm: float) -> None:
@@ -121,6 +134,10 @@ class SyncAlgorithm:
         self.comm = comm
         self.grad_clip = grad_clip
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # sync.within_site=fsdp: each rank holds a shard of every parameter (DTensors on the site's
+        # mesh), FSDP averages gradients inside the site, and pseudo-gradients, outer state and
+        # cross-site exchanges are per shard (local rank i holds the same part in every site)
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.local_steps = 0
         self.rounds = 0
         self.rounds_rolled_back = 0
@@ -135,6 +152,28 @@ class SyncAlgorithm:
     def sync_gradients(self) -> None:
         """Average gradients as the algorithm requires. Called by the optimizer before each step."""
         raise NotImplementedError
+
+    def local_params(self) -> list[torch.Tensor]:
+        """This rank's part of each trainable parameter: the whole tensor, or its FSDP shard."""
+        return [local_tensor(p) for p in self.params]
+
+    def full_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole tensors from ``tensors`` laid out like :meth:`local_params` (sharded: an all-gather
+        in the site, so every rank of the site calls it together)."""
+        if not self.sharded:
+            return tensors
+        return [
+            DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            if isinstance(p, DTensor)
+            else t
+            for t, p in zip(tensors, self.params, strict=True)
+        ]
+
+    def _clip_sharded(self) -> None:
+        """Clip the (already averaged) gradients by their global norm; FSDP's DTensor gradients
+        make ``clip_grad_norm_`` sum the squared norms over the site."""
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
 
     def _average_gradients(self, members: int, reduce_sum: Callable[[torch.Tensor], None]) -> None:
         """Sum gradients with ``reduce_sum`` over ``members`` ranks, divide, clip the average.
@@ -169,11 +208,13 @@ class SyncAlgorithm:
         return False
 
     def global_parameters(self) -> list[torch.Tensor]:
-        """The parameters every site agrees on (the model to evaluate and save)."""
-        return [p.detach() for p in self.params]
+        """The parameters every site agrees on (the model to evaluate and save), laid out like
+        :meth:`local_params`."""
+        return [p.detach() for p in self.local_params()]
 
     def global_hash(self) -> str:
-        return params_hash(self.global_parameters())
+        """sha256 of the whole global model (sharded: gathered in the site; every rank calls it)."""
+        return params_hash(self.full_tensors(self.global_parameters()))
 
     def in_flight_bytes(self) -> int:
         """Bytes handed to a background exchange that has not finished (0: all exchanges block)."""

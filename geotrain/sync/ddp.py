@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
-from geotrain.sync.base import SyncAlgorithm
+from geotrain.sync.base import SyncAlgorithm, flat_grads, write_grads
 from geotrain.sync.reducer import SiteReducer
 
 
@@ -39,9 +39,22 @@ class DDP(SyncAlgorithm):
         super().__init__(model, optimizer, comm, grad_clip)
         self.allreduce = allreduce
         self.world = comm.groups.topology.world_size
-        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.params]) if cfg and cfg.codec != "none" else None
+        self.num_sites = comm.groups.topology.num_sites
+        shapes = [p.shape for p in self.local_params()]
+        self.reducer = SiteReducer(cfg, comm, shapes, sharded=self.sharded) if cfg and cfg.codec != "none" else None
 
     def sync_gradients(self) -> None:
+        if self.sharded:  # HSDP: FSDP averaged over the site; each rank averages its shard over sites
+            if self.num_sites > 1:
+                flat = flat_grads(self.params)
+                if self.reducer is None:
+                    self.comm.all_reduce_across_sites(flat, sharded=True)
+                else:
+                    self.reducer(flat)
+                flat.div_(self.num_sites)
+                write_grads(self.params, flat)
+            self._clip_sharded()
+            return
         self._average_gradients(self.world, self._sum)
 
     def _sum(self, flat: torch.Tensor) -> None:

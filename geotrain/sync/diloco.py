@@ -47,7 +47,7 @@ class DiLoCo(OuterSync):
         super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
         self.outer_optimizer = self._outer_optimizer(self.global_params)
         self._steps_in_round = 0
-        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.params])
+        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], sharded=self.sharded)
 
     def after_step(self) -> None:
         super().after_step()
@@ -75,7 +75,7 @@ class DiLoCo(OuterSync):
     def outer_step(self) -> None:
         """Steps 2-5 of DiLoCo: average pseudo-gradients across sites and apply the outer optimizer."""
         # 2. pseudo-gradient, fp32
-        delta = pseudo_gradient(self.global_params, self.params)
+        delta = pseudo_gradient(self.global_params, self.local_params())
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
         try:
             self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
@@ -90,7 +90,7 @@ class DiLoCo(OuterSync):
         # 4. outer optimizer step with Δ as the gradient
         outer_step_(self.outer_optimizer, self.global_params, delta)
         # 5. local ← global
-        for g, p in zip(self.global_params, self.params, strict=True):
+        for g, p in zip(self.global_params, self.local_params(), strict=True):
             p.copy_(g)
         self._steps_in_round = 0
         self.rounds += 1

@@ -46,6 +46,15 @@ class UpdateGuard:
         self.rejected = dict.fromkeys(self.site_names, 0)
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        self.sharded = False  # set by the algorithm: a site's update is spread over its ranks (FSDP)
+
+    def site_norm(self, delta: torch.Tensor) -> float:
+        """The L2 norm of this site's update (sharded: each rank holds a part, the squares are summed in the site)."""
+        if not self.sharded:
+            return float(delta.to(torch.float64).norm())
+        sq = delta.to(torch.float64).square().sum().reshape(1)
+        self.comm.sum_in_site(sq)
+        return float(sq.sqrt())
 
     def _why_rejected(self, hist: list[float], v: float, whose: str = "") -> str | None:
         """The rule above for one norm ``v`` against the accepted ``hist``: why it is excluded, or None."""
@@ -58,7 +67,7 @@ class UpdateGuard:
 
     def include(self, delta: torch.Tensor, key: int, round_id: int) -> list[bool]:
         """Exchange norms; which sites' ``delta`` go into this round's average."""
-        norms = self.comm.site_values(float(delta.to(torch.float64).norm()))
+        norms = self.comm.site_values(self.site_norm(delta))
         with self._lock:
             hist = self.history.setdefault(key, [])
             ok = []

@@ -59,7 +59,7 @@ class OuterSync(SyncAlgorithm):
         self.num_sites = topo.num_sites
         self.workers_per_site = topo.workers_per_site
         # fp32 outer state, whatever the model's dtype
-        self.global_params = [p.detach().clone().to(torch.float32) for p in self.params]
+        self.global_params = [p.detach().clone().to(torch.float32) for p in self.local_params()]  # sharded: own shard
         self.rollback_reasons: list[str] = []
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
@@ -69,6 +69,9 @@ class OuterSync(SyncAlgorithm):
         return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
 
     def sync_gradients(self) -> None:
+        if self.sharded:  # FSDP's reduce-scatter has averaged them over the site
+            self._clip_sharded()
+            return
         self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
 
     def _average_across_sites(
@@ -113,8 +116,9 @@ class OuterSync(SyncAlgorithm):
     @torch.no_grad()
     def _roll_back(self, indices: Sequence[int], why: str) -> None:
         """A failed round: nothing of it is applied; the parameters ``indices`` go back to the global ones."""
+        local = self.local_params()
         for i in indices:
-            self.params[i].copy_(self.global_params[i])
+            local[i].copy_(self.global_params[i])
         self.rounds_rolled_back += 1
         self.rollback_reasons.append(why)
 

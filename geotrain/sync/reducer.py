@@ -55,7 +55,9 @@ class SiteReducer:
     their P and Q factors across sites, and the site all-gathers the runs.
     """
 
-    def __init__(self, cfg: SyncConfig, comm: Collectives, shapes: Sequence[torch.Size], seed: int = 0) -> None:
+    def __init__(
+        self, cfg: SyncConfig, comm: Collectives, shapes: Sequence[torch.Size], seed: int = 0, sharded: bool = False
+    ) -> None:
         if cfg.codec != "none" and comm.groups.device.type != "cpu":
             raise ValueError(
                 f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {comm.groups.backend} backend use sync.codec=none for now"
@@ -64,6 +66,7 @@ class SiteReducer:
         self.codec = make_codec(cfg)
         self.residual = Residual() if (self.codec is not None and cfg.uses_error_feedback) else None
         self.shapes = list(shapes)
+        self.sharded = sharded  # each rank holds its own FSDP shard (``shapes``: its shards' shapes)
         self.powersgd: PowerSGD | None = None
         if cfg.codec == "powersgd":
             self.powersgd = PowerSGD(cfg.rank, cfg.uses_error_feedback, seed)
@@ -75,11 +78,13 @@ class SiteReducer:
             stop = start + self.run_sizes[g.me.local_rank]
             offsets = list(itertools.accumulate(numels, initial=0))[:-1]  # where each tensor starts
             self.mine = [i for i, (o, n) in enumerate(zip(offsets, numels, strict=True)) if start <= o < stop and n]
+            if sharded:  # every rank factors its own shards (local rank i holds the same ones in every site)
+                self.mine = [i for i, n in enumerate(numels) if n]
 
     def __call__(self, flat: torch.Tensor) -> None:
         """Replace ``flat`` by its sum over sites (every rank of every site ends with the same values)."""
         if self.powersgd is None:
-            self.comm.all_reduce_across_sites(flat, self.codec, self.residual)
+            self.comm.all_reduce_across_sites(flat, self.codec, self.residual, sharded=self.sharded)
             return
         g = self.comm.groups
         stats = self.comm.stats
@@ -89,7 +94,8 @@ class SiteReducer:
         # reference for the compression ratio: an fp32 ring all-reduce of the same tensors
         n, mine = len(g.inter_ranks), sum(views[i].numel() for i in self.mine)
         stats.inter_raw_bytes = raw0 + round(2 * (n - 1) / n * 4 * mine)
-        self.comm.all_gather_intra(flat, self.run_sizes)
+        if not self.sharded:
+            self.comm.all_gather_intra(flat, self.run_sizes)
 
     def forget_residual(self) -> None:
         """Drop the error-feedback residual (a site left out of a round must send exactly nothing)."""

@@ -94,8 +94,10 @@ class StreamingDiLoCo(OuterSync):
         self.fragments = strided_fragments(names, [p.numel() for p in self.params], self.F)
         self.offsets = [(f * self.H) // self.F for f in range(self.F)]
         self.outer = [self._outer_optimizer([self.global_params[i] for i in frag]) for frag in self.fragments]
+        local = self.local_params()
         self.reducers = [
-            SiteReducer(cfg, comm, [self.params[i].shape for i in frag], seed=f) for f, frag in enumerate(self.fragments)
+            SiteReducer(cfg, comm, [local[i].shape for i in frag], seed=f, sharded=self.sharded)
+            for f, frag in enumerate(self.fragments)
         ]
         self.last_sync = [0] * self.F
         # fragment -> (merge at step, the exchange in flight, its averaged Δ when done)
@@ -144,7 +146,8 @@ class StreamingDiLoCo(OuterSync):
     @torch.no_grad()
     def _sync(self, f: int, t: int) -> None:
         frag = self.fragments[f]
-        delta = pseudo_gradient(self._globals(f), [self.params[i] for i in frag])
+        local = self.local_params()
+        delta = pseudo_gradient(self._globals(f), [local[i] for i in frag])
         steps = t - self.last_sync[f]
         self.last_sync[f] = t
         if self.eager:
@@ -169,8 +172,9 @@ class StreamingDiLoCo(OuterSync):
             return
         globals_ = self._globals(f)
         outer_step_(self.outer[f], globals_, delta)
+        local = self.local_params()
         for g, i in zip(globals_, self.fragments[f], strict=True):
-            p = self.params[i]
+            p = local[i]
             p.mul_(self.alpha).add_(g.to(p.dtype), alpha=1 - self.alpha)
 
     @torch.no_grad()
@@ -184,8 +188,9 @@ class StreamingDiLoCo(OuterSync):
         self.previous[f] = (local, outgoing)  # ``outgoing`` becomes the average once the exchange is done
         globals_ = self._globals(f)
         outer_step_(self.outer[f], globals_, eager)
+        mine = self.local_params()
         for g, i in zip(globals_, self.fragments[f], strict=True):
-            self.params[i].copy_(g)
+            mine[i].copy_(g)
 
     def finish(self) -> None:
         """Bring every site onto one model: wait for what is in flight, then (τ variant) merge it and
@@ -220,7 +225,8 @@ class StreamingDiLoCo(OuterSync):
             step = torch.zeros(sum(g.numel() for g in globals_))
             self._add_others_last_share(f, step)
             if self.last_sync[f] < t:
-                delta = pseudo_gradient(globals_, [self.params[i] for i in self.fragments[f]])
+                local = self.local_params()
+                delta = pseudo_gradient(globals_, [local[i] for i in self.fragments[f]])
                 fut = self._start(f, delta, t - self.last_sync[f])
                 self._wait(fut)
                 step.add_(delta)
@@ -234,7 +240,7 @@ class StreamingDiLoCo(OuterSync):
         flat = torch.cat([g.reshape(-1) for g in self.global_params])
         self.comm.all_reduce_across_sites(flat)
         flat.div_(self.num_sites)
-        for g, v, p in zip(self.global_params, views_like(flat, self.global_params), self.params, strict=True):
+        for g, v, p in zip(self.global_params, views_like(flat, self.global_params), self.local_params(), strict=True):
             g.copy_(v)
             p.copy_(g)
 

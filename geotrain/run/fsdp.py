@@ -1,0 +1,63 @@
+"""``sync.within_site=fsdp``: FSDP2 ``fully_shard`` on a site's device mesh (HSDP with geotrain's
+own cross-site layer on top).
+
+Each transformer block is one FSDP unit and the root (embeddings, final norm, tied head) another,
+as torchtitan lays out its models: a block's parameters are all-gathered just before it runs and
+freed after, its gradients reduce-scattered (averaged over the site) as backward leaves it. What
+stays on a rank between steps is its dim-0 shard of every parameter and gradient, the inner
+optimizer state of that shard, and (in :mod:`geotrain.sync`) the fp32 global copy and outer
+state of the same shard. ``train.precision=bf16`` becomes FSDP's mixed-precision policy: bf16
+parameters for compute, fp32 gradient reduction, fp32 shards kept.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def block_list(model: nn.Module) -> nn.ModuleList:
+    """The model's transformer blocks: its ``nn.ModuleList`` holding the most parameters (GPT's
+    ``blocks``, GPT-2's ``transformer.h``, Llama's ``model.layers``).
+
+    Raises:
+        ValueError: the model has no module list to shard block by block.
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError("sync.within_site=fsdp: the model has no list of blocks (nn.ModuleList) to shard")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str, *, reshard_root: bool = False) -> None:
+    """Apply ``fully_shard`` to every block and then to the root, in place, on ``mesh``.
+
+    Args:
+        precision: 'bf16' computes in bf16 (FSDP's policy; reductions and kept shards fp32).
+        reshard_root: free the root's gathered parameters after forward too (for a model that only
+            evaluates: nothing gathered outlives a forward, so shards written between forwards are
+            always what the next one sees).
+    """
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision == "bf16" else None,
+        reduce_dtype=torch.float32 if precision == "bf16" else None,
+    )
+    for block in block_list(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root or None)
+
+
+
+def copy_on(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """A copy of ``model`` whose parameters are new, uninitialised tensors on ``device`` ('meta': the
+    structure without memory), tied parameters still tied (``Module.to``/``to_empty`` untie them);
+    buffers are copied."""
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo)
