@@ -1,4 +1,5 @@
-"""``geotrain bench scale``: so far its ``loader`` part (issue 19's memory and FSDP parts are not built).
+"""``geotrain bench scale``: the ``loader`` part here; ``memory``, ``overhead`` and ``gpt2_small``
+(FSDP inside sites) in :mod:`geotrain.bench.shard`.
 
 - ``tokens_per_second``: one rank's token loader (the default ``pread`` reader; ``mmap`` beside it) (2 sites x 2 workers, the default
   batch and context) drawing batches as fast as it can, in a fresh process;
@@ -146,14 +147,75 @@ def bench_loader(
     return out
 
 
+PARTS = ("loader", "memory", "overhead", "gpt2_small")
+
+
 def bench_scale(
-    work: Path, batches: int = 3000, big_bytes: int = 2**30, progress: Callable[[str], None] = print
+    work: Path,
+    batches: int = 3000,
+    big_bytes: int = 2**30,
+    progress: Callable[[str], None] = print,
+    parts: tuple[str, ...] = PARTS,
+    gpt2_steps: int = 20,
 ) -> dict[str, Any]:
-    return {"loader": bench_loader(work, batches, big_bytes=big_bytes, progress=progress), "cpus": os.cpu_count()}
+    from geotrain.bench import shard
+
+    out: dict[str, Any] = {"cpus": os.cpu_count(), "seconds": {}}
+    for part in parts:
+        t = time.perf_counter()
+        progress(f"part {part}")
+        if part == "loader":
+            out["loader"] = bench_loader(work, batches, big_bytes=big_bytes, progress=progress)
+        elif part == "memory":
+            out["memory"] = shard.bench_memory()
+        elif part == "overhead":
+            out["overhead"] = shard.bench_overhead()
+        else:
+            out["gpt2_small"] = shard.bench_gpt2_small(gpt2_steps)
+        out["seconds"][part] = time.perf_counter() - t
+    out["targets"] = {**LOADER_TARGETS, **shard.TARGETS}
+    if "memory" in out:
+        out["memory"]["met"] = out["memory"]["ratio"] <= shard.TARGETS["memory_ratio"]
+    if "overhead" in out:
+        out["overhead"]["met"] = out["overhead"]["median"] <= shard.TARGETS["overhead_median"]
+    return out
 
 
 def print_scale(result: dict[str, Any], console: Any) -> None:
-    lo = result["loader"]
+    if "loader" in result:
+        _print_loader(result["loader"], console)
+    _print_shard(result, console)
+
+
+def _print_shard(result: dict[str, Any], console: Any) -> None:
+    ok = {True: "met", False: "MISSED"}
+    mib = 2**20
+    if "memory" in result:
+        m = result["memory"]
+        t = table(
+            f"memory per rank: {m['params'] / 1e6:.1f}M-parameter GPT, 2 sites x 2 workers, DiLoCo + AdamW",
+            ["", "replicate", "fsdp"],
+        )
+        for key in ("parameters", "gradients", "inner_optimizer", "outer_state", "total"):
+            t.add_row(key.replace("_", " "), f"{m['replicate'][key] / mib:,.1f} MiB", f"{m['fsdp'][key] / mib:,.1f} MiB")
+        console.print(t)
+        console.print(f"fsdp / replicate: {m['ratio']:.3f} (target <= 0.55: {ok[m['met']]})")
+    if "overhead" in result:
+        o = result["overhead"]
+        console.print(
+            f"overhead vs a plain FSDP2 loop (1 site x 2 workers, {len(o['relative'])} alternating blocks of "
+            f"{o['steps_per_block']} steps): median {o['median']:+.1%} (target <= 5%: {ok[o['met']]}), "
+            f"range {min(o['relative']):+.1%} .. {max(o['relative']):+.1%}"
+        )
+    if "gpt2_small" in result:
+        g = result["gpt2_small"]
+        console.print(
+            f"gpt2_small ({g['params'] / 1e6:.1f}M, {g['layout']}): loss {g['first_loss']:.3f} -> {g['last_loss']:.3f} in "
+            f"{g['steps']} steps, {g['seconds_per_step']:.2f} s/step, bit-identical after the final sync: {g['hashes_agree']}"
+        )
+
+
+def _print_loader(lo: dict[str, Any], console: Any) -> None:
     t = table("geotrain bench scale: loader, pread (rank 0 of 2 sites x 2 workers, batch 8 x 64 tokens)", ["", "~10 MB", "~1 GB"])
     mib = 2**20
     t.add_row("shard bytes", f"{lo['small_dir_bytes'] / mib:,.1f} MiB", f"{lo['big_dir_bytes'] / mib:,.1f} MiB")

@@ -187,12 +187,21 @@ def bench_scale_cmd(
     out: OutOpt = Path("runs/scale"),
     batches: Annotated[int, typer.Option(min=10, max=1_000_000, help="Batches each loader probe draws.")] = 3000,
     big_gib: Annotated[float, typer.Option("--big-gib", min=0.01, max=64, help="Size of the large shard directory.")] = 1.0,
+    parts: Annotated[
+        str, typer.Option(help="Comma-separated parts to run: loader, memory, overhead, gpt2_small.")
+    ] = "loader,memory,overhead,gpt2_small",
+    gpt2_steps: Annotated[int, typer.Option(min=2, max=1000, help="Steps of the gpt2_small run.")] = 20,
 ) -> None:
-    """The token-shard loader (pread, and mmap beside it): tokens/s against training's, resident memory at ~10 MB and ~1 GB of shards."""
-    from geotrain.bench.scale import bench_scale, print_scale
+    """Scale: the token-shard loader (tokens/s vs training, RSS at 10 MB and 1 GB of shards), memory per rank replicated vs FSDP,
+    FSDP overhead vs a plain FSDP2 loop, and a 124M GPT-2-shaped DiLoCo + FSDP run (about 15 min on 2 cores)."""
+    from geotrain.bench.scale import PARTS, bench_scale, print_scale
 
+    chosen = tuple(p.strip() for p in parts.split(",") if p.strip())
+    unknown = [p for p in chosen if p not in PARTS]
+    if unknown or not chosen:
+        fail(f"--parts: unknown part {', '.join(unknown) or '(none)'} (allowed: {', '.join(PARTS)})", 2)
     try:
-        result = bench_scale(out, batches, int(big_gib * 2**30), progress=progress_line)
+        result = bench_scale(out, batches, int(big_gib * 2**30), progress=progress_line, parts=chosen, gpt2_steps=gpt2_steps)
     except LaunchError as exc:
         fail(f"bench scale: training run failed: {exc}", 1)
     print_scale(result, wide(150))

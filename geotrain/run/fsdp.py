@@ -51,13 +51,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str, *, reshard_r
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root or None)
 
 
-
 def copy_on(model: nn.Module, device: str | torch.device) -> nn.Module:
     """A copy of ``model`` whose parameters are new, uninitialised tensors on ``device`` ('meta': the
     structure without memory), tied parameters still tied (``Module.to``/``to_empty`` untie them);
     buffers are copied."""
     memo: dict[int, object] = {
-        id(p): nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-        for p in model.parameters()
+        id(p): nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad) for p in model.parameters()
     }
     return copy.deepcopy(model, memo)
