@@ -18,6 +18,7 @@ from geotrain.config import TopologyConfig
 __all__ = [
     "FOUR_SITES",
     "REPO",
+    "PLAIN_SGD",
     "TINY",
     "read_summary",
     "run_ranks",
@@ -39,6 +40,17 @@ TINY = [
     "train.eval_batches=4",
     "train.log_every=1000",
     "optim.warmup_steps=0",
+]
+
+
+# plain SGD without momentum, decay, warm-up or clipping: runs that must equal DDP exactly
+PLAIN_SGD = [
+    "optim.name=sgd",
+    "optim.momentum=0.0",
+    "optim.weight_decay=0.0",
+    "optim.lr=0.05",
+    "optim.schedule=constant",
+    "optim.grad_clip=0",
 ]
 
 

@@ -13,16 +13,8 @@ from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
 from geotrain.models import build_model
 from geotrain.run.fsdp import block_list, copy_on
-from tests.helpers import TINY
+from tests.helpers import PLAIN_SGD, TINY
 
-SGD = [
-    "optim.name=sgd",
-    "optim.momentum=0.0",
-    "optim.weight_decay=0.0",
-    "optim.lr=0.05",
-    "optim.schedule=constant",
-    "optim.grad_clip=0",
-]
 H1 = ["sync.algorithm=diloco", "sync.H=1", "sync.outer_lr=1.0", "sync.outer_momentum=0.0", "sync.nesterov=false"]
 FSDP = ["sync.within_site=fsdp"]
 TWO_BLOCKS = ["model.n_layer=2"]  # the default topology: 2 sites x 2 workers
@@ -48,13 +40,13 @@ def _one_model(s: dict) -> None:
 @pytest.mark.timeout(300)
 def test_fsdp_diloco_h1_plain_sgd_equals_ddp(tmp_path: Path) -> None:
     steps = ["train.steps=6"]
-    ddp, ddp_w = _run(tmp_path, "ddp", steps + SGD + ["sync.algorithm=ddp"])
-    fs, fs_w = _run(tmp_path, "fsdp", steps + SGD + H1 + FSDP)
+    ddp, ddp_w = _run(tmp_path, "ddp", steps + PLAIN_SGD + ["sync.algorithm=ddp"])
+    fs, fs_w = _run(tmp_path, "fsdp", steps + PLAIN_SGD + H1 + FSDP)
     _same(ddp_w, fs_w, rtol=1e-5, atol=1e-6)
     assert ddp["final_eval_loss"] < ddp["eval_curve"][0]["eval_loss"]  # the model moved
     _one_model(fs)
     # HSDP (DDP across sites over FSDP shards) is the same DDP too
-    hs, hs_w = _run(tmp_path, "hsdp", steps + SGD + ["sync.algorithm=ddp"] + FSDP)
+    hs, hs_w = _run(tmp_path, "hsdp", steps + PLAIN_SGD + ["sync.algorithm=ddp"] + FSDP)
     _same(ddp_w, hs_w, rtol=1e-5, atol=1e-6)
     assert hs["inter_site_bytes"] == ddp["inter_site_bytes"]
 
@@ -127,3 +119,23 @@ def test_blocks_are_found_and_a_structural_copy_keeps_ties() -> None:
     whole = copy_on(meta, "cpu")
     assert whole.get_parameter("head.weight") is whole.get_parameter("wte.weight")
     assert len(list(whole.parameters())) == len(list(model.parameters()))
+
+
+def test_held_bytes_counts_each_storage_once() -> None:
+    from geotrain.bench.shard import held_bytes
+
+    a = torch.zeros(100)
+    assert held_bytes([a, a[:10], a.view(10, 10), torch.zeros(5)]) == 4 * 105
+
+
+def test_bench_scale_refuses_an_unknown_part_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "geotrain", "bench", "scale", "--parts", "memory,nope"], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "geotrain: --parts: unknown part nope (allowed: loader, memory, overhead, gpt2_small)"
+    ]

@@ -10,18 +10,9 @@ import torch
 
 from geotrain.config import load_config
 from geotrain.launch.local import launch_local
-from tests.helpers import TINY
+from tests.helpers import PLAIN_SGD, TINY
 
 pytestmark = pytest.mark.slow  # every test here trains end to end through the launcher
-
-SGD = [
-    "optim.name=sgd",
-    "optim.momentum=0.0",
-    "optim.weight_decay=0.0",
-    "optim.lr=0.05",
-    "optim.schedule=constant",
-    "optim.grad_clip=0",
-]
 
 
 def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -33,12 +24,12 @@ def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, to
 @pytest.mark.timeout(240)
 def test_diloco_h1_plain_sgd_equals_ddp(tmp_path: Path) -> None:
     steps = ["train.steps=6"]
-    ddp, ddp_w = _run(tmp_path, "ddp", steps + SGD + ["sync.algorithm=ddp"])
+    ddp, ddp_w = _run(tmp_path, "ddp", steps + PLAIN_SGD + ["sync.algorithm=ddp"])
     dil, dil_w = _run(
         tmp_path,
         "dil",
         steps
-        + SGD
+        + PLAIN_SGD
         + ["sync.algorithm=diloco", "sync.H=1", "sync.outer_lr=1.0", "sync.outer_momentum=0.0", "sync.nesterov=false"],
     )
     assert ddp_w.keys() == dil_w.keys()
