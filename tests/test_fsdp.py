@@ -3,6 +3,7 @@ through the real launcher (4 processes, Gloo on 127.0.0.1), against the replicat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,103 @@ def test_streaming_with_a_codec_and_bf16_under_fsdp(tmp_path: Path) -> None:
     assert bf["final_eval_loss"] < bf["eval_curve"][0]["eval_loss"]
 
 
+ONE_WORKER = ["topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]"]
+
+
+def _dcp_tensor(folder: Path, key: str) -> torch.Tensor:
+    """One whole tensor of a site's DCP folder, read without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata[key]
+    out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}  # type: ignore[union-attr]
+    dcp.load(out, checkpoint_id=folder, no_dist=True)
+    return out[key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_checkpoint_resumes_exactly_and_reshards_to_one_worker_per_site(tmp_path: Path) -> None:
+    # mid-round (H=3, checkpoint after step 4), DiLoCo at its defaults: AdamW, Nesterov, the guard
+    common = ["sync.H=3", "checkpoint.every=4", "run.baseline=none"]
+    full, full_w = _run(tmp_path, "full", ["train.steps=8", *common] + FSDP)
+    ck = tmp_path / "full" / "checkpoints" / "step-00000004"
+    assert sorted(p.name for p in (ck / "site-A").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    same, same_w = _run(tmp_path, "same", ["train.steps=8", *common, f"checkpoint.resume={ck}"] + FSDP)
+    assert same["global_param_hash"] == full["global_param_hash"] and same["final_eval_loss"] == full["final_eval_loss"]
+    _same(full_w, same_w, rtol=0, atol=0)
+    # 2 workers per site -> 1, at a round boundary (H=4): the global model is the saved one, whole
+    _run(tmp_path, "h4", ["train.steps=4", "sync.H=4", "checkpoint.every=4", "run.baseline=none"] + FSDP)
+    ck4 = tmp_path / "h4" / "checkpoints" / "step-00000004"
+    one, one_w = _run(
+        tmp_path, "one", ["train.steps=4", "sync.H=4", "run.baseline=none", f"checkpoint.resume={ck4}"] + FSDP + ONE_WORKER
+    )
+    names = [n for n, _ in build_model(load_config(None, TINY + TWO_BLOCKS).model, 256).named_parameters()]  # tied: once
+    assert len(names) < len(one_w)
+    for i, name in enumerate(names):
+        torch.testing.assert_close(one_w[name], _dcp_tensor(ck4 / "site-B", f"/sync/global_params/{i}"), rtol=0, atol=0)
+    _one_model(one)
+    # ... and it trains on from there in the new layout, the inner AdamW state resharded too
+    on, _ = _run(
+        tmp_path, "on", ["train.steps=12", "sync.H=4", "run.baseline=none", f"checkpoint.resume={ck4}"] + FSDP + ONE_WORKER
+    )
+    _one_model(on)
+    assert on["final_eval_loss"] < one["final_eval_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_checkpoint_of_streaming_with_a_codec_in_flight(tmp_path: Path) -> None:
+    # a fragment's exchange in flight at the checkpoint (tau=1), int8 error feedback: all per shard
+    stream = [
+        "sync.algorithm=streaming",
+        "sync.H=4",
+        "sync.fragments=2",
+        "sync.tau=1",
+        "sync.codec=int8",
+        "sync.error_feedback=true",
+        "run.baseline=none",
+    ]
+    full, full_w = _run(tmp_path, "full", ["train.steps=10", "checkpoint.every=6", *stream] + FSDP)
+    ck = tmp_path / "full" / "checkpoints" / "step-00000006"
+    pending = _dcp_keys(ck / "site-A", "/sync/pending/")
+    assert pending and any(k.startswith("/sync/reducers/") and "/residual/" in k for k in _dcp_keys(ck / "site-A", "/sync/"))
+    same, same_w = _run(tmp_path, "same", ["train.steps=10", f"checkpoint.resume={ck}", *stream] + FSDP)
+    assert same["global_param_hash"] == full["global_param_hash"]
+    _same(full_w, same_w, rtol=0, atol=0)
+    one, _ = _run(tmp_path, "one", ["train.steps=10", f"checkpoint.resume={ck}", *stream] + FSDP + ONE_WORKER)
+    _one_model(one)
+    assert one["final_eval_loss"] == pytest.approx(full["final_eval_loss"], abs=0.05)
+
+
+def _dcp_keys(folder: Path, prefix: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return [k for k in dcp.FileSystemReader(folder).read_metadata().state_dict_metadata if k.startswith(prefix)]
+
+
+def test_sharded_and_whole_checkpoints_are_not_mixed(tmp_path: Path) -> None:
+    from geotrain.errors import CheckpointError
+    from geotrain.run.checkpoint import MANIFEST, read_manifest
+
+    d = tmp_path / "step-00000004"
+    d.mkdir()
+    whole = {"step": 4, "world_size": 2, "files": {"rank0.pt": "0", "rank1.pt": "1"}}
+    (d / MANIFEST).write_text(json.dumps(whole))
+    with pytest.raises(CheckpointError, match="whole-model checkpoint"):
+        read_manifest(d, 2, sites=["A", "B"])
+    sharded = {**whole, "layout": "dcp", "sites": [["A", 1], ["B", 1]], "files": {**whole["files"], "site-A/.metadata": "m"}}
+    (d / MANIFEST).write_text(json.dumps(sharded))
+    with pytest.raises(CheckpointError, match="sharded checkpoint"):
+        read_manifest(d, 2)
+    with pytest.raises(CheckpointError, match="written for sites"):
+        read_manifest(d, 2, sites=["A", "C"])
+    assert read_manifest(d, 4, sites=["A", "B"])["sites"] == [["A", 1], ["B", 1]]  # any workers per site
+    for odd in ["site-C/x", "site-A/../rank0.pt", "elsewhere.pt"]:
+        (d / MANIFEST).write_text(json.dumps({**sharded, "files": {**sharded["files"], odd: "x"}}))
+        with pytest.raises(CheckpointError, match="lists"):
+            read_manifest(d, 2, sites=["A", "B"])
+
+
 @pytest.mark.parametrize(
     "setting",
     [
@@ -101,7 +199,6 @@ def test_streaming_with_a_codec_and_bf16_under_fsdp(tmp_path: Path) -> None:
         "privacy.secure_aggregation=true",
         "sync.allreduce=flat",
         "train.compile=true",
-        "checkpoint.every=5",
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(setting: str) -> None:

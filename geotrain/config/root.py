@@ -99,11 +99,6 @@ class Config(Section):
             (self.sync.allreduce == "flat", "sync.allreduce", "use sync.allreduce=hierarchical"),
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
             (self.train.compile, "train.compile", "set train.compile=false"),
-            (
-                self.checkpoint.every > 0 or self.checkpoint.resume is not None,
-                "checkpoint",
-                "set checkpoint.every=0 and resume=none",
-            ),
         ]
         for bad, field, fix in refused:
             if bad:

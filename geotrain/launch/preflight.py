@@ -41,7 +41,10 @@ def preflight(cfg: Config, site: int | None = None) -> None:
         except MembershipRefused as exc:
             raise ConfigError(str(exc)) from None
     if cfg.checkpoint.resume not in (None, "auto"):
-        verify(Path(cfg.checkpoint.resume).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign)
+        sites = list(topo.site_names) if cfg.sync.within_site == "fsdp" else None  # sharded: any workers per site
+        verify(
+            Path(cfg.checkpoint.resume).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign, sites
+        )
     if cfg.train.compile and choose_backend(cfg.run.backend) == "gloo" and not any(map(shutil.which, ("cc", "gcc", "clang"))):
         raise ConfigError("train.compile: on CPU torch.compile needs a C compiler (cc, gcc or clang); none is on PATH")
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":

@@ -21,6 +21,14 @@ A rank's state: the model (local parameters), inner optimizer and LR schedule, t
 algorithm's state (global parameters, outer optimizer, codec error feedback, Streaming
 DiLoCo's exchanges in flight — waited for and saved averaged), the data sampler's position
 (its generator state), torch's global RNG, byte counters, and the privacy accountant's history.
+
+Sharded layout (``sync.within_site=fsdp``, :func:`save_sharded`): every DTensor of a rank's state
+(its shards of the model, the inner optimizer, DiLoCo's global parameters and outer state, error
+feedback, fragments in flight) goes into one ``torch.distributed.checkpoint`` (DCP) folder per
+site, ``site-{name}/``, written by the site's ranks together; the rest of the state stays in
+``rank{r}.pt`` with a placeholder naming each tensor. The manifest lists and hashes both, with
+``layout: dcp`` and the sites' worker counts. DCP reshards on load, so a site may resume with
+another number of workers (:func:`load_sharded`; docs/SCALE.md).
 """
 
 from __future__ import annotations
@@ -38,12 +46,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import empty as dtensor_empty
 
 from geotrain.elastic.auth import RunKeys
 from geotrain.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 MANIFEST_MAX_BYTES = 1 << 20
+DCP = "dcp"  # the manifest's ``layout`` of a sharded checkpoint
+PLACEHOLDER = "dcp-tensor:"  # in a sharded checkpoint's rank file: the key of a tensor in the site's DCP folder
 
 
 @dataclass(frozen=True)
@@ -122,9 +137,13 @@ def save(
     return d
 
 
-def read_manifest(d: Path, world: int, seal: Seal | None = None, allow_foreign: bool = False) -> dict[str, Any]:
+def read_manifest(
+    d: Path, world: int, seal: Seal | None = None, allow_foreign: bool = False, sites: list[str] | None = None
+) -> dict[str, Any]:
     """The manifest of checkpoint ``d``, checked: well formed, one ``rank{r}.pt`` per rank of a
     ``world``-rank run and nothing else, and (with ``seal``) written by this run. Opens no rank file.
+    With ``sites`` (a sharded run's site names): a sharded checkpoint of those sites, any number
+    of workers each, listing its rank files and files in ``site-{name}/`` only.
 
     Raises:
         CheckpointError: naming what is wrong.
@@ -141,12 +160,10 @@ def read_manifest(d: Path, world: int, seal: Seal | None = None, allow_foreign: 
         raise CheckpointError(f"{m}: unreadable manifest ({exc})") from None
     if not isinstance(files, dict) or not all(isinstance(h, str) for h in files.values()):
         raise CheckpointError(f"{m}: unreadable manifest (files is not an object of name -> sha256)")
-    if manifest.get("world_size") != world:
-        raise CheckpointError(f"{d}: written by {manifest.get('world_size')} ranks, this run has {world}")
-    expected = {f"rank{r}.pt" for r in range(world)}
-    if set(files) != expected:
-        odd = sorted(set(files) ^ expected)[:3]
-        raise CheckpointError(f"{m}: lists {', '.join(map(repr, odd))}: a checkpoint lists exactly rank0.pt..rank{world - 1}.pt")
+    if sites is None:
+        _check_rank_files(d, m, manifest, world)
+    else:
+        _check_sharded_files(d, m, manifest, sites)
     if seal is not None:
         mac = manifest.get("mac")
         if manifest.get("run") == seal.run:
@@ -160,18 +177,71 @@ def read_manifest(d: Path, world: int, seal: Seal | None = None, allow_foreign: 
     return manifest
 
 
-def verify(d: Path, world: int, rank: int | None = None, seal: Seal | None = None, allow_foreign: bool = False) -> dict[str, Any]:
-    """The manifest of checkpoint ``d`` after checking it (:func:`read_manifest`) and the rank
-    file ``rank`` loads against it (every rank's when ``rank`` is None); raises CheckpointError
-    naming what is wrong."""
-    manifest = read_manifest(d, world, seal, allow_foreign)
-    files = manifest["files"]
-    for name in [f"rank{rank}.pt"] if rank is not None else sorted(files):
+def _check_rank_files(d: Path, m: Path, manifest: dict[str, Any], world: int) -> None:
+    if manifest.get("layout") == DCP:
+        raise CheckpointError(f"{d}: a sharded checkpoint (sync.within_site=fsdp); this run has sync.within_site=replicate")
+    if manifest.get("world_size") != world:
+        raise CheckpointError(f"{d}: written by {manifest.get('world_size')} ranks, this run has {world}")
+    expected = {f"rank{r}.pt" for r in range(world)}
+    if set(manifest["files"]) != expected:
+        odd = sorted(set(manifest["files"]) ^ expected)[:3]
+        raise CheckpointError(f"{m}: lists {', '.join(map(repr, odd))}: a checkpoint lists exactly rank0.pt..rank{world - 1}.pt")
+
+
+def _check_sharded_files(d: Path, m: Path, manifest: dict[str, Any], sites: list[str]) -> None:
+    if manifest.get("layout") != DCP:
+        raise CheckpointError(f"{d}: a whole-model checkpoint (sync.within_site=replicate); this run has sync.within_site=fsdp")
+    saved: Any = manifest.get("sites")
+    ok = isinstance(saved, list) and all(
+        isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and isinstance(s[1], int) and s[1] > 0 for s in saved
+    )
+    if not ok:
+        raise CheckpointError(f"{m}: unreadable manifest (sites is not a list of [name, workers])")
+    if [s[0] for s in saved] != sites:
+        raise CheckpointError(
+            f"{d}: written for sites {[s[0] for s in saved]}, this run has {sites} (resharding keeps the sites)"
+        )
+    world = sum(s[1] for s in saved)
+    if manifest.get("world_size") != world:
+        raise CheckpointError(f"{m}: unreadable manifest (world_size is not the sum of the sites' workers)")
+    ranks = {f"rank{r}.pt" for r in range(world)}
+    folders = {f"site-{name}" for name in sites}
+    odd = [
+        f
+        for f in manifest["files"]
+        if f not in ranks and not (f.count("/") == 1 and f.split("/")[0] in folders and f.split("/")[1] not in ("", ".", ".."))
+    ]
+    missing = ranks - set(manifest["files"])
+    if odd or missing:
+        bad = sorted(odd)[:2] + sorted(missing)[:1]
+        raise CheckpointError(
+            f"{m}: lists {', '.join(map(repr, bad))}: a sharded checkpoint lists rank0.pt..rank{world - 1}.pt and files in site-NAME/"
+        )
+
+
+def _check_hashes(d: Path, files: dict[str, str], names: list[str]) -> None:
+    for name in names:
         f = d / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing")
         if _sha256(f) != files[name]:
             raise CheckpointError(f"{f}: content hash does not match the manifest (truncated or tampered)")
+
+
+def verify(
+    d: Path,
+    world: int,
+    rank: int | None = None,
+    seal: Seal | None = None,
+    allow_foreign: bool = False,
+    sites: list[str] | None = None,
+) -> dict[str, Any]:
+    """The manifest of checkpoint ``d`` after checking it (:func:`read_manifest`) and the rank
+    file ``rank`` loads against it (every file when ``rank`` is None; ``sites``: a sharded run's,
+    see :func:`read_manifest`); raises CheckpointError naming what is wrong."""
+    manifest = read_manifest(d, world, seal, allow_foreign, sites)
+    files = manifest["files"]
+    _check_hashes(d, files, [f"rank{rank}.pt"] if rank is not None else sorted(files))
     return manifest
 
 
@@ -211,4 +281,153 @@ def find(
 
 def load(d: Path, rank: int) -> dict[str, Any]:
     state: dict[str, Any] = torch.load(d / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+    return state
+
+
+@dataclass(frozen=True)
+class SiteShards:
+    """Where a rank of a sharded (FSDP) run sits, for :func:`save_sharded` and :func:`load_sharded`:
+    its ``site`` name and rank in it, the run's ``sites`` (name, workers) in order, and the site's
+    ``mesh`` (its process group writes and reads the site's DCP folder)."""
+
+    site: str
+    local_rank: int
+    sites: list[tuple[str, int]]
+    mesh: DeviceMesh
+
+    def donor(self, manifest: dict[str, Any]) -> int:
+        """The rank file this rank resumes from: its own when its site kept its workers, else that
+        of the same rank of the site, or the site's last when the site had fewer."""
+        offset = 0
+        for name, workers in manifest["sites"]:
+            if name == self.site:
+                return offset + min(self.local_rank, workers - 1)
+            offset += workers
+        raise CheckpointError(f"no site {self.site} in the checkpoint")  # read_manifest checked the names
+
+    def resharded(self, manifest: dict[str, Any]) -> bool:
+        return [tuple(s) for s in manifest["sites"]] != list(self.sites)
+
+
+def split_dtensors(state: Any, path: str = "") -> tuple[dict[str, DTensor], Any]:
+    """``state`` with every DTensor replaced by a placeholder naming it, and the DTensors by name."""
+    found: dict[str, DTensor] = {}
+
+    def walk(x: Any, at: str) -> Any:
+        if isinstance(x, DTensor):
+            found[at] = x
+            return PLACEHOLDER + at
+        if isinstance(x, dict):
+            return {k: walk(v, f"{at}/{k}") for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return type(x)(walk(v, f"{at}/{i}") for i, v in enumerate(x))
+        return x
+
+    return found, walk(state, path)
+
+
+def _placeholders(skeleton: Any) -> list[str]:
+    if isinstance(skeleton, str) and skeleton.startswith(PLACEHOLDER):
+        return [skeleton[len(PLACEHOLDER) :]]
+    if isinstance(skeleton, dict):
+        skeleton = list(skeleton.values())
+    if isinstance(skeleton, list | tuple):
+        return [p for v in skeleton for p in _placeholders(v)]
+    return []
+
+
+def _fill(skeleton: Any, tensors: dict[str, DTensor]) -> Any:
+    if isinstance(skeleton, str) and skeleton.startswith(PLACEHOLDER):
+        return tensors[skeleton[len(PLACEHOLDER) :]]
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list | tuple):
+        return type(skeleton)(_fill(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def _mine(name: str, local_rank: int) -> bool:
+    """Whether a file of a site's DCP folder is hashed by ``local_rank``: each rank its own data
+    files (``__{rank}_{n}.distcp``), the site's first rank the rest (``.metadata``)."""
+    owner = name[2:].split("_", 1)[0] if name.startswith("__") else ""
+    return int(owner) == local_rank if owner.isdigit() else local_rank == 0
+
+
+def save_sharded(
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup,
+    keep: int,
+    where: SiteShards,
+    seal: Seal | None = None,
+) -> Path:
+    """Write this rank's ``state`` for ``step``: its DTensors into the site's DCP folder (with the
+    site's ranks), the rest into ``rank{r}.pt``; global rank 0 completes it with the manifest.
+    Collective over ``group`` (the world)."""
+    d = step_dir(root, step)
+    folder = d / f"site-{where.site}"
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, skeleton = split_dtensors(state)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=where.mesh.get_group())
+    buf = io.BytesIO()
+    torch.save(skeleton, buf)
+    data = buf.getvalue()
+    atomic_write(d / f"rank{rank}.pt", data)
+    mine = {f"rank{rank}.pt": hashlib.sha256(data).hexdigest()}
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and _mine(f.name, where.local_rank):
+            mine[f"{folder.name}/{f.name}"] = _sha256(f)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    if rank == 0:
+        files = {name: h for part in everyone for name, h in part.items()}
+        manifest: dict[str, Any] = {
+            "step": step,
+            "world_size": world,
+            "layout": DCP,
+            "sites": [list(s) for s in where.sites],
+            "files": files,
+        }
+        if seal is not None:
+            manifest["run"] = seal.run
+            manifest["mac"] = seal.mac(manifest)
+        atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=group)
+    return d
+
+
+def verify_sharded(
+    d: Path, world: int, where: SiteShards, seal: Seal | None = None, allow_foreign: bool = False
+) -> dict[str, Any]:
+    """The manifest of sharded checkpoint ``d`` after checking it (:func:`read_manifest`), the
+    rank file this rank resumes from and (the site's first rank) every file of its site's folder."""
+    manifest = read_manifest(d, world, seal, allow_foreign, [s for s, _ in where.sites])
+    files = manifest["files"]
+    names = [f"rank{where.donor(manifest)}.pt"]
+    if where.local_rank == 0:
+        names += sorted(f for f in files if f.startswith(f"site-{where.site}/"))
+    _check_hashes(d, files, names)
+    return manifest
+
+
+def load_sharded(d: Path, manifest: dict[str, Any], where: SiteShards) -> dict[str, Any]:
+    """This rank's state from sharded checkpoint ``d`` (verified): its rank file (:meth:`SiteShards.donor`)
+    with each placeholder filled by DCP with this rank's shard in the current layout (every rank of
+    the site calls it together). Refuses a tensor the site's folder does not hold."""
+    skeleton = torch.load(d / f"rank{where.donor(manifest)}.pt", map_location="cpu", weights_only=True)
+    reader = dcp.FileSystemReader(d / f"site-{where.site}")
+    saved = reader.read_metadata().state_dict_metadata
+    tensors: dict[str, DTensor] = {}
+    for name in _placeholders(skeleton):
+        meta = saved.get(name)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{d}: site-{where.site} holds no tensor {name!r} (incomplete checkpoint)")
+        tensors[name] = dtensor_empty(*meta.size, dtype=meta.properties.dtype, device_mesh=where.mesh, placements=[Shard(0)])
+    dcp.load(tensors, storage_reader=reader, process_group=where.mesh.get_group())
+    state: dict[str, Any] = _fill(skeleton, tensors)
     return state

@@ -4,11 +4,13 @@ resuming from a checkpoint; and writing one.
 The state: the model (local parameters), inner optimizer and LR schedule, the sync algorithm's
 state (global parameters, outer optimizer, codec error feedback, exchanges in flight), the data
 sampler's position, torch's RNG, byte counters and the privacy accountant. The files, their
-manifest and verification are :mod:`geotrain.run.checkpoint`.
+manifest and verification are :mod:`geotrain.run.checkpoint`; a sharded (FSDP) run writes its
+DTensors with DCP and may resume with another number of workers per site.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,20 +99,34 @@ class RankObjects:
         self.privacy.load_accountant_state(state["accountant"])
         return int(state["step"])
 
+    def _shards(self) -> ckpt.SiteShards | None:
+        """Where this rank sits in a sharded (FSDP) run; None when it replicates the model."""
+        g = self.comm.groups
+        if g.mesh is None:
+            return None
+        topo = g.topology
+        return ckpt.SiteShards(g.me.site, g.me.local_rank, [(s, topo.workers_per_site) for s in topo.site_names], g.mesh)
+
     def resume(self, spec: str, root: Path) -> int:
         """Load the checkpoint ``spec`` ('auto' or a path) into this rank's objects; the step it was
         taken after (0 when 'auto' finds none). Each rank checks the manifest and its own file; the
-        ranks agree on the verdict, so all choose alike."""
+        ranks agree on the verdict, so all choose alike. A sharded run may resume a checkpoint its
+        sites wrote with other worker counts (resharded by DCP; the data stream is then reseeded)."""
         groups = self.comm.groups
         me = groups.me
         world = groups.topology.world_size
+        where = self._shards()
+        manifests: dict[Path, dict[str, Any]] = {}
 
         def warn(msg: str) -> None:
             if me.rank == 0:
                 log(me, 0, msg)
 
         def check(d: Path) -> None:
-            ckpt.verify(d, world, me.rank, self.seal, self.allow_foreign)
+            if where is None:
+                ckpt.verify(d, world, me.rank, self.seal, self.allow_foreign)
+            else:
+                manifests[d] = ckpt.verify_sharded(d, world, where, self.seal, self.allow_foreign)
 
         def agree(error: str | None) -> list[str | None]:
             errors: list[str | None] = [None] * world
@@ -121,14 +137,33 @@ class RankObjects:
         if d is None:
             warn(f"no valid checkpoint under {root}: starting from step 0")
             return 0
-        step = self.load(ckpt.load(d, me.rank))
+        if where is None:
+            step = self.load(ckpt.load(d, me.rank))
+        else:
+            manifest = manifests[d]
+            step = self.load(ckpt.load_sharded(d, manifest, where))
+            if where.resharded(manifest):
+                self._reseed_data(me.rank)
+                warn(f"resharded from sites {manifest['sites']} to {[list(s) for s in where.sites]}: data stream reseeded")
         warn(f"resumed from {d} (after step {step})")
         return step
+
+    def _reseed_data(self, rank: int) -> None:
+        """After a resharded resume the rank's data shard changed: draw a new stream from the
+        restored one (so it depends on the run's seed) and the rank, unlike every other rank's."""
+        restored = self.data.train.state()
+        seed = int.from_bytes(hashlib.sha256(restored.numpy().tobytes() + rank.to_bytes(4, "little")).digest()[:8], "little")
+        self.data.train.set_state(torch.Generator().manual_seed(seed >> 1).get_state())
 
     def save(self, root: Path, step: int, keep: int) -> None:
         """Write this rank's checkpoint after ``step`` under ``root`` (collective over the world)."""
         groups = self.comm.groups
         me = groups.me
-        d = ckpt.save(root, step, self.state(step), me.rank, groups.topology.world_size, groups.world, keep, self.seal)
+        world = groups.topology.world_size
+        where = self._shards()
+        if where is None:
+            d = ckpt.save(root, step, self.state(step), me.rank, world, groups.world, keep, self.seal)
+        else:
+            d = ckpt.save_sharded(root, step, self.state(step), me.rank, world, groups.world, keep, where, self.seal)
         if me.rank == 0:
             log(me, step, f"checkpoint {d}")

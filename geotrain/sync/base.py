@@ -169,6 +169,61 @@ class SyncAlgorithm:
             for t, p in zip(tensors, self.params, strict=True)
         ]
 
+    def shards_out(self, x: torch.Tensor | Sequence[torch.Tensor] | None, which: Sequence[int] | None = None) -> Any:
+        """For a checkpoint: state laid out like the local parts of parameters ``which`` (all when
+        None), given as a list of tensors or their flat concatenation, as DTensors placed like those
+        parameters, so DCP can reshard it (docs/SCALE.md). Unchanged when not sharded."""
+        if not self.sharded or x is None:
+            return x
+        params = [self.params[i] for i in (range(len(self.params)) if which is None else which)]
+        pieces = views_like(x, [local_tensor(p) for p in params]) if isinstance(x, torch.Tensor) else list(x)
+        return [
+            DTensor.from_local(t.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+            if isinstance(p, DTensor)
+            else t.clone()
+            for t, p in zip(pieces, params, strict=True)
+        ]
+
+    @staticmethod
+    def shards_in(saved: Any, flat: bool = False) -> Any:
+        """The inverse of :meth:`shards_out` on what a checkpoint gave back (resharded by DCP to this
+        rank's parts): the local tensors, or their flat concatenation when ``flat``."""
+        if not isinstance(saved, list) or not any(isinstance(t, DTensor) for t in saved):
+            return saved
+        local = [local_tensor(t) for t in saved]
+        return torch.cat([t.reshape(-1) for t in local]) if flat else local
+
+    def optim_out(self, state: dict[str, Any], which: Sequence[int] | None = None) -> dict[str, Any]:
+        """An outer optimizer's ``state_dict`` over the parameters ``which`` with its per-parameter
+        tensors as DTensors (:meth:`shards_out`)."""
+        if not self.sharded:
+            return state
+        idx = list(range(len(self.params)) if which is None else which)
+        per_param = {
+            k: {
+                n: self.shards_out([v], [idx[int(k)]])[0] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                for n, v in s.items()
+            }
+            for k, s in state["state"].items()
+        }
+        return {**state, "state": per_param}
+
+    @staticmethod
+    def optim_in(state: dict[str, Any]) -> dict[str, Any]:
+        per_param = {k: {n: local_tensor(v) for n, v in s.items()} for k, s in state["state"].items()}
+        return {**state, "state": per_param}
+
+    def reducer_out(self, reducer: Any, which: Sequence[int] | None = None) -> dict[str, Any] | None:
+        """A :class:`SiteReducer`'s state with its error-feedback residual as per-parameter DTensors."""
+        if reducer is None:
+            return None
+        state: dict[str, Any] = reducer.state_dict()
+        return {**state, "residual": self.shards_out(state["residual"], which)}
+
+    @classmethod
+    def reducer_in(cls, state: Any) -> Any:
+        return None if state is None else {**state, "residual": cls.shards_in(state["residual"], flat=True)}
+
     def _clip_sharded(self) -> None:
         """Clip the (already averaged) gradients by their global norm; FSDP's DTensor gradients
         make ``clip_grad_norm_`` sum the squared norms over the site."""

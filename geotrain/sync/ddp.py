@@ -72,9 +72,9 @@ class DDP(SyncAlgorithm):
         self.rounds = self.local_steps  # every step is a global sync
 
     def state_dict(self) -> dict[str, Any]:
-        return {"reducer": None if self.reducer is None else self.reducer.state_dict()}
+        return {"reducer": self.reducer_out(self.reducer)}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         if self.reducer is not None:
-            self.reducer.load_state_dict(state["reducer"])
+            self.reducer.load_state_dict(self.reducer_in(state["reducer"]))

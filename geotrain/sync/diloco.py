@@ -101,13 +101,17 @@ class DiLoCo(OuterSync):
             self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, self.local_steps)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"reducer": self.reducer.state_dict()}
+        return {"reducer": self.reducer_out(self.reducer)}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), "outer": self.outer_optimizer.state_dict(), "in_round": self._steps_in_round}
+        return {
+            **super().checkpoint_state(),
+            "outer": self.optim_out(self.outer_optimizer.state_dict()),
+            "in_round": self._steps_in_round,
+        }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
-        self.outer_optimizer.load_state_dict(state["outer"])
+        self.outer_optimizer.load_state_dict(self.optim_in(state["outer"]))
         self._steps_in_round = state["in_round"]
-        self.reducer.load_state_dict(state["reducer"])
+        self.reducer.load_state_dict(self.reducer_in(state["reducer"]))

@@ -128,14 +128,14 @@ class OuterSync(SyncAlgorithm):
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             **super().checkpoint_state(),
-            "global_params": [g.clone() for g in self.global_params],
+            "global_params": self.shards_out(self.global_params) if self.sharded else [g.clone() for g in self.global_params],
             "guard": None if self.guard is None else self.guard.state_dict(),
         }
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
-        for g, saved in zip(self.global_params, state["global_params"], strict=True):
+        for g, saved in zip(self.global_params, self.shards_in(state["global_params"]), strict=True):
             g.copy_(saved)
         if self.guard is not None and state["guard"] is not None:
             self.guard.load_state_dict(state["guard"])

@@ -114,5 +114,7 @@ class SiteReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.residual is not None:
             self.residual.tensor = state["residual"]
-        if self.powersgd is not None and state["powersgd"] is not None:
-            self.powersgd.load_state_dict(state["powersgd"])
+        saved = state["powersgd"]
+        # a resharded resume (other FSDP shards) drops the warm start: Q is drawn again from the seed
+        if self.powersgd is not None and saved is not None and saved["shapes"] in ([], [list(self.shapes[i]) for i in self.mine]):
+            self.powersgd.load_state_dict(saved)

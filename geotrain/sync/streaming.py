@@ -249,7 +249,7 @@ class StreamingDiLoCo(OuterSync):
         super().close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"reducers": [r.state_dict() for r in self.reducers]}
+        return {"reducers": [self.reducer_out(r, frag) for r, frag in zip(self.reducers, self.fragments, strict=True)]}
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Exchanges in flight are waited for: their averaged Δ and merge step are saved."""
@@ -259,12 +259,13 @@ class StreamingDiLoCo(OuterSync):
         for f, (at, fut, delta) in self.pending.items():
             try:
                 self._wait(fut)
-                pending[f] = (at, delta.clone(), True)
+                ok = True
             except RoundFailed:
-                pending[f] = (at, delta.clone(), False)  # merging it will roll the fragment back
+                ok = False  # merging it will roll the fragment back
+            pending[f] = (at, self.shards_out(delta, self.fragments[f]) if self.sharded else delta.clone(), ok)
         return {
             **super().checkpoint_state(),
-            "outer": [o.state_dict() for o in self.outer],
+            "outer": [self.optim_out(o.state_dict(), frag) for o, frag in zip(self.outer, self.fragments, strict=True)],
             "last_sync": list(self.last_sync),
             "pending": pending,
         }
@@ -272,10 +273,10 @@ class StreamingDiLoCo(OuterSync):
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         for o, saved in zip(self.outer, state["outer"], strict=True):
-            o.load_state_dict(saved)
+            o.load_state_dict(self.optim_in(saved))
         self.last_sync = list(state["last_sync"])
         for r, saved in zip(self.reducers, state["reducers"], strict=True):
-            r.load_state_dict(saved)
+            r.load_state_dict(self.reducer_in(saved))
         self.pending = {}
         for f, (at, delta, ok) in state["pending"].items():
             fut: Future[None] = Future()
@@ -283,4 +284,4 @@ class StreamingDiLoCo(OuterSync):
                 fut.set_result(None)
             else:
                 fut.set_exception(RoundFailed("the exchange failed before the checkpoint"))
-            self.pending[int(f)] = (at, fut, delta)
+            self.pending[int(f)] = (at, fut, self.shards_in(delta, flat=True))
