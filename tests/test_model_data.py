@@ -141,6 +141,24 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest() -> None:
     assert set(opt.state_dict()) == {"muon", "adamw"}
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd", "muon"])
+def test_weight_decay_reaches_matrices_only(name: str) -> None:
+    """With a zero gradient the only change is decay: matrices shrink, norm gains and biases stay."""
+    from geotrain.config import OptimConfig
+    from geotrain.run.optim import build_optimizer
+
+    model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
+    opt, _ = build_optimizer(OptimConfig(name=name, weight_decay=0.5, lr=0.1, warmup_steps=0), model, 10)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        moved = not torch.equal(p.detach(), before[n])
+        assert moved == (p.dim() >= 2), (n, moved)  # decayed iff a matrix (incl. the embeddings)
+    assert any(n.endswith("ln1.weight") for n in before) and any(n.endswith("qkv.bias") for n in before)
+
+
 def test_muon_orthogonalises_in_fp32_on_cpu_like_torch_does_in_bf16() -> None:
     import torch.optim._muon as torch_muon
 

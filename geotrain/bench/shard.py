@@ -122,8 +122,10 @@ def overhead_rank(rank: int, blocks: int) -> dict[str, Any]:
         plain = build_model(cfg.model, 256)
         assert comm.groups.mesh is not None
         shard_model(plain, comm.groups.mesh, "fp32")
+        from geotrain.run.optim import decay_groups
+
         plain_opt = torch.optim.AdamW(
-            plain.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas)
+            decay_groups(list(plain.parameters()), cfg.optim.weight_decay), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas)
         )
         batches = [data.train.next() for _ in range(H)]
 

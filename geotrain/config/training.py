@@ -111,7 +111,9 @@ class OptimConfig(Section):
         "head, norms and biases (MuLoCo).",
     )
     lr: float = Field(default=4e-4, gt=0, le=10, description="Inner learning rate (DiLoCo paper: 4e-4).")
-    weight_decay: float = Field(default=0.1, ge=0, le=1, description="Weight decay (DiLoCo paper: 0.1).")
+    weight_decay: float = Field(
+        default=0.1, ge=0, le=1, description="Weight decay on matrices (DiLoCo paper: 0.1); norms and biases are never decayed."
+    )
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], description="AdamW betas (DiLoCo paper: 0.9, 0.95).")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Momentum for name=sgd.")
     muon_momentum: float = Field(default=0.95, ge=0, lt=1, description="Muon's Nesterov momentum (name=muon).")

@@ -4,7 +4,9 @@ AdamW (DiLoCo paper: lr 4e-4, weight decay 0.1, betas 0.9/0.95), SGD, or Muon fo
 weight matrices with AdamW for the rest (MuLoCo, arXiv 2505.23725: embeddings, the output head,
 norms and biases stay on AdamW, as Muon's authors advise). Muon's step is scaled to AdamW's update
 RMS (``adjust_lr_fn="match_rms_adamw"``), so one learning rate and schedule serve both. Linear
-warm-up, then constant or cosine decay to 10% at the last step.
+warm-up, then constant or cosine decay to 10% at the last step. Weight decay applies to matrices
+(weights of linear layers, embedding tables) only, never to norms' gains or biases (as nanoGPT
+and torchtitan do): decaying a LayerNorm's gain toward 0 only fights the normalisation.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -24,14 +27,14 @@ def build_optimizer(
     cfg: OptimConfig, model: nn.Module, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The inner optimizer over ``model``'s trainable parameters and its schedule over ``total_steps``."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = decay_groups([p for p in model.parameters() if p.requires_grad], cfg.weight_decay)
     opt: torch.optim.Optimizer
     if cfg.name == "adamw":
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]))
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]))
     elif cfg.name == "muon":
         opt = MuonAdamW(model, cfg)
     else:
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
     def factor(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -42,6 +45,15 @@ def build_optimizer(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """Param groups: the matrices (2-D and up) with ``weight_decay``, the rest (norm gains,
+    biases) without; an empty group is left out."""
+    matrices = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -71,7 +83,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.muon = torch.optim.Muon(
             muon, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw"
         )
-        self.adamw = torch.optim.AdamW(adamw, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.betas[0], cfg.betas[1]))
+        self.adamw = torch.optim.AdamW(decay_groups(adamw, cfg.weight_decay), lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]))
         super().__init__([{"params": muon}, {"params": adamw}], {"lr": cfg.lr})
         self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
 
