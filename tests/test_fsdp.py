@@ -192,6 +192,24 @@ def test_sharded_and_whole_checkpoints_are_not_mixed(tmp_path: Path) -> None:
             read_manifest(d, 2, sites=["A", "B"])
 
 
+def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    import os
+    import pickle
+
+    from geotrain.errors import CheckpointError
+    from geotrain.run.checkpoint import _SafeReader
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (os.remove, (str(tmp_path / "victim"),))
+
+    (tmp_path / "victim").write_text("still here")
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match="not a DCP metadata file"):
+        _SafeReader(tmp_path).read_metadata()
+    assert (tmp_path / "victim").exists()
+
+
 @pytest.mark.parametrize(
     "setting",
     [

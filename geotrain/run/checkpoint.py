@@ -22,7 +22,7 @@ algorithm's state (global parameters, outer optimizer, codec error feedback, Str
 DiLoCo's exchanges in flight — waited for and saved averaged), the data sampler's position
 (its generator state), torch's global RNG, byte counters, and the privacy accountant's history.
 
-Sharded layout (``sync.within_site=fsdp``, :func:`save_sharded`): every DTensor of a rank's state
+Sharded layout (``sync.within_site=fsdp``, :func:`save` given a :class:`SiteShards`): every DTensor of a rank's state
 (its shards of the model, the inner optimizer, DiLoCo's global parameters and outer state, error
 feedback, fragments in flight) goes into one ``torch.distributed.checkpoint`` (DCP) folder per
 site, ``site-{name}/``, written by the site's ranks together; the rest of the state stays in
@@ -38,6 +38,7 @@ import hmac
 import io
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
@@ -113,20 +114,49 @@ def save(
     group: dist.ProcessGroup,
     keep: int,
     seal: Seal | None = None,
+    where: SiteShards | None = None,
 ) -> Path:
-    """Write this rank's ``state`` for ``step``; rank 0 completes it with the manifest (HMAC-sealed
-    when ``seal`` is given). Collective."""
+    """Write this rank's ``state`` for ``step``; global rank 0 completes it with the manifest
+    (HMAC-sealed when ``seal`` is given). Collective over ``group`` (the world). ``where``: a
+    sharded run's rank, whose DTensors go into its site's DCP folder (written with the site's
+    ranks) and the rest into ``rank{r}.pt``."""
     d = step_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
+    header: dict[str, Any] = {"step": step, "world_size": world}
+    mine: dict[str, str] = {}
+    if where is not None:
+        folder = d / f"site-{where.site}"
+        tensors, state = split_dtensors(state)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=where.mesh.get_group())
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and _mine(f.name, where.local_rank):
+                mine[f"{folder.name}/{f.name}"] = _sha256(f)
+        header.update(layout=DCP, sites=[list(s) for s in where.sites])
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
     atomic_write(d / f"rank{rank}.pt", data)
-    digest = hashlib.sha256(data).hexdigest()
-    hashes: list[Any] = [None] * world
-    dist.all_gather_object(hashes, digest, group=group)
+    mine[f"rank{rank}.pt"] = hashlib.sha256(data).hexdigest()
+    _complete(root, d, header, mine, rank, group, keep, seal)
+    return d
+
+
+def _complete(
+    root: Path,
+    d: Path,
+    header: dict[str, Any],
+    mine: dict[str, str],
+    rank: int,
+    group: dist.ProcessGroup,
+    keep: int,
+    seal: Seal | None,
+) -> None:
+    """Gather every rank's file hashes (``mine``: name -> sha256); global rank 0 writes the
+    manifest (``header`` + the files, sealed when ``seal`` is given) and prunes to ``keep``."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
     if rank == 0:
-        manifest: dict[str, Any] = {"step": step, "world_size": world, "files": {f"rank{r}.pt": h for r, h in enumerate(hashes)}}
+        manifest: dict[str, Any] = {**header, "files": {name: h for part in everyone for name, h in part.items()}}
         if seal is not None:
             manifest["run"] = seal.run
             manifest["mac"] = seal.mac(manifest)
@@ -134,7 +164,6 @@ def save(
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
-    return d
 
 
 def read_manifest(
@@ -286,7 +315,7 @@ def load(d: Path, rank: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class SiteShards:
-    """Where a rank of a sharded (FSDP) run sits, for :func:`save_sharded` and :func:`load_sharded`:
+    """Where a rank of a sharded (FSDP) run sits, for :func:`save` and :func:`load_sharded`:
     its ``site`` name and rank in it, the run's ``sites`` (name, workers) in order, and the site's
     ``mesh`` (its process group writes and reads the site's DCP folder)."""
 
@@ -353,54 +382,6 @@ def _mine(name: str, local_rank: int) -> bool:
     return int(owner) == local_rank if owner.isdigit() else local_rank == 0
 
 
-def save_sharded(
-    root: Path,
-    step: int,
-    state: dict[str, Any],
-    rank: int,
-    world: int,
-    group: dist.ProcessGroup,
-    keep: int,
-    where: SiteShards,
-    seal: Seal | None = None,
-) -> Path:
-    """Write this rank's ``state`` for ``step``: its DTensors into the site's DCP folder (with the
-    site's ranks), the rest into ``rank{r}.pt``; global rank 0 completes it with the manifest.
-    Collective over ``group`` (the world)."""
-    d = step_dir(root, step)
-    folder = d / f"site-{where.site}"
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors, skeleton = split_dtensors(state)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=where.mesh.get_group())
-    buf = io.BytesIO()
-    torch.save(skeleton, buf)
-    data = buf.getvalue()
-    atomic_write(d / f"rank{rank}.pt", data)
-    mine = {f"rank{rank}.pt": hashlib.sha256(data).hexdigest()}
-    for f in sorted(folder.iterdir()):
-        if f.is_file() and _mine(f.name, where.local_rank):
-            mine[f"{folder.name}/{f.name}"] = _sha256(f)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    if rank == 0:
-        files = {name: h for part in everyone for name, h in part.items()}
-        manifest: dict[str, Any] = {
-            "step": step,
-            "world_size": world,
-            "layout": DCP,
-            "sites": [list(s) for s in where.sites],
-            "files": files,
-        }
-        if seal is not None:
-            manifest["run"] = seal.run
-            manifest["mac"] = seal.mac(manifest)
-        atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group=group)
-    return d
-
-
 def verify_sharded(
     d: Path, world: int, where: SiteShards, seal: Seal | None = None, allow_foreign: bool = False
 ) -> dict[str, Any]:
@@ -415,12 +396,57 @@ def verify_sharded(
     return manifest
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; this one builds only DCP's metadata records, torch sizes,
+    dtypes and layouts and paths, so a doctored file cannot run code (tensor data is read by
+    DCP with ``torch.load(weights_only=True)``)."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "PurePosixPath"},
+        "collections": {"OrderedDict"},
+        "torch": {"Size"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with :class:`_MetadataUnpickler` for its ``.metadata``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        try:
+            with open(path, "rb") as f:
+                metadata: Metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: not a DCP metadata file ({exc})") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return metadata
+
+
 def load_sharded(d: Path, manifest: dict[str, Any], where: SiteShards) -> dict[str, Any]:
     """This rank's state from sharded checkpoint ``d`` (verified): its rank file (:meth:`SiteShards.donor`)
     with each placeholder filled by DCP with this rank's shard in the current layout (every rank of
     the site calls it together). Refuses a tensor the site's folder does not hold."""
     skeleton = torch.load(d / f"rank{where.donor(manifest)}.pt", map_location="cpu", weights_only=True)
-    reader = dcp.FileSystemReader(d / f"site-{where.site}")
+    reader = _SafeReader(d / f"site-{where.site}")
     saved = reader.read_metadata().state_dict_metadata
     tensors: dict[str, DTensor] = {}
     for name in _placeholders(skeleton):

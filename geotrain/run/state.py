@@ -160,10 +160,6 @@ class RankObjects:
         groups = self.comm.groups
         me = groups.me
         world = groups.topology.world_size
-        where = self._shards()
-        if where is None:
-            d = ckpt.save(root, step, self.state(step), me.rank, world, groups.world, keep, self.seal)
-        else:
-            d = ckpt.save_sharded(root, step, self.state(step), me.rank, world, groups.world, keep, where, self.seal)
+        d = ckpt.save(root, step, self.state(step), me.rank, world, groups.world, keep, self.seal, self._shards())
         if me.rank == 0:
             log(me, step, f"checkpoint {d}")
