@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import sys
 import threading
@@ -151,8 +152,16 @@ def main(lighthouse: str, seconds: float, report: str, victim: int) -> None:
                 done["garbage_connections"] += 1
             except OSError:
                 pass
-        Path(report).write_text(json.dumps(done))
-    Path(report).write_text(json.dumps(done))
+        _write(report, done)
+    _write(report, done)
+
+
+def _write(report: str, done: dict[str, int]) -> None:
+    """The counts so far, replaced whole (the test may SIGKILL this process at any moment: a plain
+    write_text killed between truncating and writing left an empty report, seen in CI)."""
+    tmp = Path(report + ".tmp")
+    tmp.write_text(json.dumps(done))
+    os.replace(tmp, report)
 
 
 if __name__ == "__main__":
