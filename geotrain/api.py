@@ -94,7 +94,7 @@ class Site:
         """Bytes this rank sent inside its site and to other sites, and time spent waiting on them."""
         return self.comm.stats
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, tokens_per_step: int = 1) -> SyncAlgorithm:
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> SyncAlgorithm:
         """Hook the configured sync algorithm (``cfg.sync.algorithm``) onto ``optimizer``.
 
         Call it on every rank, after the model is on :attr:`device` and identical on every rank.
@@ -104,14 +104,11 @@ class Site:
         Args:
             model: the model ``optimizer`` steps.
             optimizer: the inner optimizer; its ``step()`` now also syncs.
-            tokens_per_step: tokens this site processes per step (for ``sync.weight_by_tokens``).
         """
         c = self.cfg
         outer = c.sync.algorithm != "ddp"
         guard = UpdateGuard(c.guard, self.comm) if outer and c.guard.enabled and self.topology.num_sites > 1 else None
-        return build_sync(
-            c.sync, model, optimizer, self.comm, grad_clip=c.optim.grad_clip, tokens_per_step=tokens_per_step, guard=guard
-        )
+        return build_sync(c.sync, model, optimizer, self.comm, grad_clip=c.optim.grad_clip, guard=guard)
 
     def close(self) -> None:
         """Release the process groups and the link emulation (collective, like creating the site)."""

@@ -27,10 +27,10 @@ def test_defaults_are_the_documented_main_job() -> None:
 def test_overrides_and_yaml(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("train:\n  steps: 10\ntopology:\n  links:\n    inter: {bandwidth_bps: 1e8, latency_s: 0.04}\n")
-    cfg = load_config(f, ["train.steps=200", "sync.algorithm=ddp", "optim.lr=1e-3", "topology.sites.0.region=eu"])
+    cfg = load_config(f, ["train.steps=200", "sync.algorithm=ddp", "optim.lr=1e-3", "topology.sites.0.workers=3"])
     assert cfg.train.steps == 200 and cfg.sync.algorithm == "ddp" and cfg.optim.lr == 1e-3
     assert cfg.topology.links.inter.bandwidth_bps == 1e8  # YAML 1.1 would read 1e8 as a string
-    assert cfg.topology.sites[0].region == "eu"
+    assert cfg.topology.sites[0].workers == 3
 
 
 def test_with_algorithm_and_round_trip() -> None:
@@ -75,7 +75,16 @@ BAD = [
     (None, ["model.n_embd=100", "model.n_head=3"], "model: n_embd (100) must be divisible by n_head (3)"),
     (None, ["train.steps=ten"], "train.steps: Input should be a valid integer"),
     ("topology:\n  sites: [{name: A, workers: 2}, {name: A, workers: 2}]\n", [], "site names must be unique"),
-    ("topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}]\n", [], "same number of workers"),
+    (
+        "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}]\nsync: {within_site: fsdp}\n",
+        [],
+        "sync.within_site: not combined with sites of different sizes [2, 1] yet",
+    ),
+    (
+        "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}]\nelastic: {enabled: true}\n",
+        [],
+        "elastic.enabled: not combined with sites of different sizes [2, 1] yet",
+    ),
     ("- just\n- a list\n", [], "must hold a mapping"),
     (None, ["optim.betas=[0.9]"], "optim.betas"),
     (

@@ -68,8 +68,8 @@ def test_sharding_iid_and_non_iid(tmp_path: Path) -> None:
     (tmp_path / "c.txt").write_text(text)
     cfg = DataConfig(corpus=str(tmp_path / "c.txt"))
     s = split_corpus(load_corpus(cfg), cfg.eval_fraction)
-    iid = [shard_for_rank(s, r, 4, 2, non_iid=False) for r in range(4)]
-    non = [shard_for_rank(s, r, 4, 2, non_iid=True) for r in range(4)]
+    iid = [shard_for_rank(s, r, [2, 2], non_iid=False) for r in range(4)]
+    non = [shard_for_rank(s, r, [2, 2], non_iid=True) for r in range(4)]
     alpha, omega = ord("X"), ord("Q")
     for shard in iid:  # every rank sees both halves
         assert (shard == alpha).any() and (shard == omega).any()
@@ -94,12 +94,12 @@ def test_sampler_is_reproducible_from_its_state() -> None:
 
 
 def test_rank_data_and_too_small_corpus(tmp_path: Path) -> None:
-    rd = build_rank_data(DataConfig(), rank=1, world=4, num_sites=2, block_size=32, batch_size=2, eval_batches_n=3, seed=0)
+    rd = build_rank_data(DataConfig(), rank=1, sites=[2, 2], block_size=32, batch_size=2, eval_batches_n=3, seed=0)
     x, y = rd.train.next()
     assert x.shape == (2, 32) and len(rd.eval) == 3
     (tmp_path / "tiny.txt").write_text("too small")
     with pytest.raises(ValueError, match="data.corpus"):
-        check_data(DataConfig(corpus=str(tmp_path / "tiny.txt")), world=4, num_sites=2, block_size=64)
+        check_data(DataConfig(corpus=str(tmp_path / "tiny.txt")), sites=[2, 2], block_size=64)
 
 
 def test_a_directory_corpus_reads_text_files_only(tmp_path: Path) -> None:

@@ -65,11 +65,11 @@ def test_dp_sgd_clips_each_example_and_adds_noise() -> None:
 def test_site_private_corpus_is_the_only_training_data(tmp_path: Path) -> None:
     private = tmp_path / "hospital.txt"
     private.write_bytes(b"\x01\x02\x03" * 20_000)
-    d = build_rank_data(DataConfig(), 1, 4, 2, 16, 4, 2, 0, site_corpus=str(private))
+    d = build_rank_data(DataConfig(), 1, [2, 2], 16, 4, 2, 0, site_corpus=str(private))
     for _ in range(5):
         x, _ = d.train.next()
         assert set(x.unique().tolist()) <= {1, 2, 3}
-    shared = build_rank_data(DataConfig(), 1, 4, 2, 16, 4, 2, 0)
+    shared = build_rank_data(DataConfig(), 1, [2, 2], 16, 4, 2, 0)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(d.eval, shared.eval, strict=True))  # same public eval set
 
 

@@ -173,13 +173,21 @@ def prepared(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("non_iid", [False, True])
-def test_blocks_are_shared_out_disjointly_and_completely(non_iid: bool) -> None:
-    n, world, sites = 103, 6, 3
+@pytest.mark.parametrize("sites", [(2, 2, 2), (3, 2, 1)])
+def test_blocks_are_shared_out_disjointly_and_completely(non_iid: bool, sites: tuple[int, ...]) -> None:
+    n = 103
     seen: list[int] = []
-    for r in range(world):
-        b = rank_blocks(n, r, world, sites, non_iid)
-        seen += list(range(b.start, b.start + b.stride * b.count, b.stride))
+    per_site = [0] * len(sites)
+    r = 0
+    for s, workers in enumerate(sites):
+        for _ in range(workers):
+            b = rank_blocks(n, r, sites, non_iid)
+            seen += list(range(b.start, b.start + b.stride * b.count, b.stride))
+            per_site[s] += b.count
+            r += 1
     assert sorted(seen) == list(range(n))
+    for s, workers in enumerate(sites):  # in proportion to workers (within a block per rank)
+        assert abs(per_site[s] - n * workers / sum(sites)) <= workers
 
 
 def test_windows_are_contiguous_pieces_of_one_shard_and_resume_exactly(prepared: Path) -> None:
@@ -195,7 +203,7 @@ def test_windows_are_contiguous_pieces_of_one_shard_and_resume_exactly(prepared:
         assert np.array_equal(reader.window(b, 77 * b, 65), shards.window(b, 77 * b, 65))
     assert reader.maps is None and len(reader._fds) == 1
     text = b"".join(bytes(np.asarray(mm)) for mm in shards.maps)  # uint16 bytes: text byte then 0
-    a = token_sampler(prepared, 1, 4, 2, False, 64, 8, seed=7)
+    a = token_sampler(prepared, 1, [2, 2], False, 64, 8, seed=7)
     x, y = a.next()
     assert x.shape == (8, 64) and torch.equal(x[:, 1:], y[:, :-1])
     for row in torch.cat([x, y[:, -1:]], 1):
@@ -203,12 +211,12 @@ def test_windows_are_contiguous_pieces_of_one_shard_and_resume_exactly(prepared:
     a.next()
     state = a.state()
     want = [a.next() for _ in range(3)]
-    b = token_sampler(prepared, 1, 4, 2, False, 64, 8, seed=7)
+    b = token_sampler(prepared, 1, [2, 2], False, 64, 8, seed=7)
     b.set_state(state)
     assert all(
         torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(want, [b.next() for _ in range(3)], strict=True)
     )
-    c = token_sampler(prepared, 1, 4, 2, False, 64, 8, seed=7)
+    c = token_sampler(prepared, 1, [2, 2], False, 64, 8, seed=7)
     c.skip(2)  # a healed site catching up draws what the others drew
     assert torch.equal(c.next()[0], want[0][0])
 
@@ -216,22 +224,22 @@ def test_windows_are_contiguous_pieces_of_one_shard_and_resume_exactly(prepared:
 def test_rank_data_vocabulary_and_launch_checks(prepared: Path, tmp_path: Path) -> None:
     cfg = DataConfig(corpus=str(prepared))
     assert vocab_size(cfg) == 256 and vocab_size(DataConfig()) == 256
-    d0 = build_rank_data(cfg, 0, 4, 2, 64, 4, 3, seed=1)
-    d3 = build_rank_data(cfg, 3, 4, 2, 64, 4, 3, seed=1)
+    d0 = build_rank_data(cfg, 0, [2, 2], 64, 4, 3, seed=1)
+    d3 = build_rank_data(cfg, 3, [2, 2], 64, 4, 3, seed=1)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(d0.eval, d3.eval, strict=True))  # same eval batches
     assert not torch.equal(d0.train.next()[0], d3.train.next()[0])
-    check_data(cfg, 4, 2, 64)
+    check_data(cfg, [2, 2], 64)
     with pytest.raises(ValueError, match=r"leave rank \d+ of 1000 none"):
-        check_data(cfg, 1000, 2, 64)
+        check_data(cfg, [500, 500], 64)
     (tmp_path / "o.txt").write_text("\n".join(_docs(200, seed=3)))
     prepare([tmp_path / "o.txt"], "bpe", tmp_path / "other", vocab_size=300)
     with pytest.raises(ValueError, match=r"topology.sites\[1\].corpus: prepared with another tokenizer"):
-        check_data(cfg, 4, 2, 64, [None, str(tmp_path / "other")])
+        check_data(cfg, [2, 2], 64, [None, str(tmp_path / "other")])
     with pytest.raises(ValueError, match=r"topology.sites\[0\].corpus: data.corpus is token shards"):
-        check_data(cfg, 4, 2, 64, [str(tmp_path / "o.txt"), None])
+        check_data(cfg, [2, 2], 64, [str(tmp_path / "o.txt"), None])
     (prepared / "train-00001.bin").write_bytes(b"\0" * 10)  # truncated shard
     with pytest.raises(ValueError, match="train-00001.bin: missing or not"):
-        check_data(cfg, 4, 2, 64)
+        check_data(cfg, [2, 2], 64)
 
 
 def test_verify_finds_a_flipped_byte_of_the_right_size(prepared: Path) -> None:

@@ -144,7 +144,7 @@ def test_pair_link_overrides_inter() -> None:
         ],
     )
     data = cfg.model_dump()
-    data["topology"]["sites"].append({"name": "C", "workers": 2, "region": None})
+    data["topology"]["sites"].append({"name": "C", "workers": 2})
     data["topology"]["links"]["between"] = [{"sites": ["C", "A"], "bandwidth_bps": 1e7, "latency_s": 0.15}]
     from geotrain.config import Config
 

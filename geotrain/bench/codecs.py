@@ -45,7 +45,7 @@ def capture_pseudo_gradients(steps: int = 50, seed: int = 0) -> tuple[list[torch
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     start = [p.detach().clone() for p in model.parameters()]
-    data = build_rank_data(cfg.data, 0, 1, 1, cfg.model.block_size, cfg.train.batch_size, 1, cfg.train.seed)
+    data = build_rank_data(cfg.data, 0, [1], cfg.model.block_size, cfg.train.batch_size, 1, cfg.train.seed)
     opt, sched = build_optimizer(cfg.optim, model, cfg.train.steps)
     model.train()
     for _ in range(steps):

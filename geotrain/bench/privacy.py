@@ -36,7 +36,7 @@ def _step_seconds(steps: int) -> float:
 
     cfg = load_config(None, ["train.eval_batches=1"])
     model = build_model(cfg.model)
-    data = build_rank_data(cfg.data, 0, 1, 1, cfg.model.block_size, cfg.train.batch_size, 1, 0)
+    data = build_rank_data(cfg.data, 0, [1], cfg.model.block_size, cfg.train.batch_size, 1, 0)
     opt, _ = build_optimizer(cfg.optim, model, cfg.train.steps)
     times = []
     for _ in range(steps + 1):

@@ -40,7 +40,7 @@ def probe(root: Path | str, batches: int, reader: str = "pread", block_size: int
     from geotrain.data.tokens import TokenSampler, TokenShards, rank_blocks
 
     shards = TokenShards(Path(root), "train", block_size, reader)
-    sampler = TokenSampler(shards, rank_blocks(shards.n_blocks, 0, 4, 2, False), block_size, batch_size, seed=0)
+    sampler = TokenSampler(shards, rank_blocks(shards.n_blocks, 0, [2, 2], False), block_size, batch_size, seed=0)
     sampler.next()  # opened and warm
     t = time.perf_counter()
     for _ in range(batches):

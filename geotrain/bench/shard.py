@@ -70,8 +70,8 @@ def _rank_parts(sites: int, workers: int, model_kw: dict[str, int], within: str,
     if g.mesh is not None:
         shard_model(model, g.mesh, "fp32")
     opt, sched = build_optimizer(cfg.optim, model, 1000)
-    sync_alg = build_sync(cfg.sync, model, opt, comm, grad_clip=cfg.optim.grad_clip, tokens_per_step=1)
-    data = build_rank_data(cfg.data, g.me.rank, sites * workers, sites, cfg.model.block_size, 4, 1, 0)
+    sync_alg = build_sync(cfg.sync, model, opt, comm, grad_clip=cfg.optim.grad_clip)
+    data = build_rank_data(cfg.data, g.me.rank, [workers] * sites, cfg.model.block_size, 4, 1, 0)
     return cfg, comm, model, opt, sync_alg, data
 
 

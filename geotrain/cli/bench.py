@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +16,7 @@ from geotrain.cli.common import (
     bit_rates,
     console,
     fail,
+    ints,
     load,
     progress_line,
     wide,
@@ -179,6 +181,55 @@ def bench_wan_cmd(
         console.print(f"wrote {plot_wan(result, plot / 'wan.png')}")
         if result["timeline_run"]:
             console.print(f"wrote {plot_timeline(Path(result['timeline_run']), plot / 'wan_timeline.png')}")
+
+
+def _over_seeds(seeds: str, set_: list[str] | None, run: Callable[[tuple[int, ...]], dict[str, Any]]) -> dict[str, Any]:
+    """Check the overrides and ``--seeds`` before any run starts, then ``run(seeds)``; a failed run is one line, exit 1."""
+    load(None, set_ or [])
+    seed_list = tuple(ints(seeds, "--seeds", 0, 2**31))
+    try:
+        return run(seed_list)
+    except LaunchError as exc:
+        fail(f"a run failed: {exc}", 1)
+
+
+@bench_app.command("hetero")
+def bench_hetero_cmd(
+    json_out: JsonOpt = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write hetero.png here (a directory).")] = None,
+    out: OutOpt = Path("runs/bench-hetero"),
+    seconds: Annotated[float, typer.Option(min=5, max=3600, help="Training seconds per run (train.max_seconds).")] = 120.0,
+    H: Annotated[int, typer.Option("--H", min=1, max=10000, help="Inner steps per round (the fastest site's).")] = 200,
+    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1",
+    set_: SetOpt = None,
+) -> None:
+    """Sites at compute speeds 1, 1, 0.5, 0.25 for the same wall time: lock-step DiLoCo against adaptive rounds."""
+    from geotrain.bench.hetero import bench_hetero, plot_hetero, print_hetero
+
+    result = _over_seeds(seeds, set_, lambda s: bench_hetero(out, seconds, H, s, extra=set_, progress=progress_line))
+    print_hetero(result, wide(140))
+    if json_out is not None:
+        write_json(result, json_out)
+    if plot is not None:
+        console.print(f"wrote {plot_hetero(result, plot / 'hetero.png')}")
+
+
+@bench_app.command("tiers")
+def bench_tiers_cmd(
+    json_out: JsonOpt = None,
+    out: OutOpt = Path("runs/bench-tiers"),
+    steps: Annotated[int, typer.Option(min=10, max=100_000, help="Inner steps per run (equal tokens).")] = 300,
+    H: Annotated[int, typer.Option("--H", min=1, max=10000, help="Inner steps per region round (H1).")] = 25,
+    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1",
+    set_: SetOpt = None,
+) -> None:
+    """Two regions of two sites (10 Gbit/s inside, 10 Mbit/s across): flat DiLoCo vs two tiers, slow-tier bytes and loss."""
+    from geotrain.bench.tiers import bench_tiers, print_tiers
+
+    result = _over_seeds(seeds, set_, lambda s: bench_tiers(out, steps, H, s, extra=set_, progress=progress_line))
+    print_tiers(result, wide(150))
+    if json_out is not None:
+        write_json(result, json_out)
 
 
 @bench_app.command("scale")

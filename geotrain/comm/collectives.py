@@ -68,6 +68,7 @@ class CommStats:
 
     intra_bytes: int = 0
     inter_bytes: int = 0
+    inter_region_bytes: int = 0  # the part of inter_bytes sent to another region (the slow tier; 0 without regions)
     comm_seconds: float = 0.0
     inter_raw_bytes: int = 0  # what the same inter-site sends would have taken in fp32
     network_seconds: float = 0.0
@@ -115,12 +116,16 @@ class Collectives:
     # ------------------------------------------------------------------ primitives
 
     def _count(self, dst: int, nbytes: int, raw: int | None = None) -> None:
+        topo = self.groups.topology
         with self._lock:
-            if self.groups.topology.site_of(dst) == self._my_site:
+            dst_site = topo.site_of(dst)
+            if dst_site == self._my_site:
                 self.stats.intra_bytes += nbytes
             else:
                 self.stats.inter_bytes += nbytes
                 self.stats.inter_raw_bytes += nbytes if raw is None else raw
+                if not topo.same_region(dst_site, self._my_site):
+                    self.stats.inter_region_bytes += nbytes
 
     def _p2p(
         self, sends: list[tuple[int, torch.Tensor, int | None]], recvs: list[tuple[int, torch.Tensor]], group: dist.ProcessGroup
@@ -183,12 +188,15 @@ class Collectives:
         i = ranks.index(self.groups.me.rank)
         return n, i, ranks[(i + 1) % n], ranks[(i - 1) % n]
 
-    def _ring_reduce_scatter(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup) -> None:
+    def _ring_reduce_scatter(
+        self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup, sizes: list[int] | None = None
+    ) -> None:
+        """Ring reduce-scatter; rank ``ranks[j]`` ends with the sum of chunk j (``x.tensor_split(n)``, or ``x.split(sizes)``)."""
         n, i, nxt, prv = self._ring(ranks)
         if n == 1:
             return
-        chunks = x.tensor_split(n)
-        scratch = torch.empty_like(chunks[0])
+        chunks = x.split(sizes) if sizes is not None else x.tensor_split(n)
+        scratch = torch.empty(max(c.numel() for c in chunks), dtype=x.dtype, device=x.device)
         for s in range(n - 1):
             send = chunks[(i - s - 1) % n]
             into = chunks[(i - s - 2) % n]
@@ -338,30 +346,44 @@ class Collectives:
 
         self._timed(self._laned, x, lambda c, lane: self._ring_sum(c, ranks, lane.world))
 
-    def _across(self, shard: torch.Tensor, lane: Lane, codec: Codec | None, ef: Residual | None) -> None:
+    def _across(self, shard: torch.Tensor, lane: Lane, codec: Codec | None, ef: Residual | None, region: bool = False) -> None:
         g = self.groups
+        ranks, group = (g.region_inter_ranks, lane.region) if region else (g.inter_ranks, lane.inter)
+        assert group is not None, "a rank that carries nothing across sites was given a shard"
         if codec is None:
-            self._ring_sum(shard, g.inter_ranks, lane.inter)
+            self._ring_sum(shard, ranks, group)
         else:
-            self._coded_all_reduce(shard, codec, g.inter_ranks, lane.inter, ef)
+            self._coded_all_reduce(shard, codec, ranks, group, ef)
 
-    def _site_pipeline(self, x: torch.Tensor, codec: Codec | None, ef: Residual | None, reduce_in_site: bool) -> None:
+    def _site_pipeline(
+        self, x: torch.Tensor, codec: Codec | None, ef: Residual | None, reduce_in_site: bool, region: bool = False
+    ) -> None:
         """[Reduce-scatter in site] -> all-reduce of this rank's shard across sites -> all-gather in
         site; fp32 chunked over the lanes, a codec on the whole tensor (its scales and error
         feedback are per tensor) on lane 0."""
         g = self.groups
-        G, me = len(g.intra_ranks), g.me.local_rank
+        me = g.me.local_rank
 
         def chunk(c: torch.Tensor, lane: Lane) -> None:
+            sizes = self.site_split(c.numel())
             if reduce_in_site:
-                self._ring_reduce_scatter(c, g.intra_ranks, lane.intra)
-            self._across(c.tensor_split(G)[me], lane, codec, ef)
-            self._ring_all_gather(c, g.intra_ranks, lane.intra)
+                self._ring_reduce_scatter(c, g.intra_ranks, lane.intra, sizes)
+            if sizes[me]:  # local ranks beyond the smallest site's size carry nothing across sites
+                self._across(c.split(sizes)[me], lane, codec, ef, region)
+            self._ring_all_gather(c, g.intra_ranks, lane.intra, sizes)
 
         if codec is None:
             self._laned(x, chunk)
         else:
             chunk(x, self.lanes[0])
+
+    def site_split(self, n: int) -> list[int]:
+        """How a vector of ``n`` values is cut over this site's ranks for a cross-site exchange:
+        as ``tensor_split(carriers)`` cuts it for the carrying local ranks, nothing for the rest."""
+        topo = self.groups.topology
+        k, workers = topo.carriers, topo.workers[self._my_site]
+        q, r = divmod(n, k)
+        return [q + 1] * r + [q] * (k - r) + [0] * (workers - k)
 
     def all_reduce_hierarchical(self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks: reduce-scatter in site, all-reduce shards across sites, all-gather in site.
@@ -377,9 +399,16 @@ class Collectives:
         self._timed(self._ring_all_gather, x, self.groups.intra_ranks, self.lanes[0].intra, sizes, wide=False)
 
     def all_reduce_across_sites(
-        self, x: torch.Tensor, codec: Codec | None = None, ef: Residual | None = None, *, sharded: bool = False
+        self,
+        x: torch.Tensor,
+        codec: Codec | None = None,
+        ef: Residual | None = None,
+        *,
+        sharded: bool = False,
+        region: bool = False,
     ) -> None:
-        """Sum over sites of a tensor that is already identical on every rank of a site.
+        """Sum over sites (``region``: over the sites of this rank's region) of a tensor that is
+        already identical on every rank of a site.
 
         Each local rank all-reduces only its 1/G shard across sites, then the site all-gathers:
         the inter-site traffic of a hierarchical all-reduce without the (needless) in-site
@@ -391,9 +420,10 @@ class Collectives:
         """
         self._check(x)
         if sharded:
+            assert not region, "multi-tier sync runs replicated sites"
             self._timed(self._shard_across, x, codec, ef)
         else:
-            self._timed(self._site_pipeline, x, codec, ef, False)
+            self._timed(self._site_pipeline, x, codec, ef, False, region)
 
     def _shard_across(self, x: torch.Tensor, codec: Codec | None, ef: Residual | None) -> None:
         if codec is None:
@@ -409,6 +439,27 @@ class Collectives:
         self.all_reduce_across_sites(slots)
         return slots.tolist()
 
+    def gather_sites(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every site's ``mine`` (a small control vector, identical on every rank of a site), as rows
+        in site order. One hop across sites (each carrying rank sends to its peers directly, not
+        round a ring: one latency instead of 2(N-1)); a site's other ranks get it from local rank 0."""
+        self._check(mine)
+        g, topo = self.groups, self.groups.topology
+        out = torch.zeros(topo.num_sites, mine.numel(), dtype=mine.dtype)
+        out[self._my_site] = mine
+        group = self.lanes[0].inter
+        if group is not None and topo.num_sites > 1:
+            got = {r: torch.empty_like(mine) for r in g.inter_ranks if r != g.me.rank}
+            self._timed(self._peer_exchange, {r: (mine, mine.numel() * mine.element_size()) for r in got}, got, group)
+            for r, t in got.items():
+                out[topo.site_of(r)] = t
+        if topo.workers[self._my_site] > topo.carriers:  # ranks beyond the carriers take local rank 0's copy
+            flat = out.reshape(-1)
+            if g.me.local_rank:
+                flat.zero_()
+            self.sum_in_site(flat)
+        return out
+
     def sum_in_site(self, x: torch.Tensor) -> None:
         """Sum a small control value over this rank's site, on lane 0's site group (safe from the
         background exchange thread while the training thread uses the main site group)."""
@@ -416,7 +467,9 @@ class Collectives:
 
     def all_reduce_inter(self, x: torch.Tensor) -> None:
         """Sum over this rank's cross-site group (its local rank in every site), fp32, lane 0."""
-        self.coded_all_reduce(x, None, self.groups.inter_ranks, self.lanes[0].inter)
+        group = self.lanes[0].inter
+        assert group is not None, "a rank that carries nothing across sites has no cross-site group"
+        self.coded_all_reduce(x, None, self.groups.inter_ranks, group)
 
     def all_reduce(self, x: torch.Tensor, how: str, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks, ``how`` = 'hierarchical' or 'flat'."""

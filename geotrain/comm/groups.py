@@ -4,7 +4,8 @@
 in the same order on every rank (``new_group`` is itself collective):
 
 * one **intra-site** group per site (all local ranks of that site),
-* one **inter-site** group per local rank *i* (local rank *i* of every site),
+* one **inter-site** group per carrying local rank *i* (local rank *i* of every site, for
+  *i* below the smallest site's size: :attr:`Topology.carriers`),
 * the **global** group (the default world group),
 * with ``site_mesh``, one more group per site under a 1-D :class:`DeviceMesh` for FSDP2
   (``sync.within_site=fsdp``): FSDP's collectives get a group of their own, so they never
@@ -61,20 +62,31 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def _site_groups(topology: Topology, me: RankInfo) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Create every site group and every cross-site group (collectively, same order on all ranks);
-    return this rank's (site group, cross-site group)."""
+def _site_groups(
+    topology: Topology, me: RankInfo
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Create every site group, every cross-site group and (with regions) every cross-site group
+    inside a region (collectively, same order on all ranks); return this rank's (site group,
+    cross-site group, region group), None where it carries nothing across sites."""
     intra = inter = None
     for s in range(topology.num_sites):
         g = dist.new_group(topology.site_ranks(s))
         if s == me.site_index:
             intra = g
-    for local in range(topology.workers_per_site):
+    for local in range(topology.carriers):
         g = dist.new_group(topology.inter_ranks(local))
         if local == me.local_rank:
             inter = g
-    assert intra is not None and inter is not None
-    return intra, inter
+    region = None
+    if topology.tiered:
+        for r in range(len(topology.region_names)):
+            first = topology.region_of.index(r)
+            for local in range(topology.carriers):
+                g = dist.new_group(topology.region_inter_ranks(local, first))
+                if local == me.local_rank and topology.region_of[me.site_index] == r:
+                    region = g
+    assert intra is not None
+    return intra, inter, region
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,9 @@ class Lane:
     chunks on different lanes (threads) never share a group with each other or the main thread."""
 
     intra: dist.ProcessGroup
-    inter: dist.ProcessGroup
+    inter: dist.ProcessGroup | None
     world: dist.ProcessGroup
+    region: dist.ProcessGroup | None = None  # the cross-site group inside this rank's region (multi-tier)
 
 
 @dataclass
@@ -96,7 +109,8 @@ class ProcessGroups:
         me: this rank's site and local rank.
         world: the global group (every rank).
         intra: this rank's site group.
-        inter: this rank's cross-site group (its local rank in every site).
+        inter: this rank's cross-site group (its local rank in every site); None for a rank of a
+            larger site beyond the smallest site's size, which carries nothing across sites.
         backend: 'gloo' or 'nccl'.
         lanes: groups for the pipelined collectives (see :class:`Lane`).
         owns_world: whether :meth:`build` initialised torch.distributed (then :meth:`destroy`
@@ -108,7 +122,7 @@ class ProcessGroups:
     me: RankInfo
     world: dist.ProcessGroup
     intra: dist.ProcessGroup
-    inter: dist.ProcessGroup
+    inter: dist.ProcessGroup | None
     backend: str
     lanes: list[Lane]
     owns_world: bool = True
@@ -121,6 +135,10 @@ class ProcessGroups:
     @property
     def inter_ranks(self) -> list[int]:
         return self.topology.inter_ranks(self.me.local_rank)
+
+    @property
+    def region_inter_ranks(self) -> list[int]:
+        return self.topology.region_inter_ranks(self.me.local_rank, self.me.site_index)
 
     @property
     def device(self) -> torch.device:
@@ -161,10 +179,13 @@ class ProcessGroups:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=world_backend(backend), timeout=timedelta(seconds=timeout_s))
         me = topology.info(rank)
-        intra, inter = _site_groups(topology, me)
+        intra, inter, _ = _site_groups(topology, me)
         world = dist.group.WORLD
         assert world is not None
-        lane_list = [Lane(*_site_groups(topology, me), world=dist.new_group(topology.all_ranks())) for _ in range(lanes)]
+        lane_list = []
+        for _ in range(lanes):
+            l_intra, l_inter, l_region = _site_groups(topology, me)
+            lane_list.append(Lane(l_intra, l_inter, dist.new_group(topology.all_ranks()), l_region))
         mesh = None
         if site_mesh:  # every rank creates every site's group, in site order (new_group is collective)
             mesh_groups = [dist.new_group(topology.site_ranks(s)) for s in range(topology.num_sites)]
@@ -178,11 +199,11 @@ class ProcessGroups:
         if self.owns_world:
             dist.destroy_process_group()
             return
-        mine = {self.intra, self.inter, *(x for lane in self.lanes for x in (lane.intra, lane.inter, lane.world))}
+        mine = {self.intra, self.inter, *(x for lane in self.lanes for x in (lane.intra, lane.inter, lane.world, lane.region))}
         if self.mesh is not None:
             mine.add(self.mesh.get_group())
         for g in mine:
-            if g is not self.world:
+            if g is not None and g is not self.world:
                 dist.destroy_process_group(g)
 
 

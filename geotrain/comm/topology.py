@@ -1,10 +1,17 @@
 """Where every rank lives: the pure arithmetic of sites, workers and links.
 
-Ranks are numbered site by site in config order: with sites A (2 workers) and B (2 workers),
-ranks 0-1 are A's local ranks 0-1 and ranks 2-3 are B's. The same numbering is used by the
+Ranks are numbered site by site in config order: with sites A (3 workers) and B (2 workers),
+ranks 0-2 are A's local ranks 0-2 and ranks 3-4 are B's. The same numbering is used by the
 local launcher and under ``torchrun``, so a rank's site is a function of its global rank.
 Nothing here touches torch.distributed; :mod:`geotrain.comm.groups` turns these rank lists into
 process groups.
+
+Sites may differ in size. A vector that crosses sites is cut into ``carriers`` = the smallest
+site's worker count shards; shard k is carried by local rank k of every site (its cross-site
+group), and a larger site's other ranks get the result from the in-site all-gather. The
+smallest site must push its whole share through that many ranks whatever the others do, so
+spreading the others' share over more ranks would not make a ring across sites faster
+(docs/HETERO.md).
 """
 
 from __future__ import annotations
@@ -32,34 +39,58 @@ class Topology:
     """Immutable view of the topology config with rank arithmetic."""
 
     site_names: tuple[str, ...]
-    workers_per_site: int
-    regions: tuple[str | None, ...]
+    workers: tuple[int, ...]  # each site's worker count, in site order
     intra_link: LinkConfig
     inter_link: LinkConfig
     pair_links: tuple[tuple[frozenset[str], LinkConfig], ...] = ()
     emulate: str = "off"
+    region_of: tuple[int, ...] = ()  # each site's region index (empty: no regions, one tier)
+    region_names: tuple[str, ...] = ()
+    region_links: tuple[LinkConfig | None, ...] = ()  # each region's link between its sites (None: inter)
 
     @classmethod
     def from_config(cls, cfg: TopologyConfig) -> Topology:
         return cls(
             site_names=tuple(s.name for s in cfg.sites),
-            workers_per_site=cfg.sites[0].workers,
-            regions=tuple(s.region for s in cfg.sites),
+            workers=tuple(s.workers for s in cfg.sites),
             intra_link=cfg.links.intra,
             inter_link=cfg.links.inter,
             pair_links=tuple(
                 (frozenset(b.sites), LinkConfig(bandwidth_bps=b.bandwidth_bps, latency_s=b.latency_s)) for b in cfg.links.between
             ),
             emulate=cfg.links.emulate,
+            region_of=tuple(next(i for i, r in enumerate(cfg.regions) if s.name in r.sites) for s in cfg.sites)
+            if cfg.regions
+            else (),
+            region_names=tuple(r.name for r in cfg.regions),
+            region_links=tuple(r.link for r in cfg.regions),
         )
 
     def link(self, a: int, b: int) -> LinkConfig:
-        """The link between sites ``a`` and ``b`` (indices): a 'between' entry if one names them, else 'inter'."""
+        """The link between sites ``a`` and ``b`` (indices): a 'between' entry if one names them, else their region's link when they share a region that has one, else 'inter'."""
         pair = frozenset((self.site_names[a], self.site_names[b]))
         for names, link in self.pair_links:
             if names == pair:
                 return link
+        if self.region_of and self.region_of[a] == self.region_of[b]:
+            return self.region_links[self.region_of[a]] or self.inter_link
         return self.inter_link
+
+    @property
+    def tiered(self) -> bool:
+        """Whether sites are grouped in two or more regions."""
+        return len(self.region_names) > 1
+
+    def same_region(self, a: int, b: int) -> bool:
+        """Whether sites ``a`` and ``b`` (indices) are in one region (always, without regions)."""
+        return not self.region_of or self.region_of[a] == self.region_of[b]
+
+    def region_inter_ranks(self, local_rank: int, site_index: int) -> list[int]:
+        """Global ranks holding ``local_rank`` in every site of ``site_index``'s region (empty for a
+        local rank that carries nothing across sites)."""
+        if local_rank >= self.carriers:
+            return []
+        return [self.first_rank(s) + local_rank for s in range(self.num_sites) if self.same_region(s, site_index)]
 
     @property
     def num_sites(self) -> int:
@@ -67,29 +98,49 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.num_sites * self.workers_per_site
+        return sum(self.workers)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every site has the same number of workers."""
+        return len(set(self.workers)) == 1
+
+    @property
+    def carriers(self) -> int:
+        """How many local ranks of each site carry a cross-site exchange: the smallest site's size."""
+        return min(self.workers)
+
+    def first_rank(self, site_index: int) -> int:
+        return sum(self.workers[:site_index])
 
     def info(self, rank: int) -> RankInfo:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
-        s, local = divmod(rank, self.workers_per_site)
-        return RankInfo(rank=rank, site_index=s, site=self.site_names[s], local_rank=local)
+        s = self.site_of(rank)
+        return RankInfo(rank=rank, site_index=s, site=self.site_names[s], local_rank=rank - self.first_rank(s))
 
     def site_of(self, rank: int) -> int:
-        return rank // self.workers_per_site
+        for s in range(self.num_sites):
+            rank -= self.workers[s]
+            if rank < 0:
+                return s
+        raise ValueError(f"rank outside world of {self.world_size}")
 
     def site_ranks(self, site_index: int) -> list[int]:
         """Global ranks of one site, in local-rank order."""
-        start = site_index * self.workers_per_site
-        return list(range(start, start + self.workers_per_site))
+        start = self.first_rank(site_index)
+        return list(range(start, start + self.workers[site_index]))
 
     def inter_ranks(self, local_rank: int) -> list[int]:
-        """Global ranks holding ``local_rank`` in every site, in site order (one per site)."""
-        return [s * self.workers_per_site + local_rank for s in range(self.num_sites)]
+        """Global ranks holding ``local_rank`` in every site, in site order (one per site); empty
+        for a local rank that carries nothing across sites (``local_rank >= carriers``)."""
+        if local_rank >= self.carriers:
+            return []
+        return [self.first_rank(s) + local_rank for s in range(self.num_sites)]
 
     def all_ranks(self) -> list[int]:
         return list(range(self.world_size))
 
     def describe(self) -> str:
-        sites = ", ".join(f"{n}x{self.workers_per_site}" for n in self.site_names)
+        sites = ", ".join(f"{n}x{w}" for n, w in zip(self.site_names, self.workers, strict=True))
         return f"{self.num_sites} sites ({sites}), world {self.world_size}"

@@ -1,7 +1,7 @@
 """Reading config files: YAML plus ``KEY=VALUE`` overrides, validated into a section model.
 
 Override values are parsed as YAML scalars, so ``sync.algorithm=ddp`` and ``optim.lr=1e-3`` both
-do what one expects, and may reach into defaults (``topology.sites.0.region=eu``). The first
+do what one expects, and may reach into defaults (``topology.sites.0.workers=4``). The first
 validation error becomes one line naming the field: ``field.path: message (got value)``. The
 YAML loader also reads ``1e9`` as a float (YAML 1.1 would make it a string). Shared by the
 training config and the planner/simulator scenarios, so every file geotrain reads has the
@@ -139,7 +139,7 @@ def load_yaml_model(root: type[M], path: str | Path | None, overrides: list[str]
             raise ConfigError(f"{option}: the file must hold a mapping of sections ({', '.join(root.model_fields)})")
         data = loaded
     data = copy.deepcopy(data)
-    if overrides:  # so an override can reach into defaults, e.g. topology.sites.0.region=eu
+    if overrides:  # so an override can reach into defaults, e.g. topology.sites.0.workers=4
         with contextlib.suppress(ValidationError):  # a root with required keys: overrides apply to the file only
             data = _merge(root().model_dump(), data)
     for item in overrides or []:

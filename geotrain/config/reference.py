@@ -27,16 +27,16 @@ def markdown_reference() -> str:
         for name, f in model.model_fields.items():
             sub = submodel(f.annotation)
             is_list = getattr(f.annotation, "__origin__", None) is list
-            if sub is not None and not is_list:
-                walk(sub, f"{prefix}{name}.", defaults[name], f.description or "")
+            if sub is not None and not is_list and f.default is not None:  # a section (an optional one is a row)
+                walk(sub, f"{prefix}{name}.", defaults.get(name, {}), f.description or "")
                 continue
             if name in defaults:
                 default = f"`{defaults[name]!r}`"
             else:  # inside a list element there are no config-level defaults
                 default = "required" if f.is_required() else f"`{f.get_default(call_default_factory=True)!r}`"
             rows.append(f"| `{prefix}{name}` | {default} | {f.description or ''} |")
-            if sub is not None:  # a list of sections (topology.sites): document one element's keys
-                element_sections.append((sub, f"{prefix}{name}[i]."))
+            if sub is not None:  # a list of sections (topology.sites) or an optional one: document its keys
+                element_sections.append((sub, f"{prefix}{name}[i]." if is_list else f"{prefix}{name}."))
         if rows:
             head = [f"## `{prefix.rstrip('.')}`", ""] + ([about, ""] if about else [])
             lines.extend([*head, "| key | default | meaning |", "|---|---|---|", *rows, ""])

@@ -14,6 +14,13 @@ from geotrain.config.topology import TopologyConfig
 from geotrain.config.training import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 
+def _refuse(refused: list[tuple[bool, str, str]], combined: str, suffix: str = "") -> None:
+    """Raise, in one line, for the first ``(bad, field, fix)`` that is bad: FIELD is not combined with ``combined`` yet."""
+    for bad, field, fix in refused:
+        if bad:
+            raise ValueError(f"{field}: not combined with {combined} yet; {fix}{suffix}")
+
+
 class Config(Section):
     """A whole training run: one field per section (each documented in docs/CONFIG.md)."""
 
@@ -45,8 +52,6 @@ class Config(Section):
             raise ValueError("privacy.dp.unit: 'site' protects pseudo-gradients; use sync.algorithm=diloco or streaming")
         if (p.secure_aggregation or p.dp.unit == "site") and self.sync.codec != "none":
             raise ValueError("sync.codec: secure aggregation and site-level DP send fixed-point/fp32 values; set sync.codec=none")
-        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.weight_by_tokens:
-            raise ValueError("sync.weight_by_tokens: would reveal each site's token count; not with privacy")
         if (p.secure_aggregation or p.dp.unit == "site") and self.sync.eager:
             raise ValueError("sync.eager: the eager variant uses each site's own share of the average; not with privacy")
         if p.secure_aggregation and p.threshold is not None and p.graph == "sparse":
@@ -85,7 +90,70 @@ class Config(Section):
                 raise ValueError(f"fault.{kind}: killing, hanging or tampering with a site needs elastic.enabled=true")
         self._elastic_fits(len(names))
         self._fsdp_fits()
+        self._unequal_fits()
+        self._pace_fits()
+        self._tiers_fit()
         return self
+
+    def _tiers_fit(self) -> None:
+        """sync.region_every: multi-tier DiLoCo, with what it is not combined with yet."""
+        if not self.sync.region_every:
+            return
+        if len(self.topology.regions) < 2:
+            raise ValueError("sync.region_every: needs at least two topology.regions (or set sync.region_every=0)")
+        refused = [
+            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+            (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
+            (self.guard.enabled, "guard.enabled", "set guard.enabled=false"),
+            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
+            (self.privacy.secure_aggregation or self.privacy.dp.unit != "none", "privacy", "turn privacy off"),
+            (
+                self.sync.pace != "lockstep" or bool(self.train.max_seconds),
+                "sync.pace",
+                "use lock-step rounds without train.max_seconds",
+            ),
+            (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
+        ]
+        _refuse(refused, "sync.region_every")
+
+    def _pace_fits(self) -> None:
+        """sync.pace=adaptive and train.max_seconds end rounds by measurement: DiLoCo's lock-free parts only."""
+        what = "sync.pace" if self.sync.pace != "lockstep" else "train.max_seconds" if self.train.max_seconds else None
+        if what is None:
+            return
+        p = self.privacy
+        refused = [
+            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
+            (
+                p.secure_aggregation or p.dp.unit != "none",
+                "privacy",
+                "set privacy.secure_aggregation=false, privacy.dp.unit=none",
+            ),
+            (
+                self.sync.pace == "adaptive" and bool(self.checkpoint.every or self.checkpoint.resume),
+                "checkpoint.every",
+                "set checkpoint.every=0 and resume=none",
+            ),
+        ]
+        _refuse(refused, what)
+
+    def _unequal_fits(self) -> None:
+        """What sites of different sizes are not combined with yet (docs/HETERO.md says why)."""
+        workers = [s.workers for s in self.topology.sites]
+        if len(set(workers)) == 1:
+            return
+        p = self.privacy
+        refused = [
+            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
+            (p.dp.unit != "none", "privacy.dp.unit", "set privacy.dp.unit=none"),
+            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
+            (self.sync.eager, "sync.eager", "set sync.eager=false"),
+        ]
+        _refuse(refused, f"sites of different sizes {workers}")
 
     def _fsdp_fits(self) -> None:
         """What sync.within_site=fsdp is not combined with yet (docs/DESIGN.md §23 says why)."""
@@ -100,9 +168,7 @@ class Config(Section):
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
             (self.train.compile, "train.compile", "set train.compile=false"),
         ]
-        for bad, field, fix in refused:
-            if bad:
-                raise ValueError(f"{field}: not combined with sync.within_site=fsdp yet; {fix} (or sync.within_site=replicate)")
+        _refuse(refused, "sync.within_site=fsdp", " (or sync.within_site=replicate)")
 
     def _elastic_fits(self, n: int) -> None:
         e = self.elastic
@@ -112,10 +178,8 @@ class Config(Section):
             raise ValueError(f"elastic.min_sites: {e.min_sites} is more than the number of sites ({n})")
         if self.sync.algorithm != "diloco":
             raise ValueError("sync.algorithm: elastic mode runs diloco (allowed: diloco)")
-        if self.sync.codec != "none" or self.sync.weight_by_tokens:
-            raise ValueError(
-                "sync.codec: elastic mode averages fp32 pseudo-gradients; set sync.codec=none, weight_by_tokens=false"
-            )
+        if self.sync.codec != "none":
+            raise ValueError("sync.codec: elastic mode averages fp32 pseudo-gradients; set sync.codec=none")
         if self.privacy.secure_aggregation or self.privacy.dp.unit != "none":
             raise ValueError("privacy: not combined with elastic mode yet; set elastic.enabled=false")
         if self.checkpoint.resume not in (None, "auto"):
@@ -128,6 +192,8 @@ class Config(Section):
         data = self.model_dump()
         data["sync"]["algorithm"] = algorithm
         data["run"]["baseline"] = "none"
+        if algorithm != "diloco":  # adaptive rounds and time limits are DiLoCo's: the baseline runs lock-step steps
+            data["sync"]["pace"], data["train"]["max_seconds"], data["sync"]["region_every"] = "lockstep", 0, 0
         if algorithm != "diloco":  # elastic mode (and site kills) is DiLoCo's; the baseline runs plain
             data["elastic"]["enabled"] = False
             data["fault"]["kill"], data["fault"]["hang"] = [], []

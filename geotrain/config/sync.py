@@ -25,7 +25,29 @@ class SyncConfig(Section):
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum (DiLoCo paper: 0.9).")
     nesterov: bool = Field(default=True, description="Nesterov outer momentum (DiLoCo paper: true).")
     weight_by_tokens: bool = Field(
-        default=False, description="Weight each site's pseudo-gradient by the tokens it processed in the round."
+        default=True,
+        description="Weight each site's pseudo-gradient by the tokens it processed in the round (its workers times its inner "
+        "steps); sites that processed equal tokens are averaged equally, bit for bit as with false.",
+    )
+    pace: Literal["lockstep", "adaptive"] = Field(
+        default="lockstep",
+        description="How many inner steps each site runs per outer round: 'lockstep' (H everywhere: a fast site waits for the "
+        "slowest at every round) or 'adaptive' (site s runs about H * rate_s / rate_max steps, from the step rates measured "
+        "in the run and exchanged at each round boundary, so every site reaches the boundary at about the same time; "
+        "after a lock-step calibration round of max(1, H/10) steps the run lasts ceil(train.steps / H) rounds; docs/HETERO.md).",
+    )
+    region_every: int = Field(
+        default=0,
+        ge=0,
+        le=100_000,
+        description="Multi-tier DiLoCo over topology.regions: sites average inside their region every H steps, and regions "
+        "run the outer step together every region_every region rounds (H2 = region_every x H); 0 = one tier (every round "
+        "across all sites).",
+    )
+    region_outer: Literal["average", "nesterov"] = Field(
+        default="average",
+        description="Multi-tier: the region tier's outer step: 'average' (plain averaging; only the world tier has the outer "
+        "optimizer) or 'nesterov' (the outer optimizer at both tiers, HALoS-like; measured in docs/HETERO.md).",
     )
     allreduce: Literal["hierarchical", "flat"] = Field(
         default="hierarchical",
@@ -93,8 +115,6 @@ class SyncConfig(Section):
                 raise ValueError(f"bits: the {self.codec} codec sends {width} bits per value (allowed: {width}; got {self.bits})")
         if self.block_size % 2:
             raise ValueError(f"block_size: must be even, two 4-bit codes per byte (got {self.block_size})")
-        if self.eager and self.weight_by_tokens:
-            raise ValueError("eager: the eager variant averages sites equally; it cannot be combined with weight_by_tokens")
         if self.algorithm == "streaming" and not self.eager and self.tau >= self.H:
             raise ValueError(f"tau: must be below H={self.H}, a fragment merges before it syncs again (got {self.tau})")
         return self

@@ -62,7 +62,13 @@ class LinksConfig(Section):
 class SiteConfig(Section):
     name: str = Field(min_length=1, max_length=64, description="Site (datacenter) name, unique; letters, digits, '-', '_'.")
     workers: int = Field(ge=1, le=1024, description="Number of workers (ranks) in this site.")
-    region: str | None = Field(default=None, description="Optional region for multi-tier sync (site -> region -> continent).")
+    compute_speed: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Relative speed of this site's hardware (0 < speed <= 1; 1 = as fast as this machine). EMULATION: every "
+        "forward+backward is followed by a sleep of (1/speed - 1) times its measured time, so a site at 0.5 takes twice as long per step.",
+    )
     corpus: str | None = Field(
         default=None,
         description="This site's private training data (file or directory): its workers read only this; "
@@ -79,12 +85,27 @@ class SiteConfig(Section):
         return v
 
 
+class RegionConfig(Section):
+    name: str = Field(min_length=1, max_length=64, description="Region name, unique.")
+    sites: list[str] = Field(min_length=1, description="The sites in this region (each site in exactly one region).")
+    link: LinkConfig | None = Field(
+        default=None,
+        description="The link between two sites of this region (e.g. a metro network); unset: links.inter. "
+        "Links between regions are links.inter (or a links.between entry).",
+    )
+
+
 class TopologyConfig(Section):
     sites: list[SiteConfig] = Field(
         default_factory=lambda: [SiteConfig(name="A", workers=2), SiteConfig(name="B", workers=2)],
         description="The sites (datacenters) taking part; ranks are numbered site by site in this order.",
     )
     links: LinksConfig = Field(default_factory=LinksConfig, description="Intra-site and inter-site link properties.")
+    regions: list[RegionConfig] = Field(
+        default_factory=list,
+        description="Optional groups of sites (site -> region -> world) for multi-tier sync (sync.region_every) and per-tier "
+        "links and byte counts; empty: one tier. When given, every site is in exactly one region (docs/HETERO.md).",
+    )
 
     @field_validator("sites")
     @classmethod
@@ -95,11 +116,6 @@ class TopologyConfig(Section):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"site names must be unique (repeated: {', '.join(dup)})")
-        if len({s.workers for s in v}) != 1:
-            raise ValueError(
-                "all sites must have the same number of workers for now "
-                f"(got {[s.workers for s in v]}); heterogeneous sites are planned"
-            )
         return v
 
     @model_validator(mode="after")
@@ -114,4 +130,23 @@ class TopologyConfig(Section):
             if pair in seen:
                 raise ValueError(f"links.between[{i}].sites: the link {link.sites[0]}-{link.sites[1]} is given twice")
             seen.add(pair)
+        self._regions_ok(names)
         return self
+
+    def _regions_ok(self, names: list[str]) -> None:
+        if not self.regions:
+            return
+        home: dict[str, str] = {}
+        region_names = [r.name for r in self.regions]
+        for i, region in enumerate(self.regions):
+            if region_names.count(region.name) > 1:
+                raise ValueError(f"regions[{i}].name: the region {region.name!r} is given twice")
+            for site in region.sites:
+                if site not in names:
+                    raise ValueError(f"regions[{i}].sites: unknown site {site!r} (sites: {', '.join(names)})")
+                if site in home:
+                    raise ValueError(f"regions[{i}].sites: the site {site!r} is already in region {home[site]!r}")
+                home[site] = region.name
+        missing = [n for n in names if n not in home]
+        if missing:
+            raise ValueError(f"regions: every site must be in a region ({', '.join(missing)} in none)")

@@ -85,6 +85,12 @@ class TrainConfig(Section):
         "the first step pays the compilation, tens of seconds on a CPU). Evaluation stays eager.",
     )
     seed: int = Field(default=1234, ge=0, description="Seed for model init and data sampling.")
+    max_seconds: float = Field(
+        default=0,
+        ge=0,
+        description="Stop at the first outer round boundary after this many seconds of training (every site agrees at the "
+        "boundary; evaluations excluded); 0 = no time limit. DiLoCo only.",
+    )
     eval_every: int = Field(
         default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp."
     )

@@ -7,6 +7,7 @@ are fixed and identical on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from geotrain.data.tokens import (
     check_same_vocabulary,
     is_token_dir,
     refuse_token_site_corpus,
+    site_slot,
     token_eval_batches,
     token_sampler,
 )
@@ -74,8 +76,7 @@ class RankData:
 def build_rank_data(
     cfg: DataConfig,
     rank: int,
-    world: int,
-    num_sites: int,
+    sites: Sequence[int],
     block_size: int,
     batch_size: int,
     eval_batches_n: int,
@@ -85,23 +86,23 @@ def build_rank_data(
     """A rank's sampler and the shared evaluation batches. With ``site_corpus`` the rank trains only
     on that (site-private) corpus; evaluation stays on the shared held-out split of ``data.corpus``.
     A directory made by ``geotrain data prepare`` is read as token shards, window by window."""
-    per_site = world // num_sites
+    site, local = site_slot(rank, sites)
     seed_rank = seed * 1_000_033 + rank
     if is_token_dir(cfg.corpus):
         root = Path(str(cfg.corpus))
         evals = token_eval_batches(root, block_size, batch_size, eval_batches_n, seed)
         if site_corpus is not None:
             check_same_vocabulary(root, site_corpus, "topology.sites[].corpus")
-            train = token_sampler(Path(site_corpus), rank % per_site, per_site, 1, False, block_size, batch_size, seed_rank)
+            train = token_sampler(Path(site_corpus), local, [sites[site]], False, block_size, batch_size, seed_rank)
         else:
-            train = token_sampler(root, rank, world, num_sites, cfg.non_iid, block_size, batch_size, seed_rank)
+            train = token_sampler(root, rank, sites, cfg.non_iid, block_size, batch_size, seed_rank)
         return RankData(train=train, eval=evals)
     refuse_token_site_corpus([site_corpus])
     splits = split_corpus(load_corpus(cfg), cfg.eval_fraction)
     if site_corpus is not None:
-        shard = site_shard(site_corpus, rank % per_site, per_site, cfg.eval_fraction)
+        shard = site_shard(site_corpus, local, sites[site], cfg.eval_fraction)
     else:
-        shard = shard_for_rank(splits, rank, world, num_sites, cfg.non_iid)
+        shard = shard_for_rank(splits, rank, sites, cfg.non_iid)
     return RankData(
         train=BatchSampler(shard, block_size, batch_size, seed_rank),
         eval=eval_batches(splits.eval_tokens, block_size, batch_size, eval_batches_n, seed),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,12 +81,26 @@ class BlockRange:
     count: int
 
 
-def rank_blocks(n_blocks: int, rank: int, world: int, num_sites: int, non_iid: bool) -> BlockRange:
+def site_slot(rank: int, sites: Sequence[int]) -> tuple[int, int]:
+    """(site index, local rank) of global ``rank``, ranks numbered site by site; ``sites``: each
+    site's worker count."""
+    for s, n in enumerate(sites):
+        if rank < n:
+            return s, rank
+        rank -= n
+    raise ValueError(f"rank outside a world of {sum(sites)}")
+
+
+def rank_blocks(n_blocks: int, rank: int, sites: Sequence[int], non_iid: bool) -> BlockRange:
+    """The blocks rank ``rank`` reads: every world-th block (iid), or a contiguous run of its site's
+    share (non-iid). Either way a site gets blocks in proportion to its workers."""
+    world = sum(sites)
     if not non_iid:
         return BlockRange(rank, world, max(0, (n_blocks - rank + world - 1) // world))
-    per_site = world // num_sites
-    site, local = divmod(rank, per_site)
-    lo, hi = n_blocks * site // num_sites, n_blocks * (site + 1) // num_sites
+    site, local = site_slot(rank, sites)
+    first = sum(sites[:site])
+    lo, hi = n_blocks * first // world, n_blocks * (first + sites[site]) // world
+    per_site = sites[site]
     a, b = lo + (hi - lo) * local // per_site, lo + (hi - lo) * (local + 1) // per_site
     return BlockRange(a, 1, b - a)
 
@@ -183,10 +198,10 @@ class TokenSampler:
 
 
 def token_sampler(
-    root: Path, rank: int, world: int, num_sites: int, non_iid: bool, block_size: int, batch_size: int, seed: int
+    root: Path, rank: int, sites: Sequence[int], non_iid: bool, block_size: int, batch_size: int, seed: int
 ) -> TokenSampler:
     shards = TokenShards(root, "train", block_size)
-    return TokenSampler(shards, rank_blocks(shards.n_blocks, rank, world, num_sites, non_iid), block_size, batch_size, seed)
+    return TokenSampler(shards, rank_blocks(shards.n_blocks, rank, sites, non_iid), block_size, batch_size, seed)
 
 
 def token_eval_batches(
@@ -199,21 +214,21 @@ def token_eval_batches(
 
 
 def check_token_data(
-    root: Path, world: int, num_sites: int, non_iid: bool, block_size: int, site_corpora: list[str | None], only_site: int | None
+    root: Path, sites: Sequence[int], non_iid: bool, block_size: int, site_corpora: list[str | None], only_site: int | None
 ) -> None:
     """Launch-time check of a prepared corpus: an eval split, blocks for every rank, one tokenizer throughout."""
     ev = TokenShards(root, "eval", block_size)
     if ev.n_blocks < 1:
         raise ValueError(f"data.corpus: the eval split of {root} holds no block of {ev.block} tokens; prepare more text")
     train = TokenShards(root, "train", block_size)
-    per_site = world // num_sites
-    for s in range(num_sites):
+    world = sum(sites)
+    for s, per_site in enumerate(sites):
         if only_site is not None and s != only_site:
             continue
         own = site_corpora[s] if s < len(site_corpora) else None
         if own is None:
-            for r in range(s * per_site, (s + 1) * per_site):
-                if rank_blocks(train.n_blocks, r, world, num_sites, non_iid).count < 1:
+            for r in range(sum(sites[:s]), sum(sites[: s + 1])):
+                if rank_blocks(train.n_blocks, r, sites, non_iid).count < 1:
                     raise ValueError(
                         f"data.corpus: {train.n_blocks} blocks of {train.block} tokens leave rank {r} of {world} none"
                     )

@@ -30,7 +30,7 @@ def preflight(cfg: Config, site: int | None = None) -> None:
     """
     topo = Topology.from_config(cfg.topology)
     try:
-        check_data(cfg.data, topo.world_size, topo.num_sites, cfg.model.block_size, [s.corpus for s in cfg.topology.sites], site)
+        check_data(cfg.data, topo.workers, cfg.model.block_size, [s.corpus for s in cfg.topology.sites], site)
         check_pretrained(cfg.model, vocab_size(cfg.data))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

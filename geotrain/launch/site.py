@@ -114,8 +114,9 @@ def run_site(
     wan_key = f"site-{site}-{store.port}"
     mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link
     procs, pumps = [], []
-    for local in range(topo.workers_per_site):
-        env = rank_env(local, topo.workers_per_site, topo.workers_per_site, store.port, mode)
+    workers = topo.workers[index]
+    for local in range(workers):
+        env = rank_env(local, workers, workers, store.port, mode)
         env.update(
             MASTER_ADDR=bind,
             GLOO_SOCKET_IFNAME=ifname,

@@ -61,7 +61,7 @@ def site_env(
 ) -> dict[str, str]:
     """A worker's environment in elastic mode: its site is its torch.distributed world (local
     rank = rank); every site on this machine shares its cores."""
-    env = rank_env(local, topo.workers_per_site, topo.world_size, port, wan_mode)
+    env = rank_env(local, topo.workers[site], topo.world_size, port, wan_mode)
     env.update(
         GEOTRAIN_WAN_KEY=wan_key,
         GEOTRAIN_SITE_INDEX=str(site),
@@ -130,12 +130,12 @@ def launch_elastic(
         site.incarnation += 1
         site.store, agent = host_store(timeout_s=cfg.run.timeout_s, attempt=site.incarnation)  # the site's rendezvous
         site.procs = []
-        for local in range(topo.workers_per_site):
+        for local in range(topo.workers[site.index]):
             env = site_env(
                 topo, cfg.topology.links.emulate, site.index, site.incarnation, local, site.store.port, address, wan_key
             )
             env.update(agent)
-            rank = site.index * topo.workers_per_site + local
+            rank = topo.first_rank(site.index) + local
             suffix = f".{site.incarnation}" if site.incarnation else ""
             forward = console_print if local == 0 else None
             p, t = spawn_rank(worker_cmd(cfg_path, out), env, out / "logs" / f"rank{rank}{suffix}.log", forward)

@@ -131,6 +131,6 @@ def build_privacy(
         if nm is None:
             nm = calibrate_noise(d.epsilon or 0.0, d.delta, q, steps, d.accountant)
         accountant = Accountant(d.accountant, d.delta, d.epsilon)
-        example = ExampleDP(model, d.clip_norm, nm, groups.topology.workers_per_site, q, accountant)
+        example = ExampleDP(model, d.clip_norm, nm, groups.topology.workers[groups.me.site_index], q, accountant)
         max_steps = accountant.max_steps(nm, q, steps) if nm > 0 else (0 if d.epsilon else steps)
     return Privacy(cfg, aggregation, example, max_steps)

@@ -114,7 +114,9 @@ class SecureAggregator:
         self.ranks = list(g.inter_ranks)
         self.me = self.ranks.index(g.me.rank)
         self.n = len(self.ranks)
-        self.group = comm.lanes[0].inter
+        group = comm.lanes[0].inter
+        assert group is not None, "secure aggregation runs on equal sites (config-checked): every rank carries"
+        self.group = group
         self.graph = graph
         self.degree = self.n - 1 if graph == "complete" else sparse_degree(self.n)
         self.t = threshold if threshold is not None else default_threshold(self.n, graph)

@@ -24,12 +24,15 @@ def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_h
         "site": me.site,
         "local_rank": me.local_rank,
         "inter_site_bytes": stats.inter_bytes,
+        "inter_region_bytes": stats.inter_region_bytes,
         "inter_site_raw_bytes": stats.inter_raw_bytes,
         "intra_site_bytes": stats.intra_bytes,
         "peak_inter_site_bytes_per_step": result["peak_inter_site_bytes_per_step"],
         "final_sync_inter_site_bytes": result["final_sync_inter_site_bytes"],
         "compute_seconds": result["compute_seconds"],
         "utilization": result["utilization"],
+        "steps_done": result["steps_done"],
+        "step_seconds": result["step_seconds"],
         "network_seconds": stats.network_seconds,
         "comm_wait_seconds": stats.comm_seconds,
         "wan_wait_seconds": stats.wan_wait_seconds,
@@ -61,12 +64,13 @@ def run_summary(
     return {
         "algorithm": run["algorithm"],
         "sites": list(topo.site_names),
-        "workers_per_site": topo.workers_per_site,
+        "workers_per_site": topo.workers[0] if topo.uniform else list(topo.workers),
         "world_size": topo.world_size,
         "steps": result["steps_done"],
         "H": run["H"],
         "fragments": run["fragments"],
         "rounds": run["rounds"],
+        "region_rounds": run.get("region_rounds", 0),
         "rounds_rolled_back": run["rounds_rolled_back"],
         "guard_rejections": run["guard_rejections"],
         "guard_events": run["guard_events"],
@@ -75,8 +79,21 @@ def run_summary(
         "params": run["params"],
         "final_eval_loss": result["final_eval_loss"],
         "inter_site_bytes": inter,
+        "inter_region_bytes": sum(r["inter_region_bytes"] for r in ranks),  # over the slow tier (0 without regions)
         "compression_ratio": raw / inter if inter else 1.0,
         "utilization": min(r["utilization"] for r in ranks),
+        # each site's measured pace: steps run, compute seconds per step (network waits excluded), busy fraction
+        "pace": run.get("pace", []),
+        "per_site": [
+            {
+                "site": name,
+                "workers": topo.workers[i],
+                "steps": max(ranks[r]["steps_done"] for r in topo.site_ranks(i)),
+                "step_seconds": sum(ranks[r]["step_seconds"] for r in topo.site_ranks(i)) / topo.workers[i],
+                "utilization": min(ranks[r]["utilization"] for r in topo.site_ranks(i)),
+            }
+            for i, name in enumerate(topo.site_names)
+        ],
         "link_emulation": run["link_emulation"],
         "peak_inter_site_bytes_per_step": sum(r["peak_inter_site_bytes_per_step"] for r in ranks),
         "final_sync_inter_site_bytes": sum(r["final_sync_inter_site_bytes"] for r in ranks),

@@ -92,7 +92,7 @@ def join_elastic(
         where.site,
         where.site_index,
         where.local_rank,
-        groups.topology.workers_per_site,
+        groups.topology.workers[0],  # its world is its own site
         groups.world,
         objs.comm.wan,
         hooks,

@@ -9,7 +9,9 @@ the training thread was blocked on communication that crosses sites.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -43,14 +45,14 @@ class Evaluator:
     Args:
         model: a copy of the model to load the global parameters into.
         batches: the fixed evaluation batches (identical on every rank).
-        tokens_per_step: tokens one step processes over all ranks (the curve's x axis).
+        tokens_per_rank_step: tokens one rank processes per step (the curve's x axis counts all ranks').
     """
 
     def __init__(
-        self, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups, tokens_per_step: int
+        self, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups, tokens_per_rank_step: int
     ) -> None:
         self.model, self.batches, self.groups = model, batches, groups
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_rank_step = tokens_per_rank_step
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self.curve: list[dict[str, float]] = []
         self.seconds = 0.0
@@ -72,12 +74,12 @@ class Evaluator:
         dist.all_reduce(acc, group=g.world)
         return float(acc[0] / acc[1])
 
-    def __call__(self, params: list[torch.Tensor], step: int) -> float:
-        """Evaluate after ``step``, timed, and add the point to the curve."""
+    def __call__(self, params: list[torch.Tensor], step: int, world_steps: int) -> float:
+        """Evaluate after ``step`` (``world_steps``: steps all ranks ran by then), timed, and add the point to the curve."""
         t = time.perf_counter()
         loss = self.loss(params)
         self.seconds += time.perf_counter() - t
-        self.curve.append({"step": step, "tokens": step * self.tokens_per_step, "eval_loss": loss})
+        self.curve.append({"step": step, "tokens": world_steps * self.tokens_per_rank_step, "eval_loss": loss})
         return loss
 
 
@@ -125,11 +127,18 @@ def train_loop(
     eval_every: int,
     timeline: bool = False,
     after_step: Callable[[int], None] | None = None,
+    compute_speed: float = 1.0,
+    max_seconds: float = 0.0,
 ) -> dict[str, Any]:
-    """Train from ``start`` to ``steps``; the numbers the summary needs.
+    """Train from ``start`` to ``steps`` (or until the sync algorithm says the run is done); the
+    numbers the summary needs.
 
     Args:
         precision: 'bf16' runs forward and backward under autocast; parameters stay fp32.
+        compute_speed: emulated relative speed of this site's hardware: after each
+            forward+backward the rank sleeps (1/speed - 1) times its typical duration (the median of
+            its last nine).
+        max_seconds: end the run at the first round boundary after this much training (0: no limit).
         eval_every: evaluate the global model every this many steps (and at the start and end).
         timeline: record this rank's compute intervals (for the timeline plot).
         after_step: called after every step's log (checkpoints, failure injection).
@@ -137,15 +146,18 @@ def train_loop(
     stats = sync.comm.stats
     device = sync.comm.groups.device
     me = sync.comm.groups.me
-    tokens_per_rank_step = evaluator.tokens_per_step // sync.comm.groups.topology.world_size
-    evaluator(sync.global_parameters(), start)
+    tokens_per_rank_step = evaluator.tokens_per_rank_step
+    slow = 1.0 / compute_speed - 1.0
+    recent: deque[float] = deque(maxlen=9)  # the last forward+backward seconds (pacing)
+    sync.set_limits(steps, max_seconds)
+    evaluator(sync.global_parameters(), start, sync.world_steps(start))
     eval_at_start = evaluator.seconds
     model.train()
     clock = StepClock(stats, timeline)
     t_start, t_origin = time.perf_counter(), time.monotonic()
     record: dict[str, Any] = {"step": 0, "tokens": 0}
     last = steps
-    for step in range(start + 1, steps + 1):
+    for step in range(start + 1, sync.step_limit(steps) + 1):
         if privacy.active and (step > privacy.max_steps or sync.budget_exhausted()):
             last = privacy.stopped_at = step - 1  # same decision on every rank
             if me.rank == 0:
@@ -154,20 +166,30 @@ def train_loop(
         clock.start()
         optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=device)
+        t_work = time.perf_counter()
         for _ in range(data.micro_batches):  # gradients add up in .grad; the step averages them once
             x, y = data.train.next()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 micro = model(x.to(device), y.to(device)) / data.micro_batches
             micro.backward()
             loss += micro.detach()
+        if slow > 0:  # emulated slower hardware (topology.sites[].compute_speed): the GPU would still be busy
+            # scaled from the median of this rank's last forward+backward times, so a stall of this
+            # shared machine (or the slow first step) is felt once, not multiplied by 1/speed
+            recent.append(time.perf_counter() - t_work)
+            time.sleep(statistics.median(recent) * slow)
+        sync.add_compute(time.perf_counter() - t_work)
         optimizer.step()  # the sync algorithm's hooks average gradients / run the outer step
         scheduler.step()
         clock.stop()
+        done = sync.done  # the run ended at this step's round boundary (same on every rank)
+        if done:
+            last = step
         record = {
             "step": step,
             "loss": loss.item(),
             "lr": scheduler.get_last_lr()[0],
-            "tokens": step * evaluator.tokens_per_step,
+            "tokens": sync.world_steps(step) * tokens_per_rank_step,
             "round": sync.rounds,
             "inter_site_bytes": stats.inter_bytes,
             "intra_site_bytes": stats.intra_bytes,
@@ -183,19 +205,21 @@ def train_loop(
             record["epsilon"] = eps
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"loss is {record['loss']} at step {step}")
-        if step % eval_every == 0 and step != last:
-            record["eval_loss"] = evaluator(sync.global_parameters(), step)
+        if sync.eval_due(step, eval_every) and step != last:
+            record["eval_loss"] = evaluator(sync.global_parameters(), step, sync.world_steps(step))
             model.train()
         sink.step(record)
         if after_step is not None:
             after_step(step)
+        if done:
+            break
     t_fin = time.perf_counter()
     compute_steps, eval_at_fin = clock.compute, evaluator.seconds
     wait0, inter0 = stats.wan_wait_seconds, stats.inter_bytes
     sync.finish()  # a last round so every site ends on the global model
     compute = clock.compute + (time.perf_counter() - t_fin) - (stats.wan_wait_seconds - wait0)
     final_sync_inter = stats.inter_bytes - inter0
-    final = evaluator(sync.global_parameters(), last)
+    final = evaluator(sync.global_parameters(), last, sync.world_steps(last))
     eps = privacy.epsilon()
     sink.step(
         {
@@ -221,4 +245,5 @@ def train_loop(
         "peak_inter_site_bytes_per_step": clock.peak_inter,
         "final_sync_inter_site_bytes": final_sync_inter,
         "steps_done": last,
+        "step_seconds": compute_steps / max(1, last - start),  # compute per step, waits on the network excluded
     }

@@ -105,7 +105,7 @@ class RankObjects:
         if g.mesh is None:
             return None
         topo = g.topology
-        return ckpt.SiteShards(g.me.site, g.me.local_rank, [(s, topo.workers_per_site) for s in topo.site_names], g.mesh)
+        return ckpt.SiteShards(g.me.site, g.me.local_rank, list(zip(topo.site_names, topo.workers, strict=True)), g.mesh)
 
     def resume(self, spec: str, root: Path) -> int:
         """Load the checkpoint ``spec`` ('auto' or a path) into this rank's objects; the step it was

@@ -101,12 +101,14 @@ class Placement:
         if not cfg.elastic.enabled:
             return cls(full, full, False)
         site, incarnation = elastic_env(full)
-        one = dataclasses.replace(full, site_names=(full.site_names[site],), regions=(full.regions[site],), pair_links=())
+        one = dataclasses.replace(
+            full, site_names=(full.site_names[site],), workers=(full.workers[site],), pair_links=(), region_of=(), region_names=()
+        )
         return cls(full, one, True, site, incarnation)
 
     def where(self, me: RankInfo) -> RankInfo:
         """This rank's place in the whole run (``me``: its place in its own world)."""
-        return self.full.info(self.site_index * self.full.workers_per_site + me.local_rank) if self.elastic else me
+        return self.full.info(self.full.first_rank(self.site_index) + me.local_rank) if self.elastic else me
 
 
 def train(cfg: Config, out: Path) -> dict[str, Any] | None:
@@ -151,8 +153,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         data = build_rank_data(
             cfg.data,
             where.rank,
-            place.full.world_size,
-            place.full.num_sites,
+            place.full.workers,
             cfg.model.block_size,
             cfg.train.batch_size,
             cfg.train.eval_batches,
@@ -186,7 +187,6 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             optimizer,
             comm,
             grad_clip=cfg.optim.grad_clip,
-            tokens_per_step=tokens_per_rank_step * place.world.workers_per_site,
             example_dp=privacy.example,
             private=privacy.aggregation,
             guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
@@ -215,7 +215,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             if inject is not None:
                 inject(step)
 
-        evaluator = Evaluator(eval_model, data.eval, groups, place.world.world_size * tokens_per_rank_step)
+        evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step)
         result = train_loop(
             model,
             data,
@@ -231,6 +231,8 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             eval_every=cfg.eval_every,
             timeline=cfg.train.timeline,
             after_step=after_step,
+            compute_speed=cfg.topology.sites[where.site_index].compute_speed,
+            max_seconds=cfg.train.max_seconds,
         )
         sink.close()
         privacy.close()
@@ -247,10 +249,12 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
                 "H": cfg.sync.H if cfg.sync.algorithm != "ddp" else 1,
                 "fragments": sync.F,
                 "rounds": sync.rounds,
+                "region_rounds": sync.region_rounds,
                 "rounds_rolled_back": sync.rounds_rolled_back,
                 "guard_rejections": dict(sync.guard.rejected) if sync.guard is not None else {},
                 "guard_events": list(sync.guard.events) if sync.guard is not None else [],
                 "codec": cfg.sync.codec,
+                "pace": sync.pace_log(),
                 "params": n_params,
                 "link_emulation": comm.wan.mode if comm.wan is not None else "off",
                 "threads_per_rank": threads,

@@ -24,6 +24,7 @@ from geotrain.sync.guard import UpdateGuard
 from geotrain.sync.outer import OuterSync
 from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
+from geotrain.sync.tiers import TieredDiLoCo
 
 __all__ = [
     "DDP",
@@ -32,6 +33,7 @@ __all__ = [
     "SiteReducer",
     "StreamingDiLoCo",
     "SyncAlgorithm",
+    "TieredDiLoCo",
     "UpdateGuard",
     "build_sync",
     "fragment_count",
@@ -46,7 +48,6 @@ def build_sync(
     comm: Collectives,
     *,
     grad_clip: float,
-    tokens_per_step: int,
     example_dp: GradientPrivatizer | None = None,
     private: PrivateAverage | None = None,
     guard: UpdateGuard | None = None,
@@ -57,7 +58,6 @@ def build_sync(
 
     Args:
         grad_clip: clip the averaged gradient's norm to this (0: off).
-        tokens_per_step: tokens this site processes per inner step (token weighting).
         example_dp: DP-SGD on the inner steps (any algorithm).
         private, guard, nan_at: for the pseudo-gradients of DiLoCo and Streaming DiLoCo: private
             aggregation, the update guard, and failure injection ({(site, round)} sent as NaN).
@@ -66,8 +66,8 @@ def build_sync(
     if cfg.algorithm == "ddp":
         alg = DDP(model, optimizer, comm, grad_clip, cfg.allreduce, cfg)
     else:
-        cls = StreamingDiLoCo if cfg.algorithm == "streaming" else DiLoCo
-        outer = cls(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        cls = StreamingDiLoCo if cfg.algorithm == "streaming" else TieredDiLoCo if cfg.region_every else DiLoCo
+        outer = cls(model, optimizer, comm, grad_clip, cfg)
         outer.private, outer.guard, outer.nan_at = private, guard, set(nan_at or ())
         if guard is not None:
             guard.sharded = outer.sharded

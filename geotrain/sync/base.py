@@ -140,6 +140,7 @@ class SyncAlgorithm:
         self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.local_steps = 0
         self.rounds = 0
+        self.region_rounds = 0  # multi-tier sync: rounds inside the region (rounds counts the world tier's)
         self.rounds_rolled_back = 0
         self.example_dp: GradientPrivatizer | None = None  # DP-SGD on the inner steps (privacy.dp.unit=example)
         self.guard: UpdateGuard | None = None  # leaves non-finite / outlier pseudo-gradients out (DiLoCo, streaming)
@@ -256,6 +257,34 @@ class SyncAlgorithm:
 
     def finish(self) -> None:
         """Bring the run to a consistent end (e.g. a last outer sync). Call once after the loop."""
+
+    def add_compute(self, seconds: float) -> None:
+        """Account one inner step's compute time on this rank (the loop calls it after backward):
+        what adaptive rounds measure step rates from."""
+
+    def set_limits(self, steps: int, max_seconds: float) -> None:
+        """The run's length: ``steps`` inner steps, or ``max_seconds`` of training (0: none)."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the run ended at the last step's round boundary (the same on every rank)."""
+        return False
+
+    def step_limit(self, steps: int) -> int:
+        """How many steps the loop may run at most (adaptive rounds end it through :attr:`done`)."""
+        return steps
+
+    def eval_due(self, step: int, every: int) -> bool:
+        """Whether to evaluate after ``step`` (collective: every rank must answer the same)."""
+        return step % every == 0
+
+    def pace_log(self) -> list[dict[str, Any]]:
+        """Each round boundary's measured step rates and the inner steps chosen for the next round."""
+        return []
+
+    def world_steps(self, step: int) -> int:
+        """Inner steps run by all ranks together when this rank has run ``step`` (for token counts)."""
+        return step * self.comm.groups.topology.world_size
 
     def budget_exhausted(self) -> bool:
         """True when the next step would start a round the privacy budget cannot pay for (then the

@@ -23,6 +23,7 @@ from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed, RoundPostponed
 from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
+from geotrain.sync.pace import RoundClock
 from geotrain.sync.reducer import SiteReducer
 
 
@@ -30,7 +31,8 @@ class DiLoCo(OuterSync):
     """DiLoCo across sites, synchronous data parallel inside a site.
 
     Settings come from the sync section: H inner steps per outer round, outer SGD (paper: 0.7,
-    0.9, Nesterov), token weighting, codec.
+    0.9, Nesterov), token weighting, codec. With ``pace=adaptive`` each site's inner steps per
+    round follow its measured speed (:mod:`geotrain.sync.pace`).
     """
 
     name = "diloco"
@@ -42,18 +44,54 @@ class DiLoCo(OuterSync):
         comm: Collectives,
         grad_clip: float,
         cfg: SyncConfig,
-        tokens_per_step: int = 1,
     ) -> None:
-        super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        super().__init__(model, optimizer, comm, grad_clip, cfg)
         self.outer_optimizer = self._outer_optimizer(self.global_params)
         self._steps_in_round = 0
         self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], sharded=self.sharded)
+        self.clock = RoundClock(comm, self.H, cfg.pace == "adaptive")
 
     def after_step(self) -> None:
         super().after_step()
         self._steps_in_round += 1
-        if self._steps_in_round >= self.H:  # more than H: a postponed round, retried every step
+        if self.clock.ends(self._steps_in_round):  # past the limit: a postponed round, retried every step
             self.outer_step()
+
+    def sync_gradients(self) -> None:
+        super().sync_gradients()
+        self.clock.vote(self._steps_in_round)  # adaptive: does the round end after this step?
+
+    def add_compute(self, seconds: float) -> None:
+        self.clock.add_compute(seconds)
+
+    def set_limits(self, steps: int, max_seconds: float) -> None:
+        self.clock.max_seconds = max_seconds
+        # adaptive: the calibration round, then ceil(steps / H) rounds (the fastest site runs H in each)
+        self.clock.max_rounds = 1 + -(-steps // self.H) if self.clock.adaptive else 0
+
+    @property
+    def done(self) -> bool:
+        return self.clock.done
+
+    def step_limit(self, steps: int) -> int:
+        return self.clock.first + (self.clock.max_rounds - 1) * self.H if self.clock.adaptive else steps
+
+    def eval_due(self, step: int, every: int) -> bool:
+        if not self.clock.adaptive:
+            return super().eval_due(step, every)
+        # sites run different steps: evaluate at round boundaries, every every/H rounds
+        return self._steps_in_round == 0 and self.rounds % max(1, every // self.H) == 0
+
+    def world_steps(self, step: int) -> int:
+        if not self.clock.adaptive:
+            return super().world_steps(step)
+        return self.clock.world_steps(list(self.comm.groups.topology.workers))
+
+    def pace_log(self) -> list[dict[str, Any]]:
+        return self.clock.log
+
+    def round_steps(self, steps: int) -> list[int]:
+        return list(self.clock.steps_run)
 
     def finish(self) -> None:
         if self._steps_in_round:  # a last, shorter round so every site ends on the global model
@@ -76,6 +114,7 @@ class DiLoCo(OuterSync):
         """Steps 2-5 of DiLoCo: average pseudo-gradients across sites and apply the outer optimizer."""
         # 2. pseudo-gradient, fp32
         delta = pseudo_gradient(self.global_params, self.local_params())
+        self.clock.exchange(self._steps_in_round)  # every site's steps (and, adaptive, its pace)
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
         try:
             self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
@@ -86,6 +125,7 @@ class DiLoCo(OuterSync):
             self._steps_in_round = 0
             self.rounds += 1
             self._note("rolled_back", str(exc))
+            self.clock.next_round(self.rounds)
             return
         # 4. outer optimizer step with Δ as the gradient
         outer_step_(self.outer_optimizer, self.global_params, delta)
@@ -95,6 +135,7 @@ class DiLoCo(OuterSync):
         self._steps_in_round = 0
         self.rounds += 1
         self._note("committed", "")
+        self.clock.next_round(self.rounds)
 
     def _note(self, outcome: str, reason: str) -> None:
         if self.elastic is not None:

@@ -38,7 +38,6 @@ class OuterSync(SyncAlgorithm):
 
     Args:
         cfg: the sync section (H, outer SGD settings, token weighting, codec).
-        tokens_per_step: tokens this site processes per inner step (for token weighting).
     """
 
     def __init__(
@@ -48,16 +47,14 @@ class OuterSync(SyncAlgorithm):
         comm: Collectives,
         grad_clip: float,
         cfg: SyncConfig,
-        tokens_per_step: int = 1,
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip)
         self.cfg = cfg
         self.H = cfg.H
         self.weight_by_tokens = cfg.weight_by_tokens
-        self.tokens_per_step = tokens_per_step
         topo = comm.groups.topology
         self.num_sites = topo.num_sites
-        self.workers_per_site = topo.workers_per_site
+        self.site_workers = topo.workers[comm.groups.me.site_index]
         # fp32 outer state, whatever the model's dtype
         self.global_params = [p.detach().clone().to(torch.float32) for p in self.local_params()]  # sharded: own shard
         self.rollback_reasons: list[str] = []
@@ -72,7 +69,7 @@ class OuterSync(SyncAlgorithm):
         if self.sharded:  # FSDP's reduce-scatter has averaged them over the site
             self._clip_sharded()
             return
-        self._average_gradients(self.workers_per_site, self.comm.all_reduce_intra)
+        self._average_gradients(self.site_workers, self.comm.all_reduce_intra)
 
     def _average_across_sites(
         self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int = 0, key: int = 0
@@ -100,15 +97,28 @@ class OuterSync(SyncAlgorithm):
             if not included[self.comm.groups.me.site_index]:
                 delta.zero_()
                 reducer.forget_residual()  # else its old error feedback would still be sent
-        if self.weight_by_tokens:
-            mine = float(steps * self.tokens_per_step) if included[self.comm.groups.me.site_index] else 0.0
-            total = torch.tensor([mine], dtype=torch.float64)
-            self.comm.all_reduce_across_sites(total)
-            delta.mul_(mine / float(total.item()))
-            reducer(delta)
-        else:
+        weights = self.site_weights(steps, included)
+        nonzero = {w for w in weights if w}
+        if len(nonzero) == 1:  # equal weights: sum, then divide (the same bits whether weighted or not)
             reducer(delta)
             delta.div_(sum(included))
+        else:
+            delta.mul_(weights[self.comm.groups.me.site_index] / sum(weights))
+            reducer(delta)
+
+    def site_weights(self, steps: int, included: Sequence[bool]) -> list[float]:
+        """Each site's weight in this round's average: the tokens it processed (workers x inner
+        steps, every worker taking the same batch) with ``weight_by_tokens``, else 1; 0 for a site
+        the guard left out. ``steps`` is this site's count; the others' come from
+        :meth:`round_steps`."""
+        if not self.weight_by_tokens:
+            return [float(x) for x in included]
+        workers = self.comm.groups.topology.workers
+        return [float(w * n) if ok else 0.0 for w, n, ok in zip(workers, self.round_steps(steps), included, strict=True)]
+
+    def round_steps(self, steps: int) -> list[int]:
+        """Every site's inner steps in this round: in lock-step rounds all sites run the same number."""
+        return [steps] * self.num_sites
 
     def global_parameters(self) -> list[torch.Tensor]:
         return self.global_params

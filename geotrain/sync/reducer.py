@@ -1,8 +1,8 @@
 """The cross-site reducer: sums a vector that is identical on every rank of a site across
 sites, encoded with the configured codec, keeping the codec's error-feedback state.
 
-Byte codecs run on each local rank's 1/G shard (hierarchical: only S/G per rank crosses the slow
-links). PowerSGD needs matrices, so each local rank takes a contiguous run of whole tensors,
+Byte codecs run on each carrying local rank's shard (hierarchical: only S/G per rank crosses the
+slow links; unequal sites: G is the smallest site's size). PowerSGD needs matrices, so each local rank takes a contiguous run of whole tensors,
 all-reduces their P and Q factors across sites, and the site all-gathers the runs.
 """
 
@@ -56,13 +56,20 @@ class SiteReducer:
     """
 
     def __init__(
-        self, cfg: SyncConfig, comm: Collectives, shapes: Sequence[torch.Size], seed: int = 0, sharded: bool = False
+        self,
+        cfg: SyncConfig,
+        comm: Collectives,
+        shapes: Sequence[torch.Size],
+        seed: int = 0,
+        sharded: bool = False,
+        region: bool = False,
     ) -> None:
         if cfg.codec != "none" and comm.groups.device.type != "cpu":
             raise ValueError(
                 f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {comm.groups.backend} backend use sync.codec=none for now"
             )
         self.comm = comm
+        self.region = region  # sum over the sites of this rank's region only (multi-tier sync)
         self.codec = make_codec(cfg)
         self.residual = Residual() if (self.codec is not None and cfg.uses_error_feedback) else None
         self.shapes = list(shapes)
@@ -72,7 +79,9 @@ class SiteReducer:
             self.powersgd = PowerSGD(cfg.rank, cfg.uses_error_feedback, seed)
             g = comm.groups
             numels = [int(s.numel()) for s in self.shapes]
-            self.run_sizes = contiguous_split(numels, len(g.intra_ranks))
+            # the carrying local ranks take the runs (unequal sites: the smallest site's size of them)
+            k = g.topology.carriers
+            self.run_sizes = contiguous_split(numels, k) + [0] * (len(g.intra_ranks) - k)
             # which tensors this local rank owns: the run its index falls in
             start = sum(self.run_sizes[: g.me.local_rank])
             stop = start + self.run_sizes[g.me.local_rank]
@@ -84,7 +93,7 @@ class SiteReducer:
     def __call__(self, flat: torch.Tensor) -> None:
         """Replace ``flat`` by its sum over sites (every rank of every site ends with the same values)."""
         if self.powersgd is None:
-            self.comm.all_reduce_across_sites(flat, self.codec, self.residual, sharded=self.sharded)
+            self.comm.all_reduce_across_sites(flat, self.codec, self.residual, sharded=self.sharded, region=self.region)
             return
         g = self.comm.groups
         stats = self.comm.stats
@@ -93,7 +102,8 @@ class SiteReducer:
         self.powersgd.all_reduce([views[i] for i in self.mine], self.comm.all_reduce_inter)
         # reference for the compression ratio: an fp32 ring all-reduce of the same tensors
         n, mine = len(g.inter_ranks), sum(views[i].numel() for i in self.mine)
-        stats.inter_raw_bytes = raw0 + round(2 * (n - 1) / n * 4 * mine)
+        if mine:
+            stats.inter_raw_bytes = raw0 + round(2 * (n - 1) / n * 4 * mine)
         if not self.sharded:
             self.comm.all_gather_intra(flat, self.run_sizes)
 

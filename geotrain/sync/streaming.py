@@ -83,9 +83,8 @@ class StreamingDiLoCo(OuterSync):
         comm: Collectives,
         grad_clip: float,
         cfg: SyncConfig,
-        tokens_per_step: int = 1,
     ) -> None:
-        super().__init__(model, optimizer, comm, grad_clip, cfg, tokens_per_step)
+        super().__init__(model, optimizer, comm, grad_clip, cfg)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.F = fragment_count(cfg, len(self.params))
         self.tau = cfg.tau

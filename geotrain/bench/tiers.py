@@ -1,0 +1,135 @@
+"""``geotrain bench tiers``: multi-tier DiLoCo against flat DiLoCo at equal tokens.
+
+Two regions of two sites (one worker each): 10 Gbit/s, 1 ms between the sites of a region,
+10 Mbit/s, 40 ms between regions. The default model trains for the same steps in each mode:
+
+* ``flat``: DiLoCo every H steps across all four sites (the regions only shape the links);
+* ``tiered``: ``sync.region_every=4``, plain averaging inside a region every H steps and the outer
+  step across regions every 4H (the arrangement geotrain uses);
+* ``tiered-nesterov``: the same with the outer optimizer at both tiers (``region_outer=nesterov``,
+  HALoS-like; the rejected alternative, one measured row).
+
+It writes ``runs: [{mode, seed, slow_tier_bytes, eval_loss, utilization, ...}]`` and the targets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from geotrain.bench.common import table
+from geotrain.config import Config, load_config
+
+MODES = {
+    "flat": ["sync.region_every=0"],
+    "tiered": ["sync.region_every=4", "sync.region_outer=average"],
+    "tiered-nesterov": ["sync.region_every=4", "sync.region_outer=nesterov"],
+}
+TOPOLOGY = (
+    "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]",
+    "topology.regions=[{name: eu, sites: [A, B], link: {bandwidth_bps: 1.0e+10, latency_s: 0.001}}, "
+    "{name: us, sites: [C, D], link: {bandwidth_bps: 1.0e+10, latency_s: 0.001}}]",
+    "topology.links.inter.bandwidth_bps=1e7",
+    "topology.links.inter.latency_s=0.04",
+)
+
+
+def tiers_config(mode: str, steps: int, H: int, seed: int, extra: list[str] | None = None) -> Config:
+    return load_config(
+        None,
+        [
+            *TOPOLOGY,
+            "sync.algorithm=diloco",
+            f"sync.H={H}",
+            *MODES[mode],
+            "guard.enabled=false",  # not combined with the region tier yet (docs/HETERO.md)
+            f"train.steps={steps}",
+            f"train.seed={seed}",
+            "train.save_final=false",
+            "run.baseline=none",
+            *(extra or []),
+        ],
+    )
+
+
+def bench_tiers(
+    out: Path,
+    steps: int = 300,
+    H: int = 25,
+    seeds: tuple[int, ...] = (0, 1),
+    extra: list[str] | None = None,
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    from geotrain.launch.local import launch_local
+
+    t_start = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    for seed in seeds:
+        for mode in MODES:
+            s = launch_local(tiers_config(mode, steps, H, seed, extra), out / f"{mode}-{seed}", console_print=None)
+            runs.append(
+                {
+                    "mode": mode,
+                    "seed": seed,
+                    "slow_tier_bytes": s["inter_region_bytes"],
+                    "inter_site_bytes": s["inter_site_bytes"],
+                    "eval_loss": s["final_eval_loss"],
+                    "utilization": s["utilization"],
+                    "tokens": s["tokens"],
+                    "world_rounds": s["rounds"],
+                    "region_rounds": s["region_rounds"],
+                    "wall_seconds": s["wall_seconds"],
+                }
+            )
+            progress(
+                f"{mode:>15} seed {seed}: loss {s['final_eval_loss']:.4f}, slow tier {s['inter_region_bytes'] / 1e6:.1f} MB, "
+                f"busy {s['utilization']:.0%}"
+            )
+    means = {
+        m: {k: sum(r[k] for r in runs if r["mode"] == m) / len(seeds) for k in ("slow_tier_bytes", "eval_loss", "utilization")}
+        for m in MODES
+    }
+    return {
+        "steps": steps,
+        "H": H,
+        "seeds": list(seeds),
+        "runs": runs,
+        "means": means,
+        "targets": tiers_targets(means),
+        "bench_seconds": time.perf_counter() - t_start,
+    }
+
+
+def tiers_targets(means: dict[str, dict[str, float]]) -> dict[str, Any]:
+    flat, tiered, nest = means["flat"], means["tiered"], means["tiered-nesterov"]
+    ratio = flat["slow_tier_bytes"] / max(1.0, tiered["slow_tier_bytes"])
+    gap = tiered["eval_loss"] / flat["eval_loss"] - 1
+    return {
+        "slow_tier_bytes_ratio": ratio,
+        "bytes_met": ratio >= 4,
+        "tiered_loss_vs_flat": gap,
+        "loss_met": abs(gap) <= 0.01,
+        "tiered_nesterov_loss_vs_flat": nest["eval_loss"] / flat["eval_loss"] - 1,
+    }
+
+
+def print_tiers(result: dict[str, Any], console: Any) -> None:
+    t = table(
+        f"bench tiers: 2 regions x 2 sites, 10 Gbit/s inside, 10 Mbit/s 40 ms across; {result['steps']} steps, H={result['H']}",
+        ["mode", "seed", "world rounds", "region rounds", "slow-tier bytes", "all inter-site bytes", "eval loss", "utilisation"],
+    )
+    for r in result["runs"]:
+        t.add_row(
+            r["mode"], str(r["seed"]), str(r["world_rounds"]), str(r["region_rounds"]), f"{r['slow_tier_bytes'] / 1e6:.1f} MB",
+            f"{r['inter_site_bytes'] / 1e6:.1f} MB", f"{r['eval_loss']:.4f}", f"{r['utilization']:.1%}",
+        )  # fmt: skip
+    console.print(t)
+    tg = result["targets"]
+    console.print(
+        f"tiered sends {tg['slow_tier_bytes_ratio']:.2f}x fewer slow-tier bytes than flat (target >= 4x: "
+        f"{'met' if tg['bytes_met'] else 'MISSED'}); eval loss {tg['tiered_loss_vs_flat']:+.2%} vs flat (target within 1%: "
+        f"{'met' if tg['loss_met'] else 'MISSED'}); nesterov at both tiers {tg['tiered_nesterov_loss_vs_flat']:+.2%}"
+    )
+    console.print(f"bench took {result['bench_seconds'] / 60:.1f} min")

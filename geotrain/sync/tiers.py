@@ -1,0 +1,92 @@
+"""Multi-tier DiLoCo: sites average inside their region often, regions take the outer step together rarely.
+
+Sites are grouped in ``topology.regions`` (two datacenters in one metro region on 100 Gbit/s,
+a third across an ocean). Every H inner steps the sites of a region run a DiLoCo round among
+themselves, over the region's fast links; every ``sync.region_every`` region rounds (H2 =
+region_every · H) the regions run one across the slow links:
+
+1. every H steps, inside the region: Δ₁ = θ_region − θ_local, averaged over the region's sites
+   (token-weighted), then the region step: θ_region ← θ_region − Δ̄₁ (``region_outer=average``,
+   plain averaging, as in hierarchical Local SGD: Lin et al. 2020, arXiv:1808.07217) or the outer
+   optimizer's step (``nesterov``: an outer optimizer at both tiers, like HALoS's local parameter
+   servers, Kim et al. 2025, arXiv:2506.04531); θ_local ← θ_region;
+2. every region_every region rounds, across regions: Δ₂ = θ_world − θ_region, averaged over every
+   site (each site holds its region's Δ₂, so with token weights a region counts by its tokens),
+   the outer optimizer (SGD with Nesterov momentum) steps θ_world; θ_region, θ_local ← θ_world.
+
+With ``average`` and region_every = 1 this is flat DiLoCo up to rounding (tests/test_hetero.py):
+the outer optimizer sees the token-weighted mean of every site's pseudo-gradient. Why the
+plain average inside a region is the default, and the measured alternative: docs/HETERO.md.
+Only step 2 crosses regions, so bytes on the slow tier fall by region_every.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.config import SyncConfig
+from geotrain.sync.diloco import DiLoCo
+from geotrain.sync.outer import outer_step_, pseudo_gradient
+from geotrain.sync.reducer import SiteReducer
+
+
+class TieredDiLoCo(DiLoCo):
+    """DiLoCo in two tiers over ``topology.regions`` (see the module docstring)."""
+
+    name = "diloco"
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float, cfg: SyncConfig
+    ) -> None:
+        super().__init__(model, optimizer, comm, grad_clip, cfg)
+        topo, me = comm.groups.topology, comm.groups.me.site_index
+        self.every = cfg.region_every
+        self.region_sites = [s for s in range(topo.num_sites) if topo.same_region(s, me)]
+        self.region_params = [g.clone() for g in self.global_params]
+        self.region_reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], region=True)
+        self.region_optimizer = (
+            torch.optim.SGD(self.region_params, lr=1.0)
+            if cfg.region_outer == "average"
+            else self._outer_optimizer(self.region_params)
+        )
+        self._finishing = False
+
+    def finish(self) -> None:
+        if self._steps_in_round or self.region_rounds % self.every:  # the world tier closes the run
+            self._finishing = True
+            self.outer_step()
+
+    def _tier_average(self, delta: torch.Tensor, reducer: SiteReducer, sites: list[int]) -> None:
+        """Token-weighted average of ``delta`` over ``sites`` (every site runs the same steps, so a
+        site's tokens are in proportion to its workers)."""
+        workers = self.comm.groups.topology.workers
+        weights = [workers[s] if self.weight_by_tokens else 1 for s in sites]
+        if len(set(weights)) == 1:  # equal weights: sum, then divide
+            reducer(delta)
+            delta.div_(len(sites))
+        else:
+            delta.mul_(weights[sites.index(self.comm.groups.me.site_index)] / sum(weights))
+            reducer(delta)
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        # 1. inside the region
+        delta = pseudo_gradient(self.region_params, self.local_params())
+        self._tier_average(delta, self.region_reducer, self.region_sites)
+        outer_step_(self.region_optimizer, self.region_params, delta)
+        self.region_rounds += 1
+        target = self.region_params
+        # 2. across regions, every `every` region rounds (and to close the run)
+        if self.region_rounds % self.every == 0 or self._finishing:
+            world = pseudo_gradient(self.global_params, self.region_params)
+            self._tier_average(world, self.reducer, list(range(self.num_sites)))
+            outer_step_(self.outer_optimizer, self.global_params, world)
+            for r, g in zip(self.region_params, self.global_params, strict=True):
+                r.copy_(g)
+            self.rounds += 1
+            target = self.global_params
+        for g, p in zip(target, self.local_params(), strict=True):
+            p.copy_(g)
+        self._steps_in_round = 0

@@ -1,0 +1,224 @@
+"""Sites of different sizes: rank arithmetic, collectives against torch.distributed, and DiLoCo
+with H=1 against DDP end to end (real processes, Gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from geotrain.comm.topology import Topology
+from geotrain.config import TopologyConfig, load_config
+from geotrain.launch.local import launch_local
+from tests.helpers import PLAIN_SGD, TINY, run_ranks
+
+UNEQUAL = "topology.sites=[{name: A, workers: 3}, {name: B, workers: 2}, {name: C, workers: 1}]"
+ONE_SITE = "topology.sites=[{name: A, workers: 6}]"
+H1 = ["sync.algorithm=diloco", "sync.H=1", "sync.outer_lr=1.0", "sync.outer_momentum=0.0", "sync.nesterov=false"]
+
+
+def _topology(workers: list[int]) -> Topology:
+    cfg = TopologyConfig.model_validate({"sites": [{"name": f"s{i}", "workers": w} for i, w in enumerate(workers)]})
+    return Topology.from_config(cfg)
+
+
+def test_rank_arithmetic_of_unequal_sites() -> None:
+    t = _topology([3, 2, 1])
+    assert t.world_size == 6 and not t.uniform and t.carriers == 1
+    assert [t.site_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 2]
+    assert [t.info(r).local_rank for r in range(6)] == [0, 1, 2, 0, 1, 0]
+    assert t.site_ranks(1) == [3, 4] and t.inter_ranks(0) == [0, 3, 5] and t.inter_ranks(1) == []
+    assert t.describe() == "3 sites (s0x3, s1x2, s2x1), world 6"
+    u = _topology([4, 2])
+    assert u.carriers == 2 and u.inter_ranks(1) == [1, 5] and u.inter_ranks(3) == []
+    with pytest.raises(ValueError):
+        t.info(6)
+
+
+def _unequal_rank(rank: int, workers: list[int]) -> dict:
+    import torch.distributed as dist
+
+    from geotrain.codecs import build_codec
+    from geotrain.comm.collectives import Collectives
+    from geotrain.comm.groups import ProcessGroups
+
+    topo = _topology(workers)
+    groups = ProcessGroups.build(topo, "gloo", timeout_s=60)
+    errors: list = []
+    site = topo.site_of(rank)
+    try:
+        for n in (1, 5, 1000, 4099):
+            gen = [torch.Generator().manual_seed(100 * n + r) for r in range(topo.world_size)]
+            values = [torch.randn(n, generator=g) for g in gen]
+            for how in ("hierarchical", "flat"):
+                x, ref = values[rank].clone(), values[rank].clone()
+                dist.all_reduce(ref)
+                Collectives(groups).all_reduce(x, how)
+                if not torch.allclose(x, ref, atol=1e-5):
+                    errors.append((how, n))
+            # across sites: the input is identical inside a site; the sum is over sites
+            x = values[topo.first_rank(site)].clone()
+            ref = sum(values[topo.first_rank(s)] for s in range(topo.num_sites))
+            comm = Collectives(groups)
+            comm.all_reduce_across_sites(x)
+            if not torch.allclose(x, ref, atol=1e-5):
+                errors.append(("across", n))
+            # and through a codec: every rank of every site ends with the same values
+            y = values[topo.first_rank(site)].clone()
+            Collectives(groups).all_reduce_across_sites(y, build_codec("int8"))
+            got = [torch.empty_like(y) for _ in range(topo.world_size)]
+            dist.all_gather(got, y)
+            if any(not torch.equal(g, got[0]) for g in got) or not torch.allclose(y, ref, atol=0.1 * ref.abs().max()):
+                errors.append(("int8", n))
+        # control values in one hop: every rank gets every site's row
+        rows = Collectives(groups).gather_sites(torch.tensor([float(site), 10.0 + site], dtype=torch.float64))
+        if rows.tolist() != [[float(s), 10.0 + s] for s in range(topo.num_sites)]:
+            errors.append(("gather_sites", rows.tolist()))
+        return {"errors": errors, "inter": comm.stats.inter_bytes}
+    finally:
+        groups.destroy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [[3, 2, 1], [1, 3], [4, 2]])
+def test_collectives_over_unequal_sites_match_torch(workers: list[int]) -> None:
+    results = run_ranks(sum(workers), _unequal_rank, workers)
+    assert all(not r["errors"] for r in results), [r["errors"] for r in results]
+    topo = _topology(workers)
+    for r, res in enumerate(results):  # only the carrying local ranks send across sites
+        carries = topo.info(r).local_rank < topo.carriers
+        assert (res["inter"] > 0) == carries, (r, res["inter"])
+
+
+def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg = load_config(None, TINY + PLAIN_SGD + ["train.steps=4", "run.baseline=none", "topology.links.emulate=off", *overrides])
+    summary = launch_local(cfg, tmp / name, console_print=None)
+    return summary, torch.load(tmp / name / "final_model.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_unequal_sites_diloco_h1_plain_sgd_equals_ddp(tmp_path: Path) -> None:
+    """Sites of 3, 2 and 1 workers: DiLoCo with H=1, plain SGD and outer SGD at lr 1 without
+    momentum, token-weighted, is DDP over the same 6 workers, which is DDP in one site of 6."""
+    one, one_w = _run(tmp_path, "one", [ONE_SITE, "sync.algorithm=ddp"])
+    ddp, ddp_w = _run(tmp_path, "ddp", [UNEQUAL, "sync.algorithm=ddp"])
+    dil, dil_w = _run(tmp_path, "diloco", [UNEQUAL, *H1])
+    for k in one_w:
+        torch.testing.assert_close(ddp_w[k], one_w[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(dil_w[k], one_w[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert one["final_eval_loss"] < one["eval_curve"][0]["eval_loss"]  # the model moved
+    assert len(set(dil["global_param_hash"].values())) == 1 and dil["hashes_agree_within_sites"]
+    assert dil["workers_per_site"] == [3, 2, 1] and dil["inter_site_bytes"] > 0
+    # equal weighting is not DDP: site C's one worker would count as much as site A's three
+    eq, eq_w = _run(tmp_path, "equal", [UNEQUAL, *H1, "sync.weight_by_tokens=false"])
+    assert any(not torch.allclose(eq_w[k], one_w[k], rtol=1e-5, atol=1e-6) for k in one_w)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Path) -> None:
+    """Site B is emulated at a quarter speed: lock-step runs H steps everywhere and A waits at every
+    boundary; adaptive gives B about H/4 steps per round from the rates measured in the run."""
+    sites = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1, compute_speed: 0.25}]"
+    common = [sites, "sync.H=8", "train.steps=40", "train.eval_every=16", "sync.algorithm=diloco"]
+    lock, _ = _run(tmp_path, "lock", common)
+    a, b = lock["per_site"]
+    assert a["steps"] == b["steps"] == 40
+    assert b["step_seconds"] > 2.0 * a["step_seconds"]  # the pacing: 4x in theory, noisy on a loaded machine
+    ad, _ = _run(tmp_path, "adaptive", [*common, "sync.pace=adaptive"])
+    a, b = ad["per_site"]
+    # a 1-step calibration round, then rounds budgeted for H steps of the fastest site (at most H)
+    assert ad["rounds"] == 6 and 1 + 5 * 5 <= a["steps"] <= 41, a
+    assert 1 + 5 <= b["steps"] <= 1 + 5 * 4, b  # about H/4 per round (1 to 4 here)
+    # the pace log has every boundary: each site's steps (they add up) and the next budget, with the reason
+    assert [sum(p["steps"][i] for p in ad["pace"]) for i in range(2)] == [a["steps"], b["steps"]]
+    assert all(p["why"].startswith("budget") and p["next_budget_s"] > 0 for p in ad["pace"])
+    assert len(set(ad["global_param_hash"].values())) == 1 and ad["hashes_agree_within_sites"]
+    # tokens count what every site ran: workers x steps x batch x block
+    assert ad["tokens"] == (a["steps"] + b["steps"]) * 4 * 16
+    assert [p["eval_loss"] for p in ad["eval_curve"]][-1] == ad["final_eval_loss"]
+    assert ad["final_eval_loss"] < ad["eval_curve"][0]["eval_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> None:
+    s, _ = _run(tmp_path, "t", [UNEQUAL, "sync.algorithm=diloco", "sync.H=4", "train.steps=100000", "train.max_seconds=3"])
+    steps = {p["steps"] for p in s["per_site"]}
+    assert len(steps) == 1 and steps.pop() % 4 == 0 and s["rounds"] * 4 == s["steps"] < 100000
+    assert len(set(s["global_param_hash"].values())) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sync.pace=adaptive", "sync.algorithm=ddp"], "sync.algorithm: not combined with sync.pace yet"),
+        (["train.max_seconds=5", "sync.algorithm=streaming"], "sync.algorithm: not combined with train.max_seconds yet"),
+        (["sync.pace=adaptive", "checkpoint.every=5"], "checkpoint.every: not combined with sync.pace yet"),
+        (["topology.sites=[{name: A, workers: 1, compute_speed: 0}]"], "compute_speed"),
+        ([UNEQUAL, "privacy.secure_aggregation=true"], "privacy.secure_aggregation: not combined with sites of different sizes"),
+    ],
+)
+def test_bad_heterogeneous_configs_are_refused_in_one_line(overrides: list[str], message: str) -> None:
+    from geotrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+TIERED = (
+    "topology:\n"
+    "  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
+    "  regions:\n"
+    "    - {name: eu, sites: [A, B], link: {bandwidth_bps: 1.0e+10, latency_s: 0.001}}\n"
+    "    - {name: us, sites: [C, D], link: {bandwidth_bps: 1.0e+10, latency_s: 0.001}}\n"
+)
+
+
+def _tiered(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
+    f = tmp / f"{name}.yaml"
+    f.write_text(TIERED)
+    base = ["train.steps=16", "sync.H=2", "guard.enabled=false", "run.baseline=none", "topology.links.emulate=off"]
+    cfg = load_config(f, TINY + base + overrides)
+    summary = launch_local(cfg, tmp / name, console_print=None)
+    return summary, torch.load(tmp / name / "final_model.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_tiers_with_h2_equal_to_h1_are_flat_diloco_and_cut_slow_tier_bytes(tmp_path: Path) -> None:
+    flat, flat_w = _tiered(tmp_path, "flat", [])
+    one, one_w = _tiered(tmp_path, "one", ["sync.region_every=1"])
+    for k in flat_w:  # plain averaging inside the region, then the outer step on the mean: flat DiLoCo
+        torch.testing.assert_close(one_w[k], flat_w[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert one["inter_region_bytes"] == flat["inter_region_bytes"] > 0
+    assert one["rounds"] == one["region_rounds"] == flat["rounds"] == 8
+    four, _ = _tiered(tmp_path, "four", ["sync.region_every=4"])
+    assert four["region_rounds"] == 8 and four["rounds"] == 2
+    assert flat["inter_region_bytes"] == 4 * four["inter_region_bytes"]  # only the world tier crosses regions
+    assert four["inter_site_bytes"] > four["inter_region_bytes"]  # the region tier runs on the fast links
+    assert len(set(four["global_param_hash"].values())) == 1
+    nest, _ = _tiered(tmp_path, "nest", ["sync.region_every=4", "sync.region_outer=nesterov"])
+    assert nest["inter_region_bytes"] == four["inter_region_bytes"] and nest["final_eval_loss"] != four["final_eval_loss"]
+
+
+@pytest.mark.parametrize(
+    ("regions", "overrides", "message"),
+    [
+        ("[{name: eu, sites: [A, X]}, {name: us, sites: [B]}]", [], "unknown site 'X'"),
+        ("[{name: eu, sites: [A, B]}, {name: us, sites: [B]}]", [], "the site 'B' is already in region 'eu'"),
+        ("[{name: eu, sites: [A]}]", [], "every site must be in a region (B in none)"),
+        ("[{name: eu, sites: [A]}, {name: eu, sites: [B]}]", [], "the region 'eu' is given twice"),
+        ("[]", ["sync.region_every=2"], "sync.region_every: needs at least two topology.regions"),
+        ("[{name: eu, sites: [A]}, {name: us, sites: [B]}]", ["sync.region_every=2"], "guard.enabled: not combined with"),
+    ],
+)
+def test_bad_region_configs_are_refused_in_one_line(regions: str, overrides: list[str], message: str) -> None:
+    from geotrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"topology.regions={regions}", *overrides])
+    assert message in str(err.value) and "\n" not in str(err.value)
