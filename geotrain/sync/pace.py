@@ -16,8 +16,9 @@ more than H. Rates are steps per second of compute (forward and backward; waits 
 network excluded), averaged exponentially over rounds (``SMOOTHING`` on the newest).
 
 Agreement: the ranks of one site vote on ending the round after each step (a one-float sum in
-the site), so they end it together. At the boundary one small control all-reduce across sites
-gives every rank every site's steps, compute and elapsed time: the steps weight the round's
+the site), so they end it together. At the boundary one small control exchange across sites, in
+one hop (:meth:`Collectives.gather_sites`), gives every rank every site's steps, compute and
+elapsed time: the steps weight the round's
 average by tokens (workers × steps; :meth:`OuterSync.site_weights`), the rates set the next
 budget, and the elapsed time ends the run for ``train.max_seconds`` on every site at once.
 
