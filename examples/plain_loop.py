@@ -82,7 +82,10 @@ def main() -> int:
                 "global_hash": sync.global_hash(),
                 "inter_site_bytes": site.stats.inter_bytes,
             }
-    print(json.dumps(result), flush=True)
+    # One write of the whole line: the ranks share torchrun's stdout, and print() writes the text
+    # and its newline separately (two syscalls when stdout is unbuffered), so lines could interleave.
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
     return 0
 
 
