@@ -10,6 +10,10 @@ Two regions of two sites (one worker each): 10 Gbit/s, 1 ms between the sites of
   HALoS-like; the rejected alternative, one measured row).
 
 It writes ``runs: [{mode, seed, slow_tier_bytes, eval_loss, utilization, ...}]`` and the targets.
+
+Then one more run (first seed), ``adaptive``: flat DiLoCo with ``sync.adapt`` while the links
+between regions slow 10x mid-run (:mod:`geotrain.bench.adapt`): its timeline of H, codec and
+utilisation is ``adaptive``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from geotrain.bench.adapt import adapt_overrides, adapt_record
 from geotrain.bench.common import table
 from geotrain.config import Config, load_config
 
@@ -61,6 +66,9 @@ def bench_tiers(
     seeds: tuple[int, ...] = (0, 1),
     extra: list[str] | None = None,
     progress: Callable[[str], None] = print,
+    adapt_steps: int = 1200,
+    slowdown_s: float = 60.0,
+    adapt_target: float = 0.8,
 ) -> dict[str, Any]:
     from geotrain.launch.local import launch_local
 
@@ -87,6 +95,16 @@ def bench_tiers(
                 f"{mode:>15} seed {seed}: loss {s['final_eval_loss']:.4f}, slow tier {s['inter_region_bytes'] / 1e6:.1f} MB, "
                 f"busy {s['utilization']:.0%}"
             )
+    adaptive = None
+    if adapt_steps:
+        cfg = tiers_config(
+            "flat", adapt_steps, H, seeds[0], [*(extra or []), *adapt_overrides(slowdown_s, adapt_target, 10, 200)]
+        )
+        adaptive = adapt_record(launch_local(cfg, out / "adaptive", console_print=None), cfg, slowdown_s)
+        progress(
+            f"{'adaptive':>15} seed {seeds[0]}: {len(adaptive['timeline'])} rounds, links 10x slower at {slowdown_s:g} s, "
+            f"followed in {adaptive['rounds_to_follow']} round(s)"
+        )
     means = {
         m: {k: sum(r[k] for r in runs if r["mode"] == m) / len(seeds) for k in ("slow_tier_bytes", "eval_loss", "utilization")}
         for m in MODES
@@ -98,6 +116,7 @@ def bench_tiers(
         "runs": runs,
         "means": means,
         "targets": tiers_targets(means),
+        "adaptive": adaptive,
         "bench_seconds": time.perf_counter() - t_start,
     }
 
@@ -132,4 +151,37 @@ def print_tiers(result: dict[str, Any], console: Any) -> None:
         f"{'met' if tg['bytes_met'] else 'MISSED'}); eval loss {tg['tiered_loss_vs_flat']:+.2%} vs flat (target within 1%: "
         f"{'met' if tg['loss_met'] else 'MISSED'}); nesterov at both tiers {tg['tiered_nesterov_loss_vs_flat']:+.2%}"
     )
+    if result.get("adaptive"):
+        print_adapt(result["adaptive"], console)
     console.print(f"bench took {result['bench_seconds'] / 60:.1f} min")
+
+
+def print_adapt(run: dict[str, Any], console: Any) -> None:
+    t = table(
+        f"adaptive: flat DiLoCo, sync.adapt (target {run['target']:.0%}), links between regions 10x slower at {run['slowdown_s']:g} s",
+        [
+            "round",
+            "ends at",
+            "H",
+            "codec",
+            "link",
+            "rtt",
+            "busy (slowest site)",
+            "busy (least)",
+            "next H",
+            "next codec",
+            "predicted",
+        ],
+    )
+    for a in run["timeline"]:
+        t.add_row(
+            str(a["round"]), f"{a['t_s']:.1f} s", str(a["H"]), a["codec"], f"{a['link_mbps']:.2f} Mbit/s", f"{a['rtt_ms']:.0f} ms",
+            f"{a['utilization']:.1%}", f"{a['utilization_min']:.1%}", str(a["next_H"]), a["next_codec"],
+            f"{a['predicted_utilization']:.1%}",
+        )  # fmt: skip
+    console.print(t)
+    follow = run["rounds_to_follow"]
+    console.print(
+        f"the slowdown was followed in {follow if follow is not None else 'no'} round(s) after the first round that crossed "
+        f"the slowed links (target <= 2: {'met' if run['follow_met'] else 'MISSED'})"
+    )

@@ -217,19 +217,34 @@ def bench_hetero_cmd(
 @bench_app.command("tiers")
 def bench_tiers_cmd(
     json_out: JsonOpt = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write tiers_adapt.png here (a directory).")] = None,
     out: OutOpt = Path("runs/bench-tiers"),
     steps: Annotated[int, typer.Option(min=10, max=100_000, help="Inner steps per run (equal tokens).")] = 300,
     H: Annotated[int, typer.Option("--H", min=1, max=10000, help="Inner steps per region round (H1).")] = 25,
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1",
+    adapt_steps: Annotated[
+        int, typer.Option(min=0, max=100_000, help="Inner steps of the adaptive run with the mid-run slowdown (0: skip it).")
+    ] = 1200,
+    slowdown_s: Annotated[float, typer.Option(min=1, max=3600, help="When the links between regions slow 10x.")] = 60.0,
     set_: SetOpt = None,
 ) -> None:
-    """Two regions of two sites (10 Gbit/s inside, 10 Mbit/s across): flat DiLoCo vs two tiers, slow-tier bytes and loss."""
+    """Two regions of two sites (10 Gbit/s inside, 10 Mbit/s across): flat DiLoCo vs two tiers, slow-tier bytes and loss;
+    then adaptation to a 10x slowdown of the links between regions."""
+    from geotrain.bench.adapt import plot_adapt
     from geotrain.bench.tiers import bench_tiers, print_tiers
 
-    result = _over_seeds(seeds, set_, lambda s: bench_tiers(out, steps, H, s, extra=set_, progress=progress_line))
+    result = _over_seeds(
+        seeds,
+        set_,
+        lambda s: bench_tiers(
+            out, steps, H, s, extra=set_, progress=progress_line, adapt_steps=adapt_steps, slowdown_s=slowdown_s
+        ),
+    )
     print_tiers(result, wide(150))
     if json_out is not None:
         write_json(result, json_out)
+    if plot is not None and result["adaptive"]:
+        console.print(f"wrote {plot_adapt(result['adaptive'], plot / 'tiers_adapt.png')}")
 
 
 @bench_app.command("scale")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from geotrain.config import LinkConfig, TopologyConfig
+from geotrain.config import LinkChangeConfig, LinkConfig, TopologyConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class Topology:
     region_of: tuple[int, ...] = ()  # each site's region index (empty: no regions, one tier)
     region_names: tuple[str, ...] = ()
     region_links: tuple[LinkConfig | None, ...] = ()  # each region's link between its sites (None: inter)
+    changes: tuple[LinkChangeConfig, ...] = ()  # scheduled changes of emulated links
 
     @classmethod
     def from_config(cls, cfg: TopologyConfig) -> Topology:
@@ -64,6 +65,7 @@ class Topology:
             else (),
             region_names=tuple(r.name for r in cfg.regions),
             region_links=tuple(r.link for r in cfg.regions),
+            changes=tuple(cfg.links.changes),
         )
 
     def link(self, a: int, b: int) -> LinkConfig:
@@ -75,6 +77,20 @@ class Topology:
         if self.region_of and self.region_of[a] == self.region_of[b]:
             return self.region_links[self.region_of[a]] or self.inter_link
         return self.inter_link
+
+    def link_at(self, a: int, b: int, seconds: float) -> LinkConfig:
+        """The link between sites ``a`` and ``b`` ``seconds`` into the run: :meth:`link` scaled by the
+        latest scheduled change of it that has happened (``topology.links.changes``)."""
+        link = self.link(a, b)
+        pair = {self.site_names[a], self.site_names[b]}
+        wide = a != b and (not self.region_of or self.region_of[a] != self.region_of[b])  # what an unnamed change affects
+        due = [c for c in self.changes if c.after_s <= seconds and (set(c.sites) == pair if c.sites else wide)]
+        if not due:
+            return link
+        c = max(due, key=lambda c: c.after_s)
+        return LinkConfig.model_construct(
+            bandwidth_bps=link.bandwidth_bps * c.bandwidth_scale, latency_s=link.latency_s * c.latency_scale
+        )
 
     @property
     def tiered(self) -> bool:

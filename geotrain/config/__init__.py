@@ -18,8 +18,8 @@ from geotrain.config.privacy import DPConfig, PrivacyConfig
 from geotrain.config.reference import markdown_reference
 from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig
 from geotrain.config.root import Config
-from geotrain.config.sync import CODEC_BITS, SyncConfig
-from geotrain.config.topology import LinkConfig, LinksConfig, PairLinkConfig, SiteConfig, TopologyConfig
+from geotrain.config.sync import CODEC_BITS, AdaptConfig, SyncConfig
+from geotrain.config.topology import LinkChangeConfig, LinkConfig, LinksConfig, PairLinkConfig, SiteConfig, TopologyConfig
 from geotrain.config.training import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from geotrain.errors import ConfigError
 
@@ -33,6 +33,7 @@ __all__ = [
     "ElasticConfig",
     "FaultConfig",
     "GuardConfig",
+    "LinkChangeConfig",
     "LinkConfig",
     "LinksConfig",
     "ModelConfig",
@@ -43,6 +44,7 @@ __all__ = [
     "Section",
     "SiteConfig",
     "SyncConfig",
+    "AdaptConfig",
     "TopologyConfig",
     "TrainConfig",
     "format_error",

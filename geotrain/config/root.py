@@ -93,6 +93,7 @@ class Config(Section):
         self._unequal_fits()
         self._pace_fits()
         self._tiers_fit()
+        self._adapt_fits()
         return self
 
     def _tiers_fit(self) -> None:
@@ -116,6 +117,26 @@ class Config(Section):
             (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
         ]
         _refuse(refused, "sync.region_every")
+
+    def _adapt_fits(self) -> None:
+        """sync.adapt: DiLoCo's lock-step rounds; what it is not combined with yet (docs/HETERO.md)."""
+        if self.sync.adapt is None:
+            return
+        p = self.privacy
+        refused = [
+            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+            (
+                self.sync.pace != "lockstep" or bool(self.train.max_seconds),
+                "sync.pace",
+                "use lock-step rounds without train.max_seconds",
+            ),
+            (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
+            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
+            (p.secure_aggregation or p.dp.unit != "none", "privacy", "turn privacy off"),
+            (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
+        ]
+        _refuse(refused, "sync.adapt")
 
     def _pace_fits(self) -> None:
         """sync.pace=adaptive and train.max_seconds end rounds by measurement: DiLoCo's lock-free parts only."""
@@ -194,6 +215,7 @@ class Config(Section):
         data["run"]["baseline"] = "none"
         if algorithm != "diloco":  # adaptive rounds and time limits are DiLoCo's: the baseline runs lock-step steps
             data["sync"]["pace"], data["train"]["max_seconds"], data["sync"]["region_every"] = "lockstep", 0, 0
+            data["sync"]["adapt"] = None
         if algorithm != "diloco":  # elastic mode (and site kills) is DiLoCo's; the baseline runs plain
             data["elastic"]["enabled"] = False
             data["fault"]["kill"], data["fault"]["hang"] = [], []

@@ -9,6 +9,35 @@ from pydantic import Field, model_validator
 from geotrain.config.base import Section
 
 CODEC_BITS = {"none": 32, "bf16": 16, "fp16": 16, "int8": 8, "fp4": 4, "int4": 4}
+FixedCodec = Literal["none", "bf16", "fp16", "int8", "fp4", "int4"]
+ADAPT_CODECS: tuple[FixedCodec, ...] = ("none", "bf16", "int8", "fp4")  # sync.adapt.codecs' default
+
+
+class AdaptConfig(Section):
+    """Adaptation to the measured network (DiLoCo, lock-step rounds; docs/HETERO.md): after every
+    round the link's achieved bandwidth and latency are measured, and H and the codec of the next
+    round are chosen with the planner's closed form (:func:`geotrain.plan.strategies.utilization`)."""
+
+    target: float = Field(
+        default=0.9, gt=0, lt=1, description="Compute utilisation to hold (compute time / wall time of a round)."
+    )
+    H_min: int = Field(default=10, ge=1, le=1_000_000, description="The fewest inner steps per round adaptation may choose.")
+    H_max: int = Field(default=500, ge=1, le=1_000_000, description="The most inner steps per round adaptation may choose.")
+    codecs: list[FixedCodec] = Field(
+        default_factory=lambda: list(ADAPT_CODECS),
+        min_length=1,
+        description="The codecs adaptation may choose from (fixed-width ones, no error feedback); the least compression that "
+        "reaches the target within H_max wins, then the smallest H.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdaptConfig:
+        if self.H_min > self.H_max:
+            raise ValueError(f"H_min: must be at most H_max={self.H_max} (got {self.H_min})")
+        dup = sorted({c for c in self.codecs if self.codecs.count(c) > 1})
+        if dup:
+            raise ValueError(f"codecs: each codec once (repeated: {', '.join(dup)})")
+        return self
 
 
 class SyncConfig(Section):
@@ -48,6 +77,12 @@ class SyncConfig(Section):
         default="average",
         description="Multi-tier: the region tier's outer step: 'average' (plain averaging; only the world tier has the outer "
         "optimizer) or 'nesterov' (the outer optimizer at both tiers, HALoS-like; measured in docs/HETERO.md).",
+    )
+    adapt: AdaptConfig | None = Field(
+        default=None,
+        description="Adaptation to the measured network: H (within H_min..H_max) and the codec chosen after every round "
+        "from the measured link to hold a target utilisation (unset: fixed H and codec; set e.g. sync.adapt={} for the "
+        "defaults).",
     )
     allreduce: Literal["hierarchical", "flat"] = Field(
         default="hierarchical",
@@ -115,6 +150,18 @@ class SyncConfig(Section):
                 raise ValueError(f"bits: the {self.codec} codec sends {width} bits per value (allowed: {width}; got {self.bits})")
         if self.block_size % 2:
             raise ValueError(f"block_size: must be even, two 4-bit codes per byte (got {self.block_size})")
+        if self.adapt is not None:
+            a = self.adapt
+            if not a.H_min <= self.H <= a.H_max:
+                raise ValueError(
+                    f"H: the first round's H must lie in sync.adapt's H_min..H_max ({a.H_min}..{a.H_max}; got {self.H})"
+                )
+            if self.codec not in a.codecs:
+                raise ValueError(
+                    f"codec: the first round's codec must be one of sync.adapt.codecs ({', '.join(a.codecs)}; got {self.codec})"
+                )
+            if self.error_feedback:
+                raise ValueError("error_feedback: adaptation switches codecs between rounds; leave error_feedback unset")
         if self.algorithm == "streaming" and not self.eager and self.tau >= self.H:
             raise ValueError(f"tau: must be below H={self.H}, a fragment merges before it syncs again (got {self.tau})")
         return self

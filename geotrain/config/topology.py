@@ -22,15 +22,35 @@ class LinkConfig(Section):
     latency_s: float = Field(ge=0, le=10, description="One-way latency in seconds (0 to 10).")
 
 
+def _two_sites(v: list[str] | None) -> list[str] | None:
+    if v is not None and (len(v) != 2 or v[0] == v[1]):
+        raise ValueError("must name two different sites")
+    return v
+
+
 class PairLinkConfig(LinkConfig):
     sites: list[str] = Field(description="The two sites this link joins (both directions get the same bandwidth and latency).")
 
-    @field_validator("sites")
-    @classmethod
-    def _two(cls, v: list[str]) -> list[str]:
-        if len(v) != 2 or v[0] == v[1]:
-            raise ValueError("must name two different sites")
-        return v
+    _pair = field_validator("sites")(_two_sites)
+
+
+class LinkChangeConfig(Section):
+    """A scheduled change of emulated links (e.g. a wide-area link that slows down at night)."""
+
+    after_s: float = Field(
+        gt=0, le=1e7, description="When: seconds after the run's link emulation started (the first rank's start)."
+    )
+    bandwidth_scale: float = Field(
+        gt=0, le=1e3, description="The configured bandwidth times this from then on (0.1: 10x slower)."
+    )
+    latency_scale: float = Field(default=1.0, gt=0, le=1e3, description="The configured latency times this from then on.")
+    sites: list[str] | None = Field(
+        default=None,
+        description="The two sites whose link changes; unset: every link between sites of different regions (every "
+        "inter-site link when there are no regions). A later change of a link replaces an earlier one.",
+    )
+
+    _pair = field_validator("sites")(_two_sites)
 
 
 class LinksConfig(Section):
@@ -57,6 +77,17 @@ class LinksConfig(Section):
         default_factory=list,
         description="Per site-pair links overriding 'inter', e.g. [{sites: [A, B], bandwidth_bps: 1.0e+8, latency_s: 0.04}].",
     )
+    changes: list[LinkChangeConfig] = Field(
+        default_factory=list,
+        description="Scheduled changes of emulated links (in-process emulation only), e.g. [{after_s: 60, bandwidth_scale: 0.1}] "
+        "makes the wide-area links 10x slower one minute into the run.",
+    )
+
+    @model_validator(mode="after")
+    def _changes_emulated(self) -> LinksConfig:
+        if self.changes and self.emulate != "inprocess":
+            raise ValueError("changes: scheduled link changes are emulated in-process only; set topology.links.emulate=inprocess")
+        return self
 
 
 class SiteConfig(Section):
@@ -130,6 +161,10 @@ class TopologyConfig(Section):
             if pair in seen:
                 raise ValueError(f"links.between[{i}].sites: the link {link.sites[0]}-{link.sites[1]} is given twice")
             seen.add(pair)
+        for i, change in enumerate(self.links.changes):
+            for name in change.sites or []:
+                if name not in names:
+                    raise ValueError(f"links.changes[{i}].sites: unknown site {name!r} (sites: {', '.join(names)})")
         self._regions_ok(names)
         return self
 

@@ -18,6 +18,10 @@ a link of bandwidth ``B`` (bit/s) and round-trip time ``rtt``. An all-reduce acr
 Required bandwidth for a target ``u`` inverts these: the allowed communication time minus the
 latency, divided into ``V``. Their Table 4 simulated a DAG of per-layer compute and communication
 on a discrete bandwidth grid; this closed form is printed beside it.
+
+The same formula steers a running job (``sync.adapt``, :mod:`geotrain.sync.adapt`):
+:func:`achieved_bps` turns a measured all-reduce (bytes, seconds, latency) into the link's
+bandwidth in this model, and :func:`choose_round` picks DiLoCo's H and codec for it.
 """
 
 from __future__ import annotations
@@ -157,3 +161,42 @@ def strategies(
                 rec["H"], rec["predicted_utilization"] = h, u_h
                 break
     return {"fragments": fragments, "tau": tau, "rows": rows, "recommendation": rec}
+
+
+def achieved_bps(nbytes: float, seconds: float, sites: int, rtt_s: float) -> float:
+    """The bandwidth (bit/s) a measured cross-site all-reduce achieved in this model: a site sent
+    ``nbytes`` in ``seconds``, of which the model's latency term is not transfer time. (At least a
+    twentieth of the time is counted as transfer, so a latency overestimate cannot make it infinite.)"""
+    _, lat = _volume_latency(0.0, 0.0, sites, rtt_s)
+    return 8 * nbytes / max(seconds - lat, seconds / 20, 1e-9)
+
+
+def choose_round(
+    bps: float,
+    params: float,
+    step_s: float,
+    sites: int,
+    rtt_s: float,
+    H_min: int,
+    H_max: int,
+    codec_bits: dict[str, float],
+    target: float,
+) -> dict[str, Any]:
+    """DiLoCo's H and codec for a link of ``bps`` and ``rtt_s``: the least compression (most bits)
+    that reaches ``target`` with some H <= ``H_max``, with the smallest such H (the least
+    staleness); when no codec reaches it, the most compressed at ``H_max`` (the highest
+    utilisation). Returns {codec, H, predicted_utilization, meets_target}."""
+
+    def u(bits: float, H: int) -> float:
+        return utilization("diloco", bps, params, step_s, sites, rtt_s, H, 1, 0, {"diloco": bits})
+
+    by_bits = sorted(codec_bits.items(), key=lambda kv: -kv[1])  # stable: equal widths keep the given order
+    for name, bits in by_bits:
+        if u(bits, H_max) >= target:
+            lo, hi = H_min, H_max  # u grows with H: the smallest H that reaches the target
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if u(bits, mid) >= target else (mid + 1, hi)
+            return {"codec": name, "H": lo, "predicted_utilization": u(bits, lo), "meets_target": True}
+    name, bits = by_bits[-1]
+    return {"codec": name, "H": H_max, "predicted_utilization": u(bits, H_max), "meets_target": False}

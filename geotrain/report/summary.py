@@ -84,6 +84,8 @@ def run_summary(
         "utilization": min(r["utilization"] for r in ranks),
         # each site's measured pace: steps run, compute seconds per step (network waits excluded), busy fraction
         "pace": run.get("pace", []),
+        # sync.adapt: each round's measured link and the H and codec chosen for the next round
+        "adapt": run.get("adapt", []),
         "per_site": [
             {
                 "site": name,

@@ -156,6 +156,7 @@ def train_loop(
     clock = StepClock(stats, timeline)
     t_start, t_origin = time.perf_counter(), time.monotonic()
     record: dict[str, Any] = {"step": 0, "tokens": 0}
+    seen_adapt = 0
     last = steps
     for step in range(start + 1, sync.step_limit(steps) + 1):
         if privacy.active and (step > privacy.max_steps or sync.budget_exhausted()):
@@ -183,6 +184,11 @@ def train_loop(
         scheduler.step()
         clock.stop()
         done = sync.done  # the run ended at this step's round boundary (same on every rank)
+        adapted = sync.adapt_log()
+        if len(adapted) > seen_adapt:  # sync.adapt: print each change of H or codec, and why
+            seen_adapt, a = len(adapted), adapted[-1]
+            if a["changed"] and me.rank == 0:
+                log(me, step, f"adapt: H {a['H']} -> {a['next']['H']}, codec {a['codec']} -> {a['next']['codec']}: {a['why']}")
         if done:
             last = step
         record = {

@@ -255,6 +255,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
                 "guard_events": list(sync.guard.events) if sync.guard is not None else [],
                 "codec": cfg.sync.codec,
                 "pace": sync.pace_log(),
+                "adapt": sync.adapt_log(),
                 "params": n_params,
                 "link_emulation": comm.wan.mode if comm.wan is not None else "off",
                 "threads_per_rank": threads,

@@ -282,6 +282,10 @@ class SyncAlgorithm:
         """Each round boundary's measured step rates and the inner steps chosen for the next round."""
         return []
 
+    def adapt_log(self) -> list[dict[str, Any]]:
+        """``sync.adapt``: each round's measured link and the H and codec chosen for the next round."""
+        return []
+
     def world_steps(self, step: int) -> int:
         """Inner steps run by all ranks together when this rank has run ``step`` (for token counts)."""
         return step * self.comm.groups.topology.world_size

@@ -22,6 +22,7 @@ import torch.nn as nn
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed, RoundPostponed
+from geotrain.sync.adapt import NetworkAdapter
 from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
 from geotrain.sync.pace import RoundClock
 from geotrain.sync.reducer import SiteReducer
@@ -48,8 +49,20 @@ class DiLoCo(OuterSync):
         super().__init__(model, optimizer, comm, grad_clip, cfg)
         self.outer_optimizer = self._outer_optimizer(self.global_params)
         self._steps_in_round = 0
-        self.reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], sharded=self.sharded)
+        shapes = [p.shape for p in self.local_params()]
+        self.reducer = SiteReducer(cfg, comm, shapes, sharded=self.sharded)
         self.clock = RoundClock(comm, self.H, cfg.pace == "adaptive")
+        self.adapter: NetworkAdapter | None = None  # sync.adapt: H and codec follow the measured network
+        if cfg.adapt is not None:
+            self.adapter = NetworkAdapter(
+                cfg.adapt,
+                comm,
+                sum(s.numel() for s in shapes),
+                self.H,
+                cfg.codec,
+                self.reducer,
+                lambda codec: SiteReducer(cfg.model_copy(update={"codec": codec}), comm, shapes, sharded=self.sharded),
+            )
 
     def after_step(self) -> None:
         super().after_step()
@@ -90,6 +103,9 @@ class DiLoCo(OuterSync):
     def pace_log(self) -> list[dict[str, Any]]:
         return self.clock.log
 
+    def adapt_log(self) -> list[dict[str, Any]]:
+        return [] if self.adapter is None else self.adapter.log
+
     def round_steps(self, steps: int) -> list[int]:
         return list(self.clock.steps_run)
 
@@ -116,11 +132,15 @@ class DiLoCo(OuterSync):
         delta = pseudo_gradient(self.global_params, self.local_params())
         self.clock.exchange(self._steps_in_round)  # every site's steps (and, adaptive, its pace)
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
+        if self.adapter is not None:
+            self.adapter.start_average()
         try:
             self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
         except RoundPostponed:
             return
         except RoundFailed as exc:
+            if self.adapter is not None:  # nothing to measure: the next round keeps H and codec
+                self.adapter.skip_round()
             self._roll_back(range(len(self.params)), str(exc))
             self._steps_in_round = 0
             self.rounds += 1
@@ -132,6 +152,10 @@ class DiLoCo(OuterSync):
         # 5. local ← global
         for g, p in zip(self.global_params, self.local_params(), strict=True):
             p.copy_(g)
+        if self.adapter is not None and self.adapter.end_round(self.rounds + 1, self._steps_in_round):
+            # the next round's H and codec, chosen from this round's measured link (sync.adapt)
+            self.H = self.clock.H = self.clock.limit = self.adapter.H
+            self.reducer = self.adapter.reducer
         self._steps_in_round = 0
         self.rounds += 1
         self._note("committed", "")

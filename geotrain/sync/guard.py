@@ -9,6 +9,9 @@ same numbers and reaches the same decision without a coordinator:
 * excluded if, once ``warmup`` accepted norms are known for this fragment, it exceeds
   ``norm_factor`` × the median of the last ``window`` accepted ones.
 
+With ``sync.adapt`` H changes between rounds and a pseudo-gradient's norm grows with the steps
+it spans, so there the norms are per inner step (the norm divided by the round's steps).
+
 An excluded site contributes zeros and the average divides by the sites included; if none is
 left the round fails and is rolled back. This protects against faulty sites (a bug, bad
 hardware, a diverging replica), not against a malicious one that lies about its norm. With
@@ -65,9 +68,10 @@ class UpdateGuard:
             return f"norm {v:.4g} > {self.cfg.norm_factor:g} x median {ref:.4g}{whose}"
         return None
 
-    def include(self, delta: torch.Tensor, key: int, round_id: int) -> list[bool]:
-        """Exchange norms; which sites' ``delta`` go into this round's average."""
-        norms = self.comm.site_values(self.site_norm(delta))
+    def include(self, delta: torch.Tensor, key: int, round_id: int, per: int = 1) -> list[bool]:
+        """Exchange norms (each divided by ``per``, the round's steps when H varies); which sites'
+        ``delta`` go into this round's average."""
+        norms = self.comm.site_values(self.site_norm(delta) / per)
         with self._lock:
             hist = self.history.setdefault(key, [])
             ok = []

@@ -91,7 +91,8 @@ class OuterSync(SyncAlgorithm):
             return
         included = [True] * self.num_sites
         if self.guard is not None:
-            included = self.guard.include(delta, key, round_id)
+            # sync.adapt: H varies between rounds, so the guard compares norms per inner step
+            included = self.guard.include(delta, key, round_id, per=max(1, steps) if self.cfg.adapt is not None else 1)
             if not any(included):
                 raise RoundFailed(f"round {round_id}: every site's update was rejected by the guard")
             if not included[self.comm.groups.me.site_index]:

@@ -15,6 +15,9 @@ In-process mode (``topology.links.emulate=inprocess``, no root needed):
   then. The sender does not wait (a socket send into a deep buffer), so latency delays delivery
   without occupying the link, and chunks in flight on several lanes keep the link busy across
   its latency, as TCP does with a window of the bandwidth-delay product.
+* **Scheduled changes** (``topology.links.changes``): the file also holds the time the run's first
+  rank mapped it; a send ``t`` seconds later uses the link as changed by then
+  (:meth:`Topology.link_at`), e.g. a wide-area link 10x slower after a minute.
 * The real bytes cross loopback at once, so loopback speed does not add to the emulated time
   as long as it is faster than the emulated link.
 
@@ -39,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from geotrain.comm.topology import Topology
+from geotrain.config import LinkConfig
 
 
 def state_path(run_key: str) -> Path:
@@ -55,16 +59,25 @@ class SharedLinks:
     def __init__(self, path: Path, num_sites: int) -> None:
         self.path = path
         self.n = num_sites
-        size = 8 * num_sites * num_sites
+        self._t0_off = 8 * num_sites * num_sites  # after the busy times: when the run's emulation started
+        size = self._t0_off + 8
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             if os.fstat(self._fd).st_size < size:
                 os.ftruncate(self._fd, size)
+            self._mm = mmap.mmap(self._fd, size)
+            (t0,) = struct.unpack_from("d", self._mm, self._t0_off)
+            if t0 == 0:  # the first rank of the run to get here starts the clock of scheduled link changes
+                struct.pack_into("d", self._mm, self._t0_off, time.monotonic())
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._mm = mmap.mmap(self._fd, size)
         self._lock = threading.Lock()
+
+    @property
+    def t0(self) -> float:
+        """CLOCK_MONOTONIC time the run's link emulation started (shared by every rank of the run)."""
+        return float(struct.unpack_from("d", self._mm, self._t0_off)[0])
 
     def reserve(self, src: int, dst: int, seconds: float, earliest: float) -> float:
         """Occupy link ``src -> dst`` for ``seconds`` from ``max(earliest, busy_until)``; the end time."""
@@ -101,8 +114,14 @@ class WanEmulator:
     def paces_bandwidth(self) -> bool:
         return self.links is not None
 
+    def link(self, other_site: int) -> LinkConfig:
+        """The link to ``other_site`` now, with the scheduled changes that have happened."""
+        if self.links is None or not self.topology.changes:
+            return self.topology.link(self.site, other_site)
+        return self.topology.link_at(self.site, other_site, time.monotonic() - self.links.t0)
+
     def latency(self, other_site: int) -> float:
-        return self.topology.link(self.site, other_site).latency_s
+        return self.link(other_site).latency_s
 
     def pace(self, sends: Sequence[tuple[int, int]]) -> list[float]:
         """Queue ``sends`` = [(destination site, bytes)] on their links; each send's arrival time.
@@ -117,7 +136,7 @@ class WanEmulator:
         now = time.monotonic()
         out = []
         for dst, nbytes in sends:
-            link = self.topology.link(self.site, dst)
+            link = self.link(dst)
             end = self.links.reserve(self.site, dst, nbytes * 8 / link.bandwidth_bps, now)
             out.append(end + link.latency_s)
         return out

@@ -1,0 +1,160 @@
+"""Adaptation to the measured network (sync.adapt): the planner's formula picks H and codec, the
+link emulation follows a scheduled change, and a real run follows a 10x slowdown."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from geotrain.bench.adapt import adapt_record, plot_adapt
+from geotrain.comm.emulate.inprocess import SharedLinks
+from geotrain.comm.topology import Topology
+from geotrain.config import CODEC_BITS, TopologyConfig, load_config
+from geotrain.errors import ConfigError
+from geotrain.launch.local import launch_local
+from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, utilization
+from tests.helpers import TINY
+
+BITS = {"none": 32.0, "bf16": 16.0, "int8": 8.0, "fp4": 4.0}
+
+
+def _brute_force(
+    bps: float, params: float, step_s: float, sites: int, rtt: float, lo: int, hi: int, target: float
+) -> tuple[str, int]:
+    """The planner's formula evaluated at every codec and every H: the least compression that reaches
+    the target, its smallest H; else the highest utilisation (ties: the most compression, H_max)."""
+    u = {
+        (c, h): utilization("diloco", bps, params, step_s, sites, rtt, h, 1, 0, {"diloco": b})
+        for c, b in BITS.items()
+        for h in range(lo, hi + 1)
+    }
+    for c in sorted(BITS, key=lambda c: -BITS[c]):
+        ok = [h for h in range(lo, hi + 1) if u[(c, h)] >= target]
+        if ok:
+            return c, ok[0]
+    return max(u, key=lambda k: (u[k], -BITS[k[0]], k[1]))
+
+
+@pytest.mark.parametrize("bps", [1e6, 1e7, 3e7, 1e8, 1e9, 1e11])
+@pytest.mark.parametrize("rtt", [0.002, 0.08])
+def test_choose_round_is_the_planner_formulas_answer(bps: float, rtt: float) -> None:
+    params, step_s, sites, lo, hi, target = 5e6, 0.05, 3, 5, 300, 0.85
+    got = choose_round(bps, params, step_s, sites, rtt, lo, hi, BITS, target)
+    assert (got["codec"], got["H"]) == _brute_force(bps, params, step_s, sites, rtt, lo, hi, target)
+    u = utilization("diloco", bps, params, step_s, sites, rtt, got["H"], 1, 0, {"diloco": BITS[got["codec"]]})
+    assert got["predicted_utilization"] == u and got["meets_target"] == (u >= target)
+
+
+def test_achieved_bandwidth_inverts_the_formulas_transfer_time() -> None:
+    params, sites, rtt, bps = 2e6, 4, 0.05, 3e7
+    vol, lat = _volume_latency(params, 32, sites, rtt)
+    assert math.isclose(achieved_bps(vol / 8, vol / bps + lat, sites, rtt), bps, rel_tol=1e-12)
+    # a measured time shorter than the model's latency still gives a finite, large bandwidth
+    assert math.isfinite(achieved_bps(1e6, lat / 2, sites, rtt))
+
+
+def test_scheduled_link_changes_follow_regions_pairs_and_time() -> None:
+    regions = [{"name": "eu", "sites": ["A", "B"]}, {"name": "us", "sites": ["C"]}]
+    changes = [
+        {"after_s": 10, "bandwidth_scale": 0.1},
+        {"after_s": 20, "bandwidth_scale": 0.5, "latency_scale": 2, "sites": ["A", "B"]},
+    ]
+    cfg = TopologyConfig.model_validate(
+        {"sites": [{"name": n, "workers": 1} for n in "ABC"], "regions": regions, "links": {"changes": changes}}
+    )
+    t = Topology.from_config(cfg)
+    bw = t.inter_link.bandwidth_bps
+    assert t.link_at(0, 2, 9.9).bandwidth_bps == bw and t.link_at(0, 2, 10).bandwidth_bps == 0.1 * bw  # between regions
+    assert t.link_at(0, 1, 15).bandwidth_bps == bw  # inside a region: unnamed changes do not touch it
+    late = t.link_at(1, 0, 25)  # a named pair, either direction
+    assert late.bandwidth_bps == 0.5 * bw and late.latency_s == 2 * t.inter_link.latency_s
+    flat = Topology.from_config(
+        TopologyConfig.model_validate({"sites": cfg.model_dump()["sites"], "links": {"changes": changes[:1]}})
+    )
+    assert flat.link_at(0, 1, 11).bandwidth_bps == 0.1 * bw  # without regions every inter-site link
+
+
+def test_the_clock_of_link_changes_is_shared_by_every_rank_of_a_run(tmp_path: Path) -> None:
+    a = SharedLinks(tmp_path / "links", 2)
+    b = SharedLinks(tmp_path / "links", 2)  # a second process maps the same file later
+    assert a.t0 > 0 and b.t0 == a.t0
+    a.close()
+    b.close(unlink=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sync.adapt={}", "sync.algorithm=streaming"], "sync.algorithm: not combined with sync.adapt yet"),
+        (["sync.adapt={}", "sync.pace=adaptive"], "sync.pace: not combined with sync.adapt yet"),
+        (["sync.adapt={}", "checkpoint.every=5"], "checkpoint.every: not combined with sync.adapt yet"),
+        (["sync.adapt={H_min: 100}"], "sync.H: the first round's H must lie in"),
+        (["sync.adapt={codecs: [int8]}"], "sync.codec: the first round's codec must be one of sync.adapt.codecs"),
+        (["sync.adapt={H_min: 300, H_max: 200}", "sync.H=250"], "sync.adapt.H_min: must be at most H_max=200"),
+        (["sync.adapt={codecs: [none, none]}"], "sync.adapt.codecs: each codec once"),
+        (["sync.adapt={codecs: [none, topk]}"], "sync.adapt.codecs[1]: Input should be"),
+        (["topology.links.emulate=off", "topology.links.changes=[{after_s: 5, bandwidth_scale: 0.1}]"], "in-process only"),
+        (["topology.links.changes=[{after_s: 5, bandwidth_scale: 0.1, sites: [A, Z]}]"], "unknown site 'Z'"),
+        (["topology.links.changes=[{after_s: 5, bandwidth_scale: 0}]"], "bandwidth_scale"),
+    ],
+)
+def test_bad_adaptation_configs_are_refused_in_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_measures_the_link_and_follows_a_10x_slowdown_with_the_planners_choice(tmp_path: Path) -> None:
+    """Two sites on an emulated 1 Mbit/s, 20 ms link that becomes 10x slower 6 s in: every round's
+    choice is the planner formula's answer for the link measured in that round, the measurement is
+    the configured link, and the slowdown is followed within 2 rounds."""
+    after_s, lo, hi, target = 6.0, 2, 400, 0.5
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
+            "topology.links.inter.bandwidth_bps=1e6",
+            "topology.links.inter.latency_s=0.02",
+            "sync.H=5",
+            f"sync.adapt={{target: {target}, H_min: {lo}, H_max: {hi}}}",
+            f"topology.links.changes=[{{after_s: {after_s}, bandwidth_scale: 0.1}}]",
+            "train.steps=3000",
+            "train.eval_every=1000000",
+            "run.baseline=none",
+            "train.save_final=false",
+        ],
+    )
+    s = launch_local(cfg, tmp_path / "run", console_print=None)
+    log = s["adapt"]
+    assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
+    assert [a["round"] for a in log] == list(range(1, s["rounds"] + 1))
+    codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
+    for prev, a in zip([None, *log], log, strict=False):
+        # the agreed link from every site's measurements, and the planner's choice for it
+        assert a["rtt_s"] == min(a["ping_s"])
+        assert a["link_bps"] == achieved_bps(max(a["bytes"]), min(a["allreduce_s"]), 2, a["rtt_s"])
+        assert a["next"] == choose_round(a["link_bps"], s["params"], max(a["step_s"]), 2, a["rtt_s"], lo, hi, codecs, target)
+        assert a["H"] == (5 if prev is None else prev["next"]["H"]) and a["codec"] == (
+            "none" if prev is None else prev["next"]["codec"]
+        )
+        assert lo <= a["next"]["H"] <= hi
+    # the measurement is the emulated link: 20 ms each way, 1 Mbit/s (the transfer of the fp32 ring)
+    before = [a for a in log if a["t_s"] < after_s]
+    assert before and all(0.03 <= a["rtt_s"] <= 0.09 for a in log), [a["rtt_s"] for a in log]
+    assert all(0.6e6 <= a["link_bps"] <= 1.2e6 for a in before if a["codec"] == "none"), [a["link_bps"] for a in before]
+    # the first round whose whole average ran after the slowdown sees it; H or the codec changes at
+    # the first boundary after the slowdown, at that round's or at the next one (within 2 rounds)
+    slow = next(i for i, a in enumerate(log) if a["t_s"] - max(a["allreduce_s"]) - max(a["ping_s"]) >= after_s)
+    first = next(i for i, a in enumerate(log) if a["t_s"] >= after_s)
+    assert log[slow]["link_bps"] < 0.2e6, log[slow]
+    assert any(a["changed"] for a in log[first : slow + 2]), log[first : slow + 2]
+    assert log[-1]["codec"] != "none" or log[-1]["H"] > before[-1]["H"]
+    # the benchmark's record and plot of this run (geotrain bench tiers)
+    rec = adapt_record(s, cfg, after_s)
+    assert len(rec["timeline"]) == len(log) and rec["rounds_to_follow"] in (1, 2) and rec["follow_met"]
+    assert plot_adapt(rec, tmp_path / "adapt.png").stat().st_size > 10_000
