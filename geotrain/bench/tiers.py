@@ -7,7 +7,9 @@ Two regions of two sites (one worker each): 10 Gbit/s, 1 ms between the sites of
 * ``tiered``: ``sync.region_every=4``, plain averaging inside a region every H steps and the outer
   step across regions every 4H (the arrangement geotrain uses);
 * ``tiered-nesterov``: the same with the outer optimizer at both tiers (``region_outer=nesterov``,
-  HALoS-like; the rejected alternative, one measured row).
+  HALoS-like; the rejected alternative, one measured row);
+* ``flat-same-bytes``: flat DiLoCo every 4H steps, the same bytes over the slow tier as
+  ``tiered`` (what the region tier buys at equal slow-tier traffic).
 
 It writes ``runs: [{mode, seed, slow_tier_bytes, eval_loss, utilization, ...}]`` and the targets.
 
@@ -27,10 +29,12 @@ from geotrain.bench.adapt import adapt_overrides, adapt_record
 from geotrain.bench.common import table
 from geotrain.config import Config, load_config
 
+REGION_EVERY = 4
 MODES = {
     "flat": ["sync.region_every=0"],
-    "tiered": ["sync.region_every=4", "sync.region_outer=average"],
-    "tiered-nesterov": ["sync.region_every=4", "sync.region_outer=nesterov"],
+    "tiered": [f"sync.region_every={REGION_EVERY}", "sync.region_outer=average"],
+    "tiered-nesterov": [f"sync.region_every={REGION_EVERY}", "sync.region_outer=nesterov"],
+    "flat-same-bytes": ["sync.region_every=0"],  # flat at H = REGION_EVERY x H1: tiered's slow-tier bytes
 }
 TOPOLOGY = (
     "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]",
@@ -47,7 +51,7 @@ def tiers_config(mode: str, steps: int, H: int, seed: int, extra: list[str] | No
         [
             *TOPOLOGY,
             "sync.algorithm=diloco",
-            f"sync.H={H}",
+            f"sync.H={REGION_EVERY * H if mode == 'flat-same-bytes' else H}",
             *MODES[mode],
             "guard.enabled=false",  # not combined with the region tier yet (docs/HETERO.md)
             f"train.steps={steps}",
@@ -122,7 +126,7 @@ def bench_tiers(
 
 
 def tiers_targets(means: dict[str, dict[str, float]]) -> dict[str, Any]:
-    flat, tiered, nest = means["flat"], means["tiered"], means["tiered-nesterov"]
+    flat, tiered, nest, same = means["flat"], means["tiered"], means["tiered-nesterov"], means["flat-same-bytes"]
     ratio = flat["slow_tier_bytes"] / max(1.0, tiered["slow_tier_bytes"])
     gap = tiered["eval_loss"] / flat["eval_loss"] - 1
     return {
@@ -131,6 +135,7 @@ def tiers_targets(means: dict[str, dict[str, float]]) -> dict[str, Any]:
         "tiered_loss_vs_flat": gap,
         "loss_met": abs(gap) <= 0.01,
         "tiered_nesterov_loss_vs_flat": nest["eval_loss"] / flat["eval_loss"] - 1,
+        "tiered_loss_vs_flat_same_bytes": tiered["eval_loss"] / same["eval_loss"] - 1,
     }
 
 
@@ -149,7 +154,8 @@ def print_tiers(result: dict[str, Any], console: Any) -> None:
     console.print(
         f"tiered sends {tg['slow_tier_bytes_ratio']:.2f}x fewer slow-tier bytes than flat (target >= 4x: "
         f"{'met' if tg['bytes_met'] else 'MISSED'}); eval loss {tg['tiered_loss_vs_flat']:+.2%} vs flat (target within 1%: "
-        f"{'met' if tg['loss_met'] else 'MISSED'}); nesterov at both tiers {tg['tiered_nesterov_loss_vs_flat']:+.2%}"
+        f"{'met' if tg['loss_met'] else 'MISSED'}); nesterov at both tiers {tg['tiered_nesterov_loss_vs_flat']:+.2%}; "
+        f"tiered vs flat at {REGION_EVERY}H (the same slow-tier bytes) {tg['tiered_loss_vs_flat_same_bytes']:+.2%}"
     )
     if result.get("adaptive"):
         print_adapt(result["adaptive"], console)

@@ -98,11 +98,15 @@ class OuterSync(SyncAlgorithm):
             if not included[self.comm.groups.me.site_index]:
                 delta.zero_()
                 reducer.forget_residual()  # else its old error feedback would still be sent
-        weights = self.site_weights(steps, included)
-        nonzero = {w for w in weights if w}
-        if len(nonzero) == 1:  # equal weights: sum, then divide (the same bits whether weighted or not)
+        self._weighted_average(delta, reducer, self.site_weights(steps, included))
+
+    def _weighted_average(self, delta: torch.Tensor, reducer: SiteReducer, weights: Sequence[float]) -> None:
+        """Replace this site's ``delta`` by the average over sites with ``weights`` (one per site, in
+        site order; 0 for a site left out, or outside the sites ``reducer`` sums over)."""
+        nonzero = [w for w in weights if w]
+        if len(set(nonzero)) == 1:  # equal weights: sum, then divide (the same bits whether weighted or not)
             reducer(delta)
-            delta.div_(sum(included))
+            delta.div_(len(nonzero))
         else:
             delta.mul_(weights[self.comm.groups.me.site_index] / sum(weights))
             reducer(delta)

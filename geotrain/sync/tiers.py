@@ -58,30 +58,24 @@ class TieredDiLoCo(DiLoCo):
             self._finishing = True
             self.outer_step()
 
-    def _tier_average(self, delta: torch.Tensor, reducer: SiteReducer, sites: list[int]) -> None:
-        """Token-weighted average of ``delta`` over ``sites`` (every site runs the same steps, so a
-        site's tokens are in proportion to its workers)."""
+    def _tier_weights(self, sites: list[int]) -> list[float]:
+        """Each site's weight in a tier's average over ``sites`` (0 for the others): every site runs
+        the same steps, so a site's tokens are in proportion to its workers."""
         workers = self.comm.groups.topology.workers
-        weights = [workers[s] if self.weight_by_tokens else 1 for s in sites]
-        if len(set(weights)) == 1:  # equal weights: sum, then divide
-            reducer(delta)
-            delta.div_(len(sites))
-        else:
-            delta.mul_(weights[sites.index(self.comm.groups.me.site_index)] / sum(weights))
-            reducer(delta)
+        return [float(workers[s] if self.weight_by_tokens else 1) if s in sites else 0.0 for s in range(self.num_sites)]
 
     @torch.no_grad()
     def outer_step(self) -> None:
         # 1. inside the region
         delta = pseudo_gradient(self.region_params, self.local_params())
-        self._tier_average(delta, self.region_reducer, self.region_sites)
+        self._weighted_average(delta, self.region_reducer, self._tier_weights(self.region_sites))
         outer_step_(self.region_optimizer, self.region_params, delta)
         self.region_rounds += 1
         target = self.region_params
         # 2. across regions, every `every` region rounds (and to close the run)
         if self.region_rounds % self.every == 0 or self._finishing:
             world = pseudo_gradient(self.global_params, self.region_params)
-            self._tier_average(world, self.reducer, list(range(self.num_sites)))
+            self._weighted_average(world, self.reducer, self._tier_weights(list(range(self.num_sites))))
             outer_step_(self.outer_optimizer, self.global_params, world)
             for r, g in zip(self.region_params, self.global_params, strict=True):
                 r.copy_(g)
