@@ -53,3 +53,8 @@ class ElasticTimeout(RuntimeError):
 
 class CoordinatorDown(RuntimeError):
     """The Lighthouse (membership coordinator) cannot be reached."""
+
+
+class SyncerTimeout(RuntimeError):
+    """Asynchronous quorum rounds: a site waited longer than ``sync.quorum.timeout_s`` for the
+    syncer's answer; it stops."""

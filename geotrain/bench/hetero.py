@@ -7,7 +7,12 @@ at the same round boundary), then evaluates the global model:
 
 * ``sync``: lock-step DiLoCo, H inner steps on every site; the fast sites wait at each boundary;
 * ``adaptive``: ``sync.pace=adaptive``, each site runs about H · rate_s / rate_max steps per
-  round from the rates measured in the run.
+  round from the rates measured in the run;
+* ``async``: asynchronous quorum rounds (``sync.quorum``): a round merges as soon as one site
+  has delivered; a late site's update is merged later with a staleness discount, and the late
+  site goes on at once. Every site runs H steps per round;
+* ``async-q2``: the same with a quorum of 2 and a 1 s grace window (the two fast sites wait for
+  each other).
 
 It writes ``runs: [{mode, seed, site, utilization, steps, step_seconds}]`` and
 ``eval_loss: {mode: mean over seeds}``, with the targets evaluated on them.
@@ -24,7 +29,12 @@ from geotrain.bench.common import table
 from geotrain.config import Config, load_config
 
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
-MODES = {"sync": "lockstep", "adaptive": "adaptive"}
+MODES = {
+    "sync": ["sync.pace=lockstep"],
+    "adaptive": ["sync.pace=adaptive"],
+    "async": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}"],
+    "async-q2": ["sync.pace=lockstep", "sync.quorum={sites: 2, grace_s: 1.0}"],
+}
 
 
 def hetero_config(mode: str, seconds: float, H: int, seed: int, extra: list[str] | None = None) -> Config:
@@ -36,7 +46,7 @@ def hetero_config(mode: str, seconds: float, H: int, seed: int, extra: list[str]
             "topology.links.inter.bandwidth_bps=1e9",
             "topology.links.inter.latency_s=0.02",
             "sync.algorithm=diloco",
-            f"sync.pace={MODES[mode]}",
+            *MODES[mode],
             f"sync.H={H}",
             "train.steps=1000000",
             f"train.max_seconds={seconds}",
@@ -64,11 +74,24 @@ def bench_hetero(
     runs: list[dict[str, Any]] = []
     losses: dict[str, list[float]] = {m: [] for m in MODES}
     walls: dict[str, list[float]] = {m: [] for m in MODES}
+    merges: list[dict[str, Any]] = []  # async modes: the syncer's merges, per seed
     for seed in seeds:
         for mode in MODES:
             s = launch_local(hetero_config(mode, seconds, H, seed, extra), out / f"{mode}-{seed}", console_print=None)
             losses[mode].append(s["final_eval_loss"])
             walls[mode].append(s["wall_seconds"])
+            if mode.startswith("async"):
+                stale = [x for m in s["pace"] for x in m["staleness"]]
+                merges.append(
+                    {
+                        "mode": mode,
+                        "seed": seed,
+                        "merges": len(s["pace"]),
+                        "updates": len(stale),
+                        "staleness_mean": sum(stale) / max(1, len(stale)),
+                        "staleness_max": max(stale, default=0),
+                    }
+                )
             for site, speed in zip(s["per_site"], SPEEDS, strict=True):
                 runs.append({"mode": mode, "seed": seed, "compute_speed": speed, "rounds": s["rounds"], **site})
             busy = ", ".join(f"{p['site']} {p['utilization']:.0%}" for p in s["per_site"])
@@ -81,6 +104,7 @@ def bench_hetero(
         "speeds": list(SPEEDS),
         "link": {"bandwidth_bps": 1e9, "latency_s": 0.02},
         "runs": runs,
+        "merges": merges,
         "eval_loss": eval_loss,
         "eval_loss_per_seed": losses,
         "wall_seconds": {m: sum(v) / len(v) for m, v in walls.items()},
@@ -130,6 +154,11 @@ def print_hetero(result: dict[str, Any], console: Any) -> None:
             f"{'met' if tg[f'{mode}_busy_met'] else 'MISSED'}); eval loss {result['eval_loss'][mode]:.4f} vs sync "
             f"{result['eval_loss']['sync']:.4f} ({tg[f'{mode}_loss_vs_sync']:+.2%}; target lower: {'met' if tg[f'{mode}_loss_met'] else 'MISSED'})"
         )
+    for m in result.get("merges", []):
+        console.print(
+            f"{m['mode']} seed {m['seed']}: {m['merges']} merges of {m['updates']} updates, staleness mean "
+            f"{m['staleness_mean']:.2f}, max {m['staleness_max']}"
+        )
     console.print(f"bench took {result['bench_seconds'] / 60:.1f} min")
 
 
@@ -156,7 +185,7 @@ def plot_hetero(result: dict[str, Any], path: Path) -> Path:
     a.set_ylabel("busy (%): compute / wall")
     a.set_ylim(0, 105)
     b.set_ylabel(f"inner steps in {result['seconds']:g} s")
-    fig.suptitle(f"geotrain bench hetero (seed {seed}): lock-step vs adaptive rounds")
+    fig.suptitle(f"geotrain bench hetero (seed {seed}): lock-step, adaptive and asynchronous rounds")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

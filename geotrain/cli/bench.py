@@ -203,7 +203,7 @@ def bench_hetero_cmd(
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1",
     set_: SetOpt = None,
 ) -> None:
-    """Sites at compute speeds 1, 1, 0.5, 0.25 for the same wall time: lock-step DiLoCo against adaptive rounds."""
+    """Sites at compute speeds 1, 1, 0.5, 0.25 for the same wall time: lock-step DiLoCo, adaptive and asynchronous quorum rounds."""
     from geotrain.bench.hetero import bench_hetero, plot_hetero, print_hetero
 
     result = _over_seeds(seeds, set_, lambda s: bench_hetero(out, seconds, H, s, extra=set_, progress=progress_line))

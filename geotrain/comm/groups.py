@@ -89,6 +89,14 @@ def _site_groups(
     return intra, inter, region
 
 
+def leaders_group(topology: Topology) -> dist.ProcessGroup:
+    """A new group of every site's local rank 0, for messages that must not share a group with
+    any collective (:mod:`geotrain.comm.mailbox`). Collective: every rank of the world calls it."""
+    group = dist.new_group(topology.inter_ranks(0))
+    assert group is not None
+    return group
+
+
 @dataclass(frozen=True)
 class Lane:
     """One set of groups for chunks in flight: its own site, cross-site and world groups, so

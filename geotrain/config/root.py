@@ -94,6 +94,7 @@ class Config(Section):
         self._pace_fits()
         self._tiers_fit()
         self._adapt_fits()
+        self._quorum_fits(len(names))
         return self
 
     def _tiers_fit(self) -> None:
@@ -137,6 +138,28 @@ class Config(Section):
             (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
         ]
         _refuse(refused, "sync.adapt")
+
+    def _quorum_fits(self, n: int) -> None:
+        """sync.quorum: asynchronous rounds of plain DiLoCo; what it is not combined with yet (docs/HETERO.md)."""
+        q = self.sync.quorum
+        if q is None:
+            return
+        if q.sites > n:
+            raise ValueError(f"sync.quorum.sites: {q.sites} is more than the {n} sites in topology.sites (allowed: 1..{n})")
+        p = self.privacy
+        refused = [
+            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+            (self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
+            (self.sync.codec != "none", "sync.codec", "set sync.codec=none (the syncer merges fp32 pseudo-gradients)"),
+            (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
+            (self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
+            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
+            (p.secure_aggregation or p.dp.unit != "none", "privacy", "turn privacy off"),
+            (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
+            (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
+        ]
+        _refuse(refused, "sync.quorum")
 
     def _pace_fits(self) -> None:
         """sync.pace=adaptive and train.max_seconds end rounds by measurement: DiLoCo's lock-free parts only."""
@@ -215,7 +238,7 @@ class Config(Section):
         data["run"]["baseline"] = "none"
         if algorithm != "diloco":  # adaptive rounds and time limits are DiLoCo's: the baseline runs lock-step steps
             data["sync"]["pace"], data["train"]["max_seconds"], data["sync"]["region_every"] = "lockstep", 0, 0
-            data["sync"]["adapt"] = None
+            data["sync"]["adapt"] = data["sync"]["quorum"] = None
         if algorithm != "diloco":  # elastic mode (and site kills) is DiLoCo's; the baseline runs plain
             data["elastic"]["enabled"] = False
             data["fault"]["kill"], data["fault"]["hang"] = [], []

@@ -40,6 +40,34 @@ class AdaptConfig(Section):
         return self
 
 
+class QuorumConfig(Section):
+    """Asynchronous quorum rounds (DiLoCo; docs/HETERO.md): a syncer beside the first site's local
+    rank 0 merges pseudo-gradients when ``sites`` sites have delivered, plus ``grace_s``; a site
+    whose update was computed from an older global model is not made to wait, and its update is
+    merged later, discounted by its staleness."""
+
+    sites: int = Field(ge=1, le=100_000, description="Deliveries a round needs before it merges (at most the number of sites).")
+    grace_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Seconds a round stays open for more deliveries once it has its quorum ('.inf': until every running "
+        "site has delivered).",
+    )
+    staleness_power: float = Field(
+        default=0.5,
+        ge=0,
+        le=8,
+        description="A late update's weight is multiplied by (1 + staleness)^-power, staleness = merges since the global "
+        "model it started from (FedAsync's polynomial rule; 0: no discount).",
+    )
+    timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="Longest a site waits for the syncer's answer before the run stops with an error.",
+    )
+
+
 class SyncConfig(Section):
     algorithm: Literal["ddp", "diloco", "streaming"] = Field(
         default="diloco",
@@ -83,6 +111,12 @@ class SyncConfig(Section):
         description="Adaptation to the measured network: H (within H_min..H_max) and the codec chosen after every round "
         "from the measured link to hold a target utilisation (unset: fixed H and codec; set e.g. sync.adapt={} for the "
         "defaults).",
+    )
+    quorum: QuorumConfig | None = Field(
+        default=None,
+        description="Asynchronous quorum rounds (DiLoCo): merge when quorum.sites sites have delivered, plus quorum.grace_s; "
+        "late updates are merged later with a staleness discount and no site waits for the slowest one; a final "
+        "synchronous round leaves every site bit-identical (unset: lock-step rounds).",
     )
     allreduce: Literal["hierarchical", "flat"] = Field(
         default="hierarchical",

@@ -34,7 +34,7 @@ from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
 from geotrain.data import build_rank_data, tokenizer_file, vocab_size
 from geotrain.elastic.auth import optional_secret
-from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, MembershipRefused
+from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, MembershipRefused, SyncerTimeout
 from geotrain.models import build_model, count_params, export_model
 from geotrain.privacy.build import build_privacy
 from geotrain.report.metrics import MetricsSink, log, write_timeline
@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ElasticTimeout as exc:
         print(f"geotrain: elastic wait timed out: {exc}", file=sys.stderr, flush=True)
+        return 4
+    except SyncerTimeout as exc:
+        print(f"geotrain: sync.quorum: {exc}", file=sys.stderr, flush=True)
         return 4
     return 0
 

@@ -7,6 +7,7 @@
 - :mod:`.outer`: what DiLoCo and Streaming DiLoCo share (global parameters, outer step, rollback);
 - :mod:`.diloco`: DiLoCo (Douillard et al. 2023);
 - :mod:`.streaming`: Streaming DiLoCo (Douillard et al. 2025), its eager variant;
+- :mod:`.quorum`: asynchronous quorum rounds (a syncer; late updates merged with a staleness discount);
 - :mod:`.guard`: non-finite / outlier pseudo-gradients left out, the same way on every rank.
 """
 
@@ -22,11 +23,13 @@ from geotrain.sync.ddp import DDP
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.guard import UpdateGuard
 from geotrain.sync.outer import OuterSync
+from geotrain.sync.quorum import AsyncDiLoCo
 from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
 from geotrain.sync.tiers import TieredDiLoCo
 
 __all__ = [
+    "AsyncDiLoCo",
     "DDP",
     "DiLoCo",
     "OuterSync",
@@ -66,8 +69,18 @@ def build_sync(
     if cfg.algorithm == "ddp":
         alg = DDP(model, optimizer, comm, grad_clip, cfg.allreduce, cfg)
     else:
-        cls = StreamingDiLoCo if cfg.algorithm == "streaming" else TieredDiLoCo if cfg.region_every else DiLoCo
+        cls = (
+            StreamingDiLoCo
+            if cfg.algorithm == "streaming"
+            else TieredDiLoCo
+            if cfg.region_every
+            else AsyncDiLoCo
+            if cfg.quorum is not None
+            else DiLoCo
+        )
         outer = cls(model, optimizer, comm, grad_clip, cfg)
+        if cfg.quorum is not None:  # the guard's outlier test is collective; the syncer leaves non-finite updates out
+            guard = None
         outer.private, outer.guard, outer.nan_at = private, guard, set(nan_at or ())
         if guard is not None:
             guard.sharded = outer.sharded

@@ -1,0 +1,366 @@
+"""Asynchronous quorum rounds: DiLoCo where no site waits for the slowest one (``sync.quorum``).
+
+After Decoupled DiLoCo (DeepMind 2026, arXiv:2604.21428: learners merge when a quorum has
+arrived within a grace window, token-weighted) and HALoS (arXiv:2506.04531: a global
+parameter server that sites push to and pull from). A **syncer** holds the global model and
+the outer optimizer; it runs as a thread beside the first site's local rank 0 (site 0 talks to
+it in memory; the others by messages, :mod:`geotrain.comm.mailbox`). Each site:
+
+1. runs H inner steps from the global model of version ``base``, then sends its
+   pseudo-gradient Δ = θ_base − θ_local with ``base``, its steps and workers;
+2. **on time** (``base`` is the syncer's current version): waits for the round to merge;
+   **late** (merges happened since ``base``): its update joins the open round and the syncer
+   answers at once with the current global model, so a slow site never waits for a quorum it
+   would only hold up;
+3. continues from the global model it got back (its new ``base``).
+
+A round **merges** once it holds updates from ``quorum.sites`` sites (fewer when fewer are still
+running) and someone is waiting on it, after ``quorum.grace_s`` more (or as soon as every
+running site has delivered). The merge is DiLoCo's outer step on the weighted mean of the
+round's updates, in site order: weight = tokens (workers × steps; 1 without
+``weight_by_tokens``) × (1 + staleness)^-``staleness_power``, where staleness is the number of
+merges between an update's ``base`` and this merge. That is FedAsync's polynomial staleness
+rule (Xie et al. 2019, arXiv:1903.03934) under DiLoCo's Nesterov outer step. We did not use the
+delayed Nesterov of Async Local-SGD (Liu et al. 2024, arXiv:2401.09135): it holds the momentum
+back because there every single arrival is an outer step, while here every merge averages a
+quorum of updates, like a synchronous round (docs/DESIGN.md §26).
+
+With ``quorum.sites`` = every site and an infinite grace window, every site is always on time,
+every round holds every site's update from the same base, and the merge does the synchronous
+round's arithmetic in the same order: the run equals lock-step DiLoCo bit for bit (two sites:
+one addition, which is exact in either order; with more, the ring all-reduce adds in another
+order). At the end every site sends a **final** update (possibly of no steps) and waits; the
+syncer merges what is left once every site has, and sends every site the same model.
+
+Non-finite updates are left out by the syncer (the update guard's cross-site outlier test is a
+collective and is not applied here). Every wait is bounded by ``quorum.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from geotrain.comm.collectives import Collectives
+from geotrain.comm.groups import leaders_group
+from geotrain.comm.mailbox import Mailbox, Message
+from geotrain.config import QuorumConfig, SyncConfig
+from geotrain.errors import SyncerTimeout
+from geotrain.sync.base import views_like
+from geotrain.sync.diloco import DiLoCo
+from geotrain.sync.outer import outer_step_, pseudo_gradient
+
+UPDATE, FINAL = 1.0, 2.0
+FIELDS = 4  # site → syncer: [kind, base, steps, workers]; syncer → site: [version, world steps, 0, 0]
+
+
+@dataclass
+class Update:
+    """One site's delivery to the syncer."""
+
+    site: int
+    base: int  # version of the global model its round started from
+    steps: int
+    workers: int
+    delta: torch.Tensor  # flat fp32 pseudo-gradient (empty: a final delivery of no steps)
+    final: bool = False
+
+
+def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: bool, power: float) -> list[float]:
+    """Each update's weight in the merge that makes version ``version + 1``: tokens (or 1) times
+    (1 + staleness)^-power, staleness = ``version - base``."""
+    return [(float(u.workers * u.steps) if weight_by_tokens else 1.0) * (1.0 + (version - u.base)) ** -power for u in updates]
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """The weighted mean of ``deltas`` in order, with the synchronous round's arithmetic
+    (:meth:`OuterSync._weighted_average`): equal weights sum then divide, else scale then sum."""
+    if len(set(weights)) == 1:
+        out = deltas[0].clone()
+        for d in deltas[1:]:
+            out.add_(d)
+        return out.div_(len(deltas))
+    total = sum(weights)
+    out = deltas[0].mul(weights[0] / total)
+    for d, w in zip(deltas[1:], weights[1:], strict=True):
+        out.add_(d.mul(w / total))
+    return out
+
+
+class QuorumSyncer:
+    """The global model, the outer optimizer and the merge rule, in a thread (see the module docstring).
+
+    Args:
+        cfg: the quorum settings; ``weight_by_tokens``: weight updates by tokens.
+        workers: every site's workers, in site order.
+        theta: the initial global model (copied); ``make_optimizer``: the outer optimizer over a list of tensors.
+        mailbox: messages to and from the other sites' local rank 0 (``leaders``, in site order).
+    """
+
+    def __init__(
+        self,
+        cfg: QuorumConfig,
+        weight_by_tokens: bool,
+        workers: Sequence[int],
+        theta: Sequence[torch.Tensor],
+        make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        mailbox: Mailbox,
+        leaders: Sequence[int],
+    ) -> None:
+        self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
+        self.theta = [t.detach().clone() for t in theta]
+        self.optimizer = make_optimizer(self.theta)
+        self.mailbox, self.leaders = mailbox, list(leaders)
+        self.version = 0
+        self.world_steps = 0  # rank-steps merged so far
+        self.inbox: queue.Queue[Update] = queue.Queue()  # from site 0 (same process)
+        self.outbox: queue.Queue[tuple[list[float], torch.Tensor]] = queue.Queue()  # to site 0
+        self.log: list[dict[str, Any]] = []  # one entry per merge
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._guarded, name="quorum-syncer", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - handed to site 0's training thread, which raises it
+            self.error = exc
+
+    def _decode(self, msg: Message) -> Update:
+        kind, base, steps, workers = msg.fields
+        return Update(self.leaders.index(msg.src), int(base), int(steps), int(workers), msg.payload, final=kind == FINAL)
+
+    def _run(self) -> None:
+        n = len(self.workers)
+        incoming: queue.Queue[Message] = queue.Queue()
+        for r in self.leaders[1:]:  # each site's messages, until its final one
+            self.mailbox.listen(r, incoming, lambda m: m.fields[0] == FINAL)
+        pending: list[tuple[float, Update]] = []
+        open_: list[Update] = []
+        waiting: list[int] = []
+        finals: set[int] = set()
+        quorum_at: float | None = None
+        while not self._stop.is_set():
+            while not incoming.empty():
+                m = incoming.get_nowait()
+                pending.append((m.arrival, self._decode(m)))
+            while not self.inbox.empty():
+                pending.append((0.0, self.inbox.get_nowait()))
+            now = time.monotonic()
+            due = sorted((p for p in pending if p[0] <= now), key=lambda p: p[0])
+            pending = [p for p in pending if p[0] > now]
+            for _, u in due:
+                if u.final:
+                    finals.add(u.site)
+                elif u.base < self.version:  # late: merged later, and it goes on at once
+                    self._reply([u.site])
+                else:
+                    waiting.append(u.site)
+                if u.steps > 0:
+                    if bool(torch.isfinite(u.delta).all()):
+                        open_.append(u)
+                    else:
+                        self._note("rejected", [u], [], f"site {u.site}: non-finite update left out")
+            running = [s for s in range(n) if s not in finals]
+            if len(finals) == n:  # the final round: merge what is left, every site gets the same model
+                self._merge(open_, "final")
+                self._reply(sorted(finals))
+                return
+            delivered = {u.site for u in open_} | set(waiting)
+            if waiting and len(delivered) >= min(self.cfg.sites, len(running)):
+                quorum_at = now if quorum_at is None else quorum_at
+                if now >= quorum_at + self.cfg.grace_s or set(running) <= delivered:
+                    self._merge(open_, "quorum")
+                    open_, quorum_at = [], None
+                    self._reply(waiting)
+                    waiting = []
+            time.sleep(0.001)
+
+    def _merge(self, updates: list[Update], why: str) -> None:
+        if not updates:
+            return
+        ups = sorted(updates, key=lambda u: (u.site, u.base))
+        weights = merge_weights(ups, self.version, self.weight_by_tokens, self.cfg.staleness_power)
+        mean = weighted_mean([u.delta for u in ups], weights)
+        outer_step_(self.optimizer, self.theta, mean)
+        self._note(why, ups, weights, "")
+        self.version += 1
+        self.world_steps += sum(u.workers * u.steps for u in ups)
+
+    def _note(self, why: str, ups: Sequence[Update], weights: Sequence[float], reason: str) -> None:
+        self.log.append(
+            {
+                "version": self.version + (0 if reason else 1),
+                "t": round(time.monotonic() - self._t0, 3),
+                "kind": why,
+                "sites": [u.site for u in ups],
+                "staleness": [self.version - u.base for u in ups],
+                "steps": [u.steps for u in ups],
+                "weights": [round(w, 4) for w in weights],
+                **({"why": reason} if reason else {}),
+            }
+        )
+
+    def _reply(self, sites: Sequence[int]) -> None:
+        fields = [float(self.version), float(self.world_steps), 0.0, 0.0]
+        theta = torch.cat([t.reshape(-1) for t in self.theta])
+        for s in sites:
+            if s == 0:
+                self.outbox.put((fields, theta.clone()))
+            else:
+                self.mailbox.send(self.leaders[s], fields, theta)
+        self.mailbox.flush()  # each site posted its receive when it delivered
+
+
+class AsyncDiLoCo(DiLoCo):
+    """DiLoCo with asynchronous quorum rounds (``sync.quorum``; see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        comm: Collectives,
+        grad_clip: float,
+        cfg: SyncConfig,
+    ) -> None:
+        super().__init__(model, optimizer, comm, grad_clip, cfg)
+        assert cfg.quorum is not None
+        self.quorum = cfg.quorum
+        g = comm.groups
+        topo = g.topology
+        self.leaders = topo.inter_ranks(0)
+        group = leaders_group(topo)  # collective: every rank
+        self.leader = g.me.local_rank == 0
+        self.mailbox = Mailbox(comm, group, FIELDS) if self.leader else None
+        self.syncer: QuorumSyncer | None = None
+        if g.me.rank == self.leaders[0]:
+            assert self.mailbox is not None
+            self.syncer = QuorumSyncer(
+                cfg.quorum,
+                cfg.weight_by_tokens,
+                topo.workers,
+                self.global_params,
+                self._outer_optimizer,
+                self.mailbox,
+                self.leaders,
+            )
+        self.version = 0
+        self.world_total = 0
+        self.waits: list[float] = []  # seconds this site waited at each of its boundaries
+        self._max_seconds = 0.0
+        self._t0: float | None = None
+        self._done = False
+        self._finished = False
+
+    def add_compute(self, seconds: float) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter() - seconds
+
+    def set_limits(self, steps: int, max_seconds: float) -> None:
+        self._max_seconds = max_seconds  # each site checks its own clock; the final round is synchronous
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def eval_due(self, step: int, every: int) -> bool:
+        return False  # an evaluation is collective: only at the start and after the final round
+
+    def world_steps(self, step: int) -> int:
+        return self.world_total
+
+    def pace_log(self) -> list[dict[str, Any]]:
+        return [] if self.syncer is None else list(self.syncer.log)
+
+    def finish(self) -> None:
+        if not self._finished:
+            self._exchange(final=True)
+            self._finished = True
+            if self.syncer is not None:
+                self.syncer.close()
+
+    def close(self) -> None:
+        if self.syncer is not None:
+            self.syncer.close(timeout_s=1.0)
+        super().close()
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        self._exchange(final=False)
+
+    @torch.no_grad()
+    def _exchange(self, final: bool) -> None:
+        """Deliver this round's update (final: the last one, possibly of no steps), take the global
+        model the syncer sends back, and go on from it."""
+        g = self.comm.groups
+        steps = self._steps_in_round
+        delta = pseudo_gradient(self.global_params, self.local_params())
+        site = g.topology.site_names[g.me.site_index]
+        if (site, self.rounds) in self.nan_at:  # failure injection
+            delta.fill_(float("nan"))
+        t0 = time.perf_counter()
+        control = torch.zeros(3, dtype=torch.float64)  # version, world steps, stop
+        theta = torch.empty(delta.numel(), dtype=torch.float32)
+        if self.leader:
+            update = Update(g.me.site_index, self.version, steps, self.site_workers, delta if steps else delta[:0], final)
+            fields, theta = self._deliver(update)
+            time_up = bool(self._max_seconds) and self._t0 is not None and time.perf_counter() - self._t0 >= self._max_seconds
+            control[:] = torch.tensor([fields[0], fields[1], float(time_up)])
+        if len(g.intra_ranks) > 1:  # the site's other ranks get the leader's answer
+            for t in (control, theta):
+                dist.broadcast(t, g.intra_ranks[0], group=g.intra)
+                if self.leader:
+                    for r in g.intra_ranks[1:]:
+                        self.comm._count(r, t.numel() * t.element_size())
+        self.comm.add_wait(time.perf_counter() - t0)
+        self.waits.append(time.perf_counter() - t0)
+        for gp, v in zip(self.global_params, views_like(theta, self.global_params), strict=True):
+            gp.copy_(v)
+        for p, gp in zip(self.local_params(), self.global_params, strict=True):
+            p.copy_(gp)
+        self.version, self.world_total = int(control[0]), int(control[1])
+        self._done = bool(control[2])
+        if steps:
+            self.rounds += 1
+        self._steps_in_round = 0
+        self.clock.next_round(self.rounds)
+
+    def _deliver(self, update: Update) -> tuple[list[float], torch.Tensor]:
+        """Hand ``update`` to the syncer; its answer (version, world steps, ...; flat global model)."""
+        timeout = self.quorum.timeout_s
+        who = f"the syncer (site {self.comm.groups.topology.site_names[0]}'s local rank 0)"
+        if self.syncer is not None:
+            self.syncer.inbox.put(
+                Update(update.site, update.base, update.steps, update.workers, update.delta.clone(), update.final)
+            )
+            deadline = time.monotonic() + timeout
+            while True:
+                if self.syncer.error is not None:
+                    raise RuntimeError(f"sync.quorum: the syncer failed: {self.syncer.error!r}") from self.syncer.error
+                try:
+                    return self.syncer.outbox.get(timeout=0.01)
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
+        assert self.mailbox is not None
+        fields = [FINAL if update.final else UPDATE, float(update.base), float(update.steps), float(update.workers)]
+        self.mailbox.send(self.leaders[0], fields, update.delta)
+        msg = self.mailbox.receive(self.leaders[0], timeout)
+        if msg is None:
+            raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
+        self.mailbox.flush()
+        return msg.fields, msg.payload

@@ -1,0 +1,113 @@
+"""Asynchronous quorum rounds (sync.quorum): the merge rule, equality with lock-step DiLoCo when
+the quorum is every site, late sites that never wait, the final synchronous round, and the
+configs it refuses (real processes, Gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from geotrain.config import load_config
+from geotrain.errors import ConfigError
+from geotrain.launch.local import launch_local
+from geotrain.sync.quorum import Update, merge_weights, weighted_mean
+from tests.helpers import TINY
+
+TWO = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
+
+
+def test_merge_weights_are_tokens_discounted_by_staleness() -> None:
+    d = torch.zeros(1)
+    ups = [Update(0, 5, 10, 2, d), Update(1, 4, 10, 1, d), Update(2, 2, 5, 1, d)]
+    assert merge_weights(ups, 5, True, 0.5) == [20.0, 10.0 * 2**-0.5, 5.0 * 4**-0.5]
+    assert merge_weights(ups, 5, False, 0.5) == [1.0, 2**-0.5, 0.5]
+    assert merge_weights(ups, 5, True, 0.0) == [20.0, 10.0, 5.0]  # no discount
+    assert merge_weights(ups[:1], 5, True, 3.0) == [20.0]  # an update on time is not discounted
+
+
+def test_weighted_mean_does_the_synchronous_rounds_arithmetic() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(1000, generator=g) for _ in range(3))
+    assert torch.equal(weighted_mean([a, b], [3.0, 3.0]), (a + b) / 2)  # equal: sum, then divide
+    assert torch.equal(weighted_mean([a, b], [2.0, 1.0]), a * (2.0 / 3.0) + b * (1.0 / 3.0))  # scale, then sum
+    torch.testing.assert_close(weighted_mean([a, b, c], [1.0, 2.0, 1.0]), (a + 2 * b + c) / 4)
+
+
+def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg = load_config(None, TINY + ["run.baseline=none", "train.seed=3", *overrides])
+    summary = launch_local(cfg, tmp / name, console_print=None)
+    return summary, torch.load(tmp / name / "final_model.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_quorum_of_every_site_and_an_endless_grace_window_is_lock_step_diloco_bit_for_bit(tmp_path: Path) -> None:
+    """Sites of 2 and 1 workers, token-weighted, Nesterov outer steps; 3 rounds, then a last partial one."""
+    common = [TWO, "train.steps=14", "sync.H=4", "topology.links.emulate=off"]
+    sync, sync_w = _run(tmp_path, "sync", common)
+    asy, asy_w = _run(tmp_path, "async", [*common, "sync.quorum={sites: 2, grace_s: .inf}"])
+    assert sync_w.keys() == asy_w.keys()
+    assert all(torch.equal(sync_w[k], asy_w[k]) for k in sync_w)
+    assert asy["final_eval_loss"] == sync["final_eval_loss"]
+    assert len(set(asy["global_param_hash"].values())) == 1 and asy["hashes_agree_within_sites"]
+    merges = asy["pace"]  # the syncer's log: every round held both sites' updates, none late
+    assert [m["kind"] for m in merges] == ["quorum"] * 3 + ["final"]
+    assert all(m["sites"] == [0, 1] and m["staleness"] == [0, 0] for m in merges)
+    assert [m["steps"] for m in merges] == [[4, 4]] * 3 + [[2, 2]]
+    assert asy["inter_site_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_slow_site_is_late_never_waits_and_ends_on_the_same_model(tmp_path: Path) -> None:
+    """Site C runs at a quarter speed on an emulated 100 Mbit/s, 10 ms link; a quorum of one: the
+    fast sites merge on their own, C's updates arrive late and are merged with a staleness discount,
+    and the final round leaves every rank on one model."""
+    sites = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.25}]"
+    s, _ = _run(
+        tmp_path,
+        "late",
+        [
+            sites,
+            "sync.H=32",
+            "train.steps=100000",
+            "train.max_seconds=6",
+            "optim.schedule=constant",
+            "topology.links.emulate=inprocess",
+            "topology.links.inter.bandwidth_bps=1e8",
+            "topology.links.inter.latency_s=0.01",
+            "sync.quorum={sites: 1, grace_s: 0}",
+        ],
+    )
+    a, b, c = s["per_site"]
+    assert c["steps"] > 0 and a["steps"] > 1.5 * c["steps"]  # nobody waited for C
+    merges = s["pace"]
+    late = [(m["staleness"][i], m["weights"][i], m["steps"][i]) for m in merges for i, site in enumerate(m["sites"]) if site == 2]
+    assert late and all(st >= 1 for st, _, _ in late[:-1])  # C's rounds are late (its last one may not be)
+    assert all(w == pytest.approx(steps * (1 + st) ** -0.5, abs=1e-3) for st, w, steps in late)
+    assert merges[-1]["kind"] == "final"
+    assert sum(sum(m["steps"]) for m in merges) == a["steps"] + b["steps"] + c["steps"]  # every step merged once
+    # C never waits for a quorum: only for the round trip to the syncer (2 x 10 ms + 2 x 7 ms of transfer)
+    assert c["utilization"] > 0.8
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sync.quorum={sites: 5}"], "sync.quorum.sites: 5 is more than the 2 sites in topology.sites (allowed: 1..2)"),
+        (["sync.quorum={sites: 1}", "sync.algorithm=streaming"], "sync.algorithm: not combined with sync.quorum yet"),
+        (["sync.quorum={sites: 1}", "sync.pace=adaptive"], "sync.pace: not combined with sync.quorum yet"),
+        (["sync.quorum={sites: 1}", "sync.codec=int8"], "sync.codec: not combined with sync.quorum yet"),
+        (["sync.quorum={sites: 1}", "elastic.enabled=true"], "elastic.enabled: not combined with sync.quorum yet"),
+        (["sync.quorum={sites: 1, grace_s: -1}"], "grace_s"),
+        (["sync.quorum={grace_s: 1}"], "sites"),
+    ],
+)
+def test_bad_quorum_configs_are_refused_in_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
