@@ -12,7 +12,8 @@ import torch
 from geotrain.config import load_config
 from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
-from geotrain.sync.quorum import Update, merge_weights, weighted_mean
+from geotrain.sync.outer import outer_step_
+from geotrain.sync.quorum import DelayedNesterov, Update, merge_weights, weighted_mean
 from tests.helpers import TINY
 
 TWO = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
@@ -30,9 +31,40 @@ def test_merge_weights_are_tokens_discounted_by_staleness() -> None:
 def test_weighted_mean_does_the_synchronous_rounds_arithmetic() -> None:
     g = torch.Generator().manual_seed(0)
     a, b, c = (torch.randn(1000, generator=g) for _ in range(3))
-    assert torch.equal(weighted_mean([a, b], [3.0, 3.0]), (a + b) / 2)  # equal: sum, then divide
-    assert torch.equal(weighted_mean([a, b], [2.0, 1.0]), a * (2.0 / 3.0) + b * (1.0 / 3.0))  # scale, then sum
-    torch.testing.assert_close(weighted_mean([a, b, c], [1.0, 2.0, 1.0]), (a + 2 * b + c) / 4)
+    assert torch.equal(weighted_mean([a, b], [3.0, 3.0], 6.0), (a + b) / 2)  # equal: sum, then divide
+    assert torch.equal(weighted_mean([a, b], [2.0, 1.0], 3.0), a * (2.0 / 3.0) + b * (1.0 / 3.0))  # scale, then sum
+    torch.testing.assert_close(weighted_mean([a, b, c], [1.0, 2.0, 1.0], 4.0), (a + 2 * b + c) / 4)
+    # the discount shrinks a stale update outright, even alone in its merge (total = undiscounted tokens)
+    assert torch.equal(weighted_mean([a], [0.5], 1.0), a * 0.5)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_delayed_nesterov_over_every_merges_is_one_outer_step_on_their_mean(nesterov: bool) -> None:
+    cfg = load_config(None, [f"sync.nesterov={str(nesterov).lower()}"]).sync
+    gen = torch.Generator().manual_seed(1)
+    start = [torch.randn(30, generator=gen), torch.randn(4, 5, generator=gen)]
+    grads = [torch.randn(50, generator=gen) for _ in range(12)]
+
+    def sgd(theta: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(theta, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+
+    delayed = [t.clone() for t in start]
+    dn = DelayedNesterov(delayed, sgd(delayed), cfg, every=4)
+    ref = [t.clone() for t in start]
+    opt = sgd(ref)
+    for k in range(0, 12, 4):
+        for gk in grads[k : k + 4]:
+            dn.step(gk)
+        outer_step_(opt, ref, torch.stack(grads[k : k + 4]).mean(0))
+        for x, y in zip(delayed, ref, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    one = [t.clone() for t in start]
+    dn1, ref1 = DelayedNesterov(one, sgd(one), cfg, every=1), [t.clone() for t in start]
+    opt1 = sgd(ref1)
+    for gk in grads:  # every = 1 (a quorum of every site): the optimizer itself, bit for bit
+        dn1.step(gk)
+        outer_step_(opt1, ref1, gk)
+    assert all(torch.equal(x, y) for x, y in zip(one, ref1, strict=True))
 
 
 def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -80,19 +80,57 @@ def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: boo
     return [(float(u.workers * u.steps) if weight_by_tokens else 1.0) * (1.0 + (version - u.base)) ** -power for u in updates]
 
 
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """The weighted mean of ``deltas`` in order, with the synchronous round's arithmetic
-    (:meth:`OuterSync._weighted_average`): equal weights sum then divide, else scale then sum."""
-    if len(set(weights)) == 1:
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], total: float) -> torch.Tensor:
+    """Σ w·Δ / ``total`` in order, with the synchronous round's arithmetic
+    (:meth:`OuterSync._weighted_average`): equal weights that add up to ``total`` sum then divide,
+    else scale then sum. ``total`` is the round's undiscounted tokens, so a stale update's
+    discount shrinks its contribution outright, even when it is alone in its merge."""
+    if len(set(weights)) == 1 and total == sum(weights):
         out = deltas[0].clone()
         for d in deltas[1:]:
             out.add_(d)
         return out.div_(len(deltas))
-    total = sum(weights)
     out = deltas[0].mul(weights[0] / total)
     for d, w in zip(deltas[1:], weights[1:], strict=True):
         out.add_(d.mul(w / total))
     return out
+
+
+class DelayedNesterov:
+    """DiLoCo's outer SGD, with its momentum applied once every ``every`` merges (the delayed
+    Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135, §3.2).
+
+    Each merge's mean pseudo-gradient g is applied at once as ``lr·g/every``; every ``every``-th
+    merge the momentum buffer takes the mean of the last ``every`` and its momentum part is
+    applied too, so over ``every`` merges θ moves exactly as one synchronous outer step on their
+    mean. ``every`` = ⌈sites / quorum⌉: about the merges in which every site delivers once. With
+    ``every`` = 1 (a quorum of every site) it is the torch optimizer itself, bit for bit.
+    """
+
+    def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, every: int) -> None:
+        self.theta, self.optimizer, self.every = theta, optimizer, every
+        self.lr, self.beta, self.nesterov = cfg.outer_lr, cfg.outer_momentum, cfg.nesterov
+        self.momentum = torch.zeros(sum(t.numel() for t in theta))
+        self.pending = torch.zeros_like(self.momentum)
+        self.merges = 0
+
+    @torch.no_grad()
+    def step(self, g: torch.Tensor) -> None:
+        if self.every == 1:
+            outer_step_(self.optimizer, self.theta, g)
+            return
+        self.merges += 1
+        self.pending.add_(g)
+        for t, v in zip(self.theta, views_like(g, self.theta), strict=True):
+            t.add_(v, alpha=-self.lr / self.every)
+        if self.merges % self.every or not self.beta:
+            return
+        old = self.momentum.clone()
+        self.momentum.mul_(self.beta).add_(self.pending, alpha=1.0 / self.every)
+        extra = self.momentum if self.nesterov else old  # Nesterov: g + β·m_new; heavy ball: g + β·m_old
+        for t, v in zip(self.theta, views_like(extra, self.theta), strict=True):
+            t.add_(v, alpha=-self.lr * self.beta)
+        self.pending.zero_()
 
 
 class QuorumSyncer:
@@ -112,12 +150,14 @@ class QuorumSyncer:
         workers: Sequence[int],
         theta: Sequence[torch.Tensor],
         make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        sync_cfg: SyncConfig,
         mailbox: Mailbox,
         leaders: Sequence[int],
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
         self.theta = [t.detach().clone() for t in theta]
-        self.optimizer = make_optimizer(self.theta)
+        every = -(-len(self.workers) // cfg.sites)
+        self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, every)
         self.mailbox, self.leaders = mailbox, list(leaders)
         self.version = 0
         self.world_steps = 0  # rank-steps merged so far
@@ -195,8 +235,8 @@ class QuorumSyncer:
             return
         ups = sorted(updates, key=lambda u: (u.site, u.base))
         weights = merge_weights(ups, self.version, self.weight_by_tokens, self.cfg.staleness_power)
-        mean = weighted_mean([u.delta for u in ups], weights)
-        outer_step_(self.optimizer, self.theta, mean)
+        total = sum(merge_weights(ups, self.version, self.weight_by_tokens, 0.0))
+        self.outer.step(weighted_mean([u.delta for u in ups], weights, total))
         self._note(why, ups, weights, "")
         self.version += 1
         self.world_steps += sum(u.workers * u.steps for u in ups)
@@ -255,6 +295,7 @@ class AsyncDiLoCo(DiLoCo):
                 topo.workers,
                 self.global_params,
                 self._outer_optimizer,
+                cfg,
                 self.mailbox,
                 self.leaders,
             )
