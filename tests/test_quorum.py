@@ -39,7 +39,7 @@ def test_weighted_mean_does_the_synchronous_rounds_arithmetic() -> None:
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_delayed_nesterov_over_every_merges_is_one_outer_step_on_their_mean(nesterov: bool) -> None:
+def test_delayed_nesterov_over_a_world_round_is_one_outer_step_on_its_mean(nesterov: bool) -> None:
     cfg = load_config(None, [f"sync.nesterov={str(nesterov).lower()}"]).sync
     gen = torch.Generator().manual_seed(1)
     start = [torch.randn(30, generator=gen), torch.randn(4, 5, generator=gen)]
@@ -49,20 +49,25 @@ def test_delayed_nesterov_over_every_merges_is_one_outer_step_on_their_mean(nest
         return torch.optim.SGD(theta, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
 
     delayed = [t.clone() for t in start]
-    dn = DelayedNesterov(delayed, sgd(delayed), cfg, every=4)
+    dn = DelayedNesterov(delayed, sgd(delayed), cfg, sites=4)
     ref = [t.clone() for t in start]
     opt = sgd(ref)
-    for k in range(0, 12, 4):
-        for gk in grads[k : k + 4]:
-            dn.step(gk)
+    for k in range(0, 12, 4):  # 4 sites: one update per merge (each a quarter of the world), or 2 + 1 + 1
+        parts = [grads[k : k + 1], grads[k + 1 : k + 2], grads[k + 2 : k + 4]] if k == 4 else [[g] for g in grads[k : k + 4]]
+        for part in parts:
+            dn.step(sum(part) / 4, updates=len(part))
         outer_step_(opt, ref, torch.stack(grads[k : k + 4]).mean(0))
         for x, y in zip(delayed, ref, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    dn.step(torch.stack(grads[:4]).mean(0), updates=4)  # then a whole round: the optimizer, with the same buffer
+    outer_step_(opt, ref, torch.stack(grads[:4]).mean(0))
+    for x, y in zip(delayed, ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     one = [t.clone() for t in start]
-    dn1, ref1 = DelayedNesterov(one, sgd(one), cfg, every=1), [t.clone() for t in start]
+    dn1, ref1 = DelayedNesterov(one, sgd(one), cfg, sites=2), [t.clone() for t in start]
     opt1 = sgd(ref1)
-    for gk in grads:  # every = 1 (a quorum of every site): the optimizer itself, bit for bit
-        dn1.step(gk)
+    for gk in grads:  # every merge a whole round (a quorum of every site): the optimizer itself, bit for bit
+        dn1.step(gk, updates=2)
         outer_step_(opt1, ref1, gk)
     assert all(torch.equal(x, y) for x, y in zip(one, ref1, strict=True))
 

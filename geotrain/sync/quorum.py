@@ -16,14 +16,12 @@ it in memory; the others by messages, :mod:`geotrain.comm.mailbox`). Each site:
 
 A round **merges** once it holds updates from ``quorum.sites`` sites (fewer when fewer are still
 running) and someone is waiting on it, after ``quorum.grace_s`` more (or as soon as every
-running site has delivered). The merge is DiLoCo's outer step on the weighted mean of the
-round's updates, in site order: weight = tokens (workers × steps; 1 without
-``weight_by_tokens``) × (1 + staleness)^-``staleness_power``, where staleness is the number of
-merges between an update's ``base`` and this merge. That is FedAsync's polynomial staleness
-rule (Xie et al. 2019, arXiv:1903.03934) under DiLoCo's Nesterov outer step. We did not use the
-delayed Nesterov of Async Local-SGD (Liu et al. 2024, arXiv:2401.09135): it holds the momentum
-back because there every single arrival is an outer step, while here every merge averages a
-quorum of updates, like a synchronous round (docs/DESIGN.md §26).
+running site has delivered). The merge sums the round's updates in site order, weight = tokens
+(workers × steps; 1 without ``weight_by_tokens``) × (1 + staleness)^-``staleness_power``, over a
+whole world round's tokens, where staleness is the number of merges between an update's
+``base`` and this merge (FedAsync's polynomial rule, Xie et al. 2019, arXiv:1903.03934). The
+outer step is DiLoCo's Nesterov SGD with its momentum delayed until a world round's worth of
+updates has been merged (:class:`DelayedNesterov`; docs/DESIGN.md §26 has the measured reason).
 
 With ``quorum.sites`` = every site and an infinite grace window, every site is always on time,
 every round holds every site's update from the same base, and the merge does the synchronous
@@ -83,8 +81,8 @@ def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: boo
 def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], total: float) -> torch.Tensor:
     """Σ w·Δ / ``total`` in order, with the synchronous round's arithmetic
     (:meth:`OuterSync._weighted_average`): equal weights that add up to ``total`` sum then divide,
-    else scale then sum. ``total`` is the round's undiscounted tokens, so a stale update's
-    discount shrinks its contribution outright, even when it is alone in its merge."""
+    else scale then sum. ``total`` is a whole world round's undiscounted tokens, so a stale
+    update's discount shrinks its contribution outright, even when it is alone in its merge."""
     if len(set(weights)) == 1 and total == sum(weights):
         out = deltas[0].clone()
         for d in deltas[1:]:
@@ -97,40 +95,46 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], tota
 
 
 class DelayedNesterov:
-    """DiLoCo's outer SGD, with its momentum applied once every ``every`` merges (the delayed
-    Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135, §3.2).
+    """DiLoCo's outer SGD with its momentum delayed until a world round's worth of updates has
+    been merged (the delayed Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135).
 
-    Each merge's mean pseudo-gradient g is applied at once as ``lr·g/every``; every ``every``-th
-    merge the momentum buffer takes the mean of the last ``every`` and its momentum part is
-    applied too, so over ``every`` merges θ moves exactly as one synchronous outer step on their
-    mean. ``every`` = ⌈sites / quorum⌉: about the merges in which every site delivers once. With
-    ``every`` = 1 (a quorum of every site) it is the torch optimizer itself, bit for bit.
+    A merge's g is its updates' weighted sum over a whole world round's tokens (every site's
+    workers × the merge's steps per update), so one site's update counts for its share of the
+    world, as in a synchronous average, and a fast site that delivers twice as often moves θ
+    twice as often. g is applied at once (``lr·g``); once ``sites`` updates have been merged
+    since the last time, the momentum buffer takes their sum and its part (``lr·β·m``) is applied
+    too. Over a world round θ moves as one synchronous outer step on the round's mean. A merge
+    that holds every site's update with nothing pending is exactly that step: the torch
+    optimizer itself (so a quorum of every site is lock-step DiLoCo bit for bit); the momentum
+    buffer is the optimizer's own in both paths.
     """
 
-    def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, every: int) -> None:
-        self.theta, self.optimizer, self.every = theta, optimizer, every
+    def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, sites: int) -> None:
+        self.theta, self.optimizer, self.sites = theta, optimizer, sites
         self.lr, self.beta, self.nesterov = cfg.outer_lr, cfg.outer_momentum, cfg.nesterov
-        self.momentum = torch.zeros(sum(t.numel() for t in theta))
-        self.pending = torch.zeros_like(self.momentum)
-        self.merges = 0
+        self.pending = [torch.zeros_like(t) for t in theta]
+        self.pending_updates = 0
 
     @torch.no_grad()
-    def step(self, g: torch.Tensor) -> None:
-        if self.every == 1:
+    def step(self, g: torch.Tensor, updates: int) -> None:
+        if not self.pending_updates and updates >= self.sites:  # a whole synchronous round
             outer_step_(self.optimizer, self.theta, g)
             return
-        self.merges += 1
-        self.pending.add_(g)
-        for t, v in zip(self.theta, views_like(g, self.theta), strict=True):
-            t.add_(v, alpha=-self.lr / self.every)
-        if self.merges % self.every or not self.beta:
+        self.pending_updates += updates
+        for t, p, v in zip(self.theta, self.pending, views_like(g, self.theta), strict=True):
+            t.add_(v, alpha=-self.lr)
+            p.add_(v)
+        if self.pending_updates < self.sites or not self.beta:
             return
-        old = self.momentum.clone()
-        self.momentum.mul_(self.beta).add_(self.pending, alpha=1.0 / self.every)
-        extra = self.momentum if self.nesterov else old  # Nesterov: g + β·m_new; heavy ball: g + β·m_old
-        for t, v in zip(self.theta, views_like(extra, self.theta), strict=True):
-            t.add_(v, alpha=-self.lr * self.beta)
-        self.pending.zero_()
+        for t, p in zip(self.theta, self.pending, strict=True):
+            state = self.optimizer.state[t]
+            buf = state.get("momentum_buffer")
+            old = torch.zeros_like(p) if buf is None else buf.clone()
+            new = p.clone() if buf is None else buf.mul_(self.beta).add_(p)
+            state["momentum_buffer"] = new
+            t.add_(new if self.nesterov else old, alpha=-self.lr * self.beta)  # Nesterov: g + β·m_new; heavy ball: g + β·m_old
+            p.zero_()
+        self.pending_updates = 0
 
 
 class QuorumSyncer:
@@ -156,8 +160,7 @@ class QuorumSyncer:
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
         self.theta = [t.detach().clone() for t in theta]
-        every = -(-len(self.workers) // cfg.sites)
-        self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, every)
+        self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, len(self.workers))
         self.mailbox, self.leaders = mailbox, list(leaders)
         self.version = 0
         self.world_steps = 0  # rank-steps merged so far
@@ -235,8 +238,10 @@ class QuorumSyncer:
             return
         ups = sorted(updates, key=lambda u: (u.site, u.base))
         weights = merge_weights(ups, self.version, self.weight_by_tokens, self.cfg.staleness_power)
-        total = sum(merge_weights(ups, self.version, self.weight_by_tokens, 0.0))
-        self.outer.step(weighted_mean([u.delta for u in ups], weights, total))
+        # a whole world round's tokens at this merge's steps per update (complete rounds: the merge's own)
+        steps = sum(u.steps for u in ups) / len(ups)
+        world = float(sum(self.workers) * steps) if self.weight_by_tokens else float(len(self.workers))
+        self.outer.step(weighted_mean([u.delta for u in ups], weights, world), len(ups))
         self._note(why, ups, weights, "")
         self.version += 1
         self.world_steps += sum(u.workers * u.steps for u in ups)
