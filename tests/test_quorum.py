@@ -13,7 +13,7 @@ from geotrain.config import load_config
 from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
 from geotrain.sync.outer import outer_step_
-from geotrain.sync.quorum import DelayedNesterov, Update, merge_weights, weighted_mean
+from geotrain.sync.quorum import DelayedNesterov, Update, dynamic_steps, merge_weights, weighted_mean
 from tests.helpers import TINY
 
 TWO = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
@@ -72,6 +72,12 @@ def test_delayed_nesterov_over_a_world_round_is_one_outer_step_on_its_mean(neste
     assert all(torch.equal(x, y) for x, y in zip(one, ref1, strict=True))
 
 
+def test_dynamic_local_updates_scale_h_by_measured_rate() -> None:
+    assert dynamic_steps([10.0, 5.0, 2.5, 0.0], [20, 20, 20, 20], 200) == [200, 100, 50, 20]  # unmeasured: kept
+    assert dynamic_steps([1.0, 1000.0], [7, 7], 200) == [1, 200]  # at least one step
+    assert dynamic_steps([3.0, 3.0], [5, 5], 8) == [8, 8]
+
+
 def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = load_config(None, TINY + ["run.baseline=none", "train.seed=3", *overrides])
     summary = launch_local(cfg, tmp / name, console_print=None)
@@ -128,6 +134,44 @@ def test_a_slow_site_is_late_never_waits_and_ends_on_the_same_model(tmp_path: Pa
     assert sum(sum(m["steps"]) for m in merges) == a["steps"] + b["steps"] + c["steps"]  # every step merged once
     # C never waits for a quorum: only for the round trip to the syncer (2 x 10 ms + 2 x 7 ms of transfer)
     assert c["utilization"] > 0.8
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: Path) -> None:
+    """sync.quorum.local_steps=dynamic: a first round of H/10 steps measures every site's pace;
+    then the syncer gives site C, at a quarter speed, about a quarter of H, so it delivers about as
+    often as the fast sites."""
+    sites = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.25}]"
+    s, _ = _run(
+        tmp_path,
+        "dynamic",
+        [
+            sites,
+            "sync.H=160",
+            "train.steps=100000",
+            "train.max_seconds=6",
+            "optim.schedule=constant",
+            "topology.links.emulate=inprocess",
+            "topology.links.inter.bandwidth_bps=1e8",
+            "topology.links.inter.latency_s=0.01",
+            "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}",
+        ],
+    )
+    merges = s["pace"]
+    assert merges[0]["steps"] == [16] * len(merges[0]["steps"])  # the first round: H/10
+    assigned = [m["next_H"] for m in merges if m["kind"] == "quorum"]
+    assert all(max(h[0], h[1]) == 160 for h in assigned)  # a fastest site runs H
+    c_assigned = [h[2] for h in assigned]
+    assert all(h <= 80 for h in c_assigned) and 20 <= c_assigned[-1] <= 80  # about H/4 for a quarter speed
+    c_steps = [m["steps"][i] for m in merges if m["kind"] == "quorum" for i, site in enumerate(m["sites"]) if site == 2]
+    assert c_steps and all(k <= 80 for k in c_steps)  # C ran what it was given
+    a, b, c = s["per_site"]
+    assert a["steps"] > 2 * c["steps"]
+    assert sum(sum(m["steps"]) for m in merges) == a["steps"] + b["steps"] + c["steps"]  # every step merged once
+    assert c["utilization"] > 0.7  # rounds of ~40 steps of a few ms: the round trip to the syncer shows
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
 

@@ -201,12 +201,20 @@ def bench_hetero_cmd(
     seconds: Annotated[float, typer.Option(min=5, max=3600, help="Training seconds per run (train.max_seconds).")] = 120.0,
     H: Annotated[int, typer.Option("--H", min=1, max=10000, help="Inner steps per round (the fastest site's).")] = 200,
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1",
+    modes: Annotated[str, typer.Option(help="Modes, comma-separated: sync, adaptive, async, async-q2, async-dyn.")] = (
+        "sync,adaptive,async,async-q2,async-dyn"
+    ),
     set_: SetOpt = None,
 ) -> None:
     """Sites at compute speeds 1, 1, 0.5, 0.25 for the same wall time: lock-step DiLoCo, adaptive and asynchronous quorum rounds."""
-    from geotrain.bench.hetero import bench_hetero, plot_hetero, print_hetero
+    from geotrain.bench.hetero import MODES, bench_hetero, plot_hetero, print_hetero
 
-    result = _over_seeds(seeds, set_, lambda s: bench_hetero(out, seconds, H, s, extra=set_, progress=progress_line))
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not chosen or any(m not in MODES for m in chosen):
+        fail(f"--modes: {modes!r} (allowed, comma-separated: {', '.join(MODES)})")
+    result = _over_seeds(
+        seeds, set_, lambda s: bench_hetero(out, seconds, H, s, extra=set_, progress=progress_line, modes=chosen)
+    )
     print_hetero(result, wide(140))
     if json_out is not None:
         write_json(result, json_out)

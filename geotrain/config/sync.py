@@ -66,6 +66,12 @@ class QuorumConfig(Section):
         le=86_400,
         description="Longest a site waits for the syncer's answer before the run stops with an error.",
     )
+    local_steps: Literal["fixed", "dynamic"] = Field(
+        default="fixed",
+        description="'fixed': every site runs sync.H inner steps per round. 'dynamic': each site runs about "
+        "H x its measured steps per second / the fastest site's, at least 1, after a first round of max(1, H/10) steps "
+        "(Async Local-SGD's dynamic local updates), so every site delivers about as often.",
+    )
 
 
 class SyncConfig(Section):

@@ -18,16 +18,22 @@ A round **merges** once it holds updates from ``quorum.sites`` sites (fewer when
 running) and someone is waiting on it, after ``quorum.grace_s`` more (or as soon as every
 running site has delivered). The merge sums the round's updates in site order, weight = tokens
 (workers × steps; 1 without ``weight_by_tokens``) × (1 + staleness)^-``staleness_power``, over a
-whole world round's tokens, where staleness is the number of merges between an update's
+whole world round's tokens (each site's workers × its steps in the merge, or its round's H if it
+is not in it), where staleness is the number of merges between an update's
 ``base`` and this merge (FedAsync's polynomial rule, Xie et al. 2019, arXiv:1903.03934). The
 outer step is DiLoCo's Nesterov SGD with its momentum delayed until a world round's worth of
 updates has been merged (:class:`DelayedNesterov`; docs/DESIGN.md §26 has the measured reason).
 
-With ``quorum.sites`` = every site and an infinite grace window, every site is always on time,
-every round holds every site's update from the same base, and the merge does the synchronous
-round's arithmetic in the same order: the run equals lock-step DiLoCo bit for bit (two sites:
-one addition, which is exact in either order; with more, the ring all-reduce adds in another
-order). At the end every site sends a **final** update (possibly of no steps) and waits; the
+With ``quorum.local_steps=dynamic`` (Async Local-SGD's dynamic local updates) every site runs a
+first round of max(1, H/10) steps; from then on the syncer gives each site about H × its measured
+rate / the fastest site's rate steps (rates from each update's steps and compute seconds,
+smoothed), with its answer, so every site delivers about as often and few updates are stale.
+
+With ``quorum.sites`` = every site, an infinite grace window and fixed local steps, every site
+is always on time, every round holds every site's update from the same base, and the merge does
+the synchronous round's arithmetic in the same order: the run equals lock-step DiLoCo bit for
+bit (two sites: one addition, which is exact in either order; with more, the ring all-reduce
+adds in another order). At the end every site sends a **final** update (possibly of no steps) and waits; the
 syncer merges what is left once every site has, and sends every site the same model.
 
 Non-finite updates are left out by the syncer (the update guard's cross-site outlier test is a
@@ -57,7 +63,7 @@ from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import outer_step_, pseudo_gradient
 
 UPDATE, FINAL = 1.0, 2.0
-FIELDS = 4  # site → syncer: [kind, base, steps, workers]; syncer → site: [version, world steps, 0, 0]
+FIELDS = 5  # site → syncer: [kind, base, steps, workers, compute s]; syncer → site: [version, world steps, next H, 0, 0]
 
 
 @dataclass
@@ -70,6 +76,21 @@ class Update:
     workers: int
     delta: torch.Tensor  # flat fp32 pseudo-gradient (empty: a final delivery of no steps)
     final: bool = False
+    compute_s: float = 0.0  # seconds of compute (pacing included, network waits not) the steps took
+
+
+def first_round_steps(cfg: SyncConfig) -> int:
+    """A site's first round: H, or with dynamic local updates max(1, H/10), to measure its pace."""
+    assert cfg.quorum is not None
+    return max(1, cfg.H // 10) if cfg.quorum.local_steps == "dynamic" else cfg.H
+
+
+def dynamic_steps(rates: Sequence[float], current: Sequence[int], H: int) -> list[int]:
+    """Dynamic local updates (Async Local-SGD, Liu et al. 2024): each site whose rate (steps per
+    second) is known runs H × its rate / the fastest rate, rounded, at least 1; the others keep
+    ``current``."""
+    fastest = max(rates)
+    return [max(1, min(H, round(H * r / fastest))) if r > 0 else c for r, c in zip(rates, current, strict=True)]
 
 
 def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: bool, power: float) -> list[float]:
@@ -99,7 +120,7 @@ class DelayedNesterov:
     been merged (the delayed Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135).
 
     A merge's g is its updates' weighted sum over a whole world round's tokens (every site's
-    workers × the merge's steps per update), so one site's update counts for its share of the
+    workers × its steps in the merge, or its round's H), so one site's update counts for its share of the
     world, as in a synchronous average, and a fast site that delivers twice as often moves θ
     twice as often. g is applied at once (``lr·g``); once ``sites`` updates have been merged
     since the last time, the momentum buffer takes their sum and its part (``lr·β·m``) is applied
@@ -159,6 +180,11 @@ class QuorumSyncer:
         leaders: Sequence[int],
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
+        self.max_H = sync_cfg.H
+        self.dynamic = cfg.local_steps == "dynamic"
+        # every site's next round: H, or (dynamic) a first round of max(1, H/10) to measure its pace
+        self.H = [first_round_steps(sync_cfg)] * len(self.workers)
+        self.rates = [0.0] * len(self.workers)  # steps per second of compute, smoothed (dynamic)
         self.theta = [t.detach().clone() for t in theta]
         self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, len(self.workers))
         self.mailbox, self.leaders = mailbox, list(leaders)
@@ -184,8 +210,18 @@ class QuorumSyncer:
             self.error = exc
 
     def _decode(self, msg: Message) -> Update:
-        kind, base, steps, workers = msg.fields
-        return Update(self.leaders.index(msg.src), int(base), int(steps), int(workers), msg.payload, final=kind == FINAL)
+        kind, base, steps, workers, compute_s = msg.fields
+        site = self.leaders.index(msg.src)
+        return Update(site, int(base), int(steps), int(workers), msg.payload, final=kind == FINAL, compute_s=compute_s)
+
+    def _measure(self, u: Update) -> None:
+        """Dynamic local updates: smooth the site's rate (half weight on the newest round) and give
+        every measured site H x its rate / the fastest rate steps (at least 1, at most H)."""
+        if not self.dynamic or u.steps <= 0 or u.compute_s <= 0:
+            return
+        rate = u.steps / u.compute_s
+        self.rates[u.site] = rate if not self.rates[u.site] else 0.5 * (self.rates[u.site] + rate)
+        self.H = dynamic_steps(self.rates, self.H, self.max_H)
 
     def _run(self) -> None:
         n = len(self.workers)
@@ -207,6 +243,7 @@ class QuorumSyncer:
             due = sorted((p for p in pending if p[0] <= now), key=lambda p: p[0])
             pending = [p for p in pending if p[0] > now]
             for _, u in due:
+                self._measure(u)
                 if u.final:
                     finals.add(u.site)
                 elif u.base < self.version:  # late: merged later, and it goes on at once
@@ -238,9 +275,14 @@ class QuorumSyncer:
             return
         ups = sorted(updates, key=lambda u: (u.site, u.base))
         weights = merge_weights(ups, self.version, self.weight_by_tokens, self.cfg.staleness_power)
-        # a whole world round's tokens at this merge's steps per update (complete rounds: the merge's own)
-        steps = sum(u.steps for u in ups) / len(ups)
-        world = float(sum(self.workers) * steps) if self.weight_by_tokens else float(len(self.workers))
+        # a whole world round's tokens: each site's steps in this merge, or its round's H if it is
+        # not in it (a merge of every site: the merge's own tokens)
+        steps = list(self.H)
+        for s in {u.site for u in ups}:
+            steps[s] = max(u.steps for u in ups if u.site == s)
+        world = (
+            float(sum(w * k for w, k in zip(self.workers, steps, strict=True))) if self.weight_by_tokens else float(len(steps))
+        )
         self.outer.step(weighted_mean([u.delta for u in ups], weights, world), len(ups))
         self._note(why, ups, weights, "")
         self.version += 1
@@ -256,14 +298,15 @@ class QuorumSyncer:
                 "staleness": [self.version - u.base for u in ups],
                 "steps": [u.steps for u in ups],
                 "weights": [round(w, 4) for w in weights],
+                **({"next_H": list(self.H)} if self.dynamic else {}),
                 **({"why": reason} if reason else {}),
             }
         )
 
     def _reply(self, sites: Sequence[int]) -> None:
-        fields = [float(self.version), float(self.world_steps), 0.0, 0.0]
         theta = torch.cat([t.reshape(-1) for t in self.theta])
         for s in sites:
+            fields = [float(self.version), float(self.world_steps), float(self.H[s]), 0.0, 0.0]
             if s == 0:
                 self.outbox.put((fields, theta.clone()))
             else:
@@ -306,6 +349,8 @@ class AsyncDiLoCo(DiLoCo):
             )
         self.version = 0
         self.world_total = 0
+        self.clock.limit = first_round_steps(cfg)  # the syncer sets each later round's (dynamic local updates)
+        self._round_compute = 0.0
         self.waits: list[float] = []  # seconds this site waited at each of its boundaries
         self._max_seconds = 0.0
         self._t0: float | None = None
@@ -315,6 +360,7 @@ class AsyncDiLoCo(DiLoCo):
     def add_compute(self, seconds: float) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter() - seconds
+        self._round_compute += seconds
 
     def set_limits(self, steps: int, max_seconds: float) -> None:
         self._max_seconds = max_seconds  # each site checks its own clock; the final round is synchronous
@@ -359,13 +405,14 @@ class AsyncDiLoCo(DiLoCo):
         if (site, self.rounds) in self.nan_at:  # failure injection
             delta.fill_(float("nan"))
         t0 = time.perf_counter()
-        control = torch.zeros(3, dtype=torch.float64)  # version, world steps, stop
+        control = torch.zeros(4, dtype=torch.float64)  # version, world steps, stop, next round's H
         theta = torch.empty(delta.numel(), dtype=torch.float32)
         if self.leader:
-            update = Update(g.me.site_index, self.version, steps, self.site_workers, delta if steps else delta[:0], final)
+            payload = delta if steps else delta[:0]
+            update = Update(g.me.site_index, self.version, steps, self.site_workers, payload, final, self._round_compute)
             fields, theta = self._deliver(update)
             time_up = bool(self._max_seconds) and self._t0 is not None and time.perf_counter() - self._t0 >= self._max_seconds
-            control[:] = torch.tensor([fields[0], fields[1], float(time_up)])
+            control[:] = torch.tensor([fields[0], fields[1], float(time_up), fields[2]])
         if len(g.intra_ranks) > 1:  # the site's other ranks get the leader's answer
             for t in (control, theta):
                 dist.broadcast(t, g.intra_ranks[0], group=g.intra)
@@ -380,6 +427,8 @@ class AsyncDiLoCo(DiLoCo):
             p.copy_(gp)
         self.version, self.world_total = int(control[0]), int(control[1])
         self._done = bool(control[2])
+        self.clock.limit = max(1, int(control[3]))
+        self._round_compute = 0.0
         if steps:
             self.rounds += 1
         self._steps_in_round = 0
@@ -391,7 +440,9 @@ class AsyncDiLoCo(DiLoCo):
         who = f"the syncer (site {self.comm.groups.topology.site_names[0]}'s local rank 0)"
         if self.syncer is not None:
             self.syncer.inbox.put(
-                Update(update.site, update.base, update.steps, update.workers, update.delta.clone(), update.final)
+                Update(
+                    update.site, update.base, update.steps, update.workers, update.delta.clone(), update.final, update.compute_s
+                )
             )
             deadline = time.monotonic() + timeout
             while True:
@@ -403,7 +454,13 @@ class AsyncDiLoCo(DiLoCo):
                     if time.monotonic() > deadline:
                         raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
         assert self.mailbox is not None
-        fields = [FINAL if update.final else UPDATE, float(update.base), float(update.steps), float(update.workers)]
+        fields = [
+            FINAL if update.final else UPDATE,
+            float(update.base),
+            float(update.steps),
+            float(update.workers),
+            update.compute_s,
+        ]
         self.mailbox.send(self.leaders[0], fields, update.delta)
         msg = self.mailbox.receive(self.leaders[0], timeout)
         if msg is None:
