@@ -17,6 +17,16 @@ from geotrain.sync.quorum import DelayedNesterov, Update, dynamic_steps, merge_w
 from tests.helpers import TINY
 
 TWO = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
+# sites A and B at full speed, C at a quarter, for 6 s on an emulated 100 Mbit/s, 10 ms link
+SLOW_C = [
+    "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.25}]",
+    "train.steps=100000",
+    "train.max_seconds=6",
+    "optim.schedule=constant",
+    "topology.links.emulate=inprocess",
+    "topology.links.inter.bandwidth_bps=1e8",
+    "topology.links.inter.latency_s=0.01",
+]
 
 
 def test_merge_weights_are_tokens_discounted_by_staleness() -> None:
@@ -108,22 +118,7 @@ def test_a_slow_site_is_late_never_waits_and_ends_on_the_same_model(tmp_path: Pa
     """Site C runs at a quarter speed on an emulated 100 Mbit/s, 10 ms link; a quorum of one: the
     fast sites merge on their own, C's updates arrive late and are merged with a staleness discount,
     and the final round leaves every rank on one model."""
-    sites = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.25}]"
-    s, _ = _run(
-        tmp_path,
-        "late",
-        [
-            sites,
-            "sync.H=32",
-            "train.steps=100000",
-            "train.max_seconds=6",
-            "optim.schedule=constant",
-            "topology.links.emulate=inprocess",
-            "topology.links.inter.bandwidth_bps=1e8",
-            "topology.links.inter.latency_s=0.01",
-            "sync.quorum={sites: 1, grace_s: 0}",
-        ],
-    )
+    s, _ = _run(tmp_path, "late", [*SLOW_C, "sync.H=32", "sync.quorum={sites: 1, grace_s: 0}"])
     a, b, c = s["per_site"]
     assert c["steps"] > 0 and a["steps"] > 1.5 * c["steps"]  # nobody waited for C
     merges = s["pace"]
@@ -144,22 +139,7 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
     """sync.quorum.local_steps=dynamic: a first round of H/10 steps measures every site's pace;
     then the syncer gives site C, at a quarter speed, about a quarter of H, so it delivers about as
     often as the fast sites."""
-    sites = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.25}]"
-    s, _ = _run(
-        tmp_path,
-        "dynamic",
-        [
-            sites,
-            "sync.H=160",
-            "train.steps=100000",
-            "train.max_seconds=6",
-            "optim.schedule=constant",
-            "topology.links.emulate=inprocess",
-            "topology.links.inter.bandwidth_bps=1e8",
-            "topology.links.inter.latency_s=0.01",
-            "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}",
-        ],
-    )
+    s, _ = _run(tmp_path, "dynamic", [*SLOW_C, "sync.H=160", "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}"])
     merges = s["pace"]
     assert merges[0]["steps"] == [16] * len(merges[0]["steps"])  # the first round: H/10
     assigned = [m["next_H"] for m in merges if m["kind"] == "quorum"]

@@ -149,13 +149,13 @@ def print_hetero(result: dict[str, Any], console: Any) -> None:
             f"{r['utilization']:.1%}",
         )  # fmt: skip
     console.print(t)
-    tg, loss = result["targets"], result["eval_loss"]
+    tg, loss, modes = result["targets"], result["eval_loss"], result["modes"]
     if "sync_fast_sites_met" in tg:
         console.print(
             f"sync: fast sites at most {tg['sync_fast_sites_max_utilization']:.1%} busy "
             f"(expected <= 40%: {'yes' if tg['sync_fast_sites_met'] else 'NO'}); eval loss {loss['sync']:.4f}"
         )
-    for mode in loss:
+    for mode in modes:
         if mode == "sync":
             continue
         vs = (
@@ -182,7 +182,7 @@ def plot_hetero(result: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    seed, modes = result["seeds"][0], list(result["eval_loss"])
+    seed, modes = result["seeds"][0], result["modes"]
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):
         rows = [r for r in result["runs"] if r["mode"] == mode and r["seed"] == seed]

@@ -33,8 +33,9 @@ With ``quorum.sites`` = every site, an infinite grace window and fixed local ste
 is always on time, every round holds every site's update from the same base, and the merge does
 the synchronous round's arithmetic in the same order: the run equals lock-step DiLoCo bit for
 bit (two sites: one addition, which is exact in either order; with more, the ring all-reduce
-adds in another order). At the end every site sends a **final** update (possibly of no steps) and waits; the
-syncer merges what is left once every site has, and sends every site the same model.
+adds in another order). At the end every site sends a **final** update (possibly of no steps)
+and waits; the syncer merges what is left once every site has, and sends every site the same
+model.
 
 Non-finite updates are left out by the syncer (the update guard's cross-site outlier test is a
 collective and is not applied here). Every wait is bounded by ``quorum.timeout_s``.
@@ -46,7 +47,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -120,8 +121,8 @@ class DelayedNesterov:
     been merged (the delayed Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135).
 
     A merge's g is its updates' weighted sum over a whole world round's tokens (every site's
-    workers × its steps in the merge, or its round's H), so one site's update counts for its share of the
-    world, as in a synchronous average, and a fast site that delivers twice as often moves θ
+    workers × its steps in the merge, or its round's H), so one site's update counts for its
+    share of the world, as in a synchronous average, and a fast site that delivers twice as often moves θ
     twice as often. g is applied at once (``lr·g``); once ``sites`` updates have been merged
     since the last time, the momentum buffer takes their sum and its part (``lr·β·m``) is applied
     too. Over a world round θ moves as one synchronous outer step on the round's mean. A merge
@@ -439,11 +440,7 @@ class AsyncDiLoCo(DiLoCo):
         timeout = self.quorum.timeout_s
         who = f"the syncer (site {self.comm.groups.topology.site_names[0]}'s local rank 0)"
         if self.syncer is not None:
-            self.syncer.inbox.put(
-                Update(
-                    update.site, update.base, update.steps, update.workers, update.delta.clone(), update.final, update.compute_s
-                )
-            )
+            self.syncer.inbox.put(replace(update, delta=update.delta.clone()))
             deadline = time.monotonic() + timeout
             while True:
                 if self.syncer.error is not None:
