@@ -13,7 +13,7 @@ from geotrain.config import load_config
 from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
 from geotrain.sync.outer import outer_step_
-from geotrain.sync.quorum import DelayedNesterov, Update, dynamic_steps, merge_weights, weighted_mean
+from geotrain.sync.syncer import DelayedNesterov, Update, dynamic_steps, merge_weights, weighted_mean
 from tests.helpers import TINY
 
 TWO = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
@@ -135,6 +135,32 @@ def test_a_slow_site_is_late_never_waits_and_ends_on_the_same_model(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_site_killed_mid_round_is_late_forever_and_the_others_finish_on_one_model(tmp_path: Path) -> None:
+    """Site B (two workers) is SIGKILLed by the launcher at step 40, in the middle of its third
+    round (H = 16): the syncer notices its closed connection, the other sites go on to the end of
+    their time, and the final round leaves A and C on one model, evaluated by site A alone."""
+    topo = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 2}, {name: C, workers: 1}]"
+    overrides = [*SLOW_C[1:], topo, "sync.H=16", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@40]"]
+    s, _ = _run(tmp_path, "kill", overrides)
+    assert s["lost_sites"] == ["B"]
+    a, c = s["per_site"]
+    assert (a["site"], c["site"]) == ("A", "C") and min(a["steps"], c["steps"]) > 100  # they went on for 6 s
+    merges = s["pace"]
+    lost = next(i for i, m in enumerate(merges) if m["kind"] == "lost")
+    assert merges[lost]["sites"] == [1] and "late forever" in merges[lost]["why"]
+    b_steps = [m["steps"][i] for m in merges for i, site in enumerate(m["sites"]) if site == 1 and m["kind"] != "lost"]
+    assert sum(b_steps) == 32  # its two whole rounds were merged; the one it died in never came
+    assert all(1 not in m["sites"] for m in merges[lost + 1 :])
+    assert merges[-1]["kind"] == "final"
+    assert sorted(s["global_param_hash"]) == ["A", "C"] and len(set(s["global_param_hash"].values())) == 1
+    assert s["hashes_agree_within_sites"] and len(s["per_rank"]) == 2
+    log = (tmp_path / "kill" / "logs" / "rank1.log").read_text()
+    assert "fault injection: kill this site now" in log
+    assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: Path) -> None:
     """sync.quorum.local_steps=dynamic: a first round of H/10 steps measures every site's pace;
     then the syncer gives site C, at a quarter speed, about a quarter of H, so it delivers about as
@@ -164,6 +190,14 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
         (["sync.quorum={sites: 1}", "sync.pace=adaptive"], "sync.pace: not combined with sync.quorum yet"),
         (["sync.quorum={sites: 1}", "sync.codec=int8"], "sync.codec: not combined with sync.quorum yet"),
         (["sync.quorum={sites: 1}", "elastic.enabled=true"], "elastic.enabled: not combined with sync.quorum yet"),
+        (
+            ["sync.quorum={sites: 1}", "fault.kill=[A@5]"],
+            "fault.kill: site A holds the quorum syncer; kill another site (allowed: B)",
+        ),
+        (
+            ["fault.kill=[B@5]"],
+            "fault.kill: killing, hanging or tampering with a site needs elastic.enabled=true (or sync.quorum",
+        ),
         (["sync.quorum={sites: 1, grace_s: -1}"], "grace_s"),
         (["sync.quorum={grace_s: 1}"], "sites"),
     ],

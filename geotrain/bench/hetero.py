@@ -15,7 +15,10 @@ at the same round boundary), then evaluates the global model:
   each other);
 * ``async-dyn``: ``async`` with dynamic local updates (``sync.quorum.local_steps=dynamic``): the
   syncer gives each site about H · rate_s / rate_max steps per round from the rates it measured,
-  so every site delivers about as often.
+  so every site delivers about as often;
+* ``async-kill``: ``async`` where the launcher SIGKILLs fast site B at its step 1,100 (about a
+  third of the way, mid-round): B is late forever, the other three train on (not in the default
+  modes: ``--modes async,async-kill``).
 
 It writes ``runs: [{mode, seed, site, utilization, steps, step_seconds}]`` and
 ``eval_loss: {mode: mean over seeds}``, with the targets evaluated on them.
@@ -38,7 +41,9 @@ MODES = {
     "async": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}"],
     "async-q2": ["sync.pace=lockstep", "sync.quorum={sites: 2, grace_s: 1.0}"],
     "async-dyn": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}"],
+    "async-kill": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@1100]"],
 }
+DEFAULT_MODES = ("sync", "adaptive", "async", "async-q2", "async-dyn")
 
 
 def hetero_config(mode: str, seconds: float, H: int, seed: int, extra: list[str] | None = None) -> Config:
@@ -71,7 +76,7 @@ def bench_hetero(
     seeds: tuple[int, ...] = (0,),
     extra: list[str] | None = None,
     progress: Callable[[str], None] = print,
-    modes: tuple[str, ...] = tuple(MODES),
+    modes: tuple[str, ...] = DEFAULT_MODES,
 ) -> dict[str, Any]:
     from geotrain.launch.local import launch_local
 
@@ -91,13 +96,15 @@ def bench_hetero(
                     {
                         "mode": mode,
                         "seed": seed,
-                        "merges": len(s["pace"]),
+                        "merges": sum(1 for m in s["pace"] if m["kind"] in ("quorum", "final") and m["sites"]),
                         "updates": len(stale),
                         "staleness_mean": sum(stale) / max(1, len(stale)),
                         "staleness_max": max(stale, default=0),
+                        "lost_sites": s["lost_sites"],
                     }
                 )
-            for site, speed in zip(s["per_site"], SPEEDS, strict=True):
+            for site in s["per_site"]:  # a lost site (async-kill) has no row
+                speed = SPEEDS["ABCD".index(site["site"])]
                 runs.append({"mode": mode, "seed": seed, "compute_speed": speed, "rounds": s["rounds"], **site})
             busy = ", ".join(f"{p['site']} {p['utilization']:.0%}" for p in s["per_site"])
             progress(f"{mode:>8} seed {seed}: loss {s['final_eval_loss']:.4f}, {s['rounds']} rounds, busy {busy}")
@@ -171,6 +178,7 @@ def print_hetero(result: dict[str, Any], console: Any) -> None:
         console.print(
             f"{m['mode']} seed {m['seed']}: {m['merges']} merges of {m['updates']} updates, staleness mean "
             f"{m['staleness_mean']:.2f}, max {m['staleness_max']}"
+            + (f"; lost {', '.join(m['lost_sites'])} (late forever)" if m.get("lost_sites") else "")
         )
     console.print(f"bench took {result['bench_seconds'] / 60:.1f} min")
 
@@ -186,7 +194,7 @@ def plot_hetero(result: dict[str, Any], path: Path) -> Path:
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):
         rows = [r for r in result["runs"] if r["mode"] == mode and r["seed"] == seed]
-        xs = [i + k * width for i in range(len(rows))]
+        xs = ["ABCD".index(r["site"]) + k * width for r in rows]
         a.bar(xs, [100 * r["utilization"] for r in rows], width, label=mode)
         b.bar(xs, [r["steps"] for r in rows], width, label=f"{mode} (mean loss {result['eval_loss'][mode]:.3f})")
     labels = [f"{n}\nspeed {s:g}" for n, s in zip("ABCD", result["speeds"], strict=True)]

@@ -201,9 +201,9 @@ def bench_hetero_cmd(
     seconds: Annotated[float, typer.Option(min=5, max=3600, help="Training seconds per run (train.max_seconds).")] = 120.0,
     H: Annotated[int, typer.Option("--H", min=1, max=10000, help="Inner steps per round (the fastest site's).")] = 200,
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1",
-    modes: Annotated[str, typer.Option(help="Modes, comma-separated: sync, adaptive, async, async-q2, async-dyn.")] = (
-        "sync,adaptive,async,async-q2,async-dyn"
-    ),
+    modes: Annotated[
+        str, typer.Option(help="Modes, comma-separated: sync, adaptive, async, async-q2, async-dyn, async-kill (site B killed).")
+    ] = "sync,adaptive,async,async-q2,async-dyn",
     set_: SetOpt = None,
 ) -> None:
     """Sites at compute speeds 1, 1, 0.5, 0.25 for the same wall time: lock-step DiLoCo, adaptive and asynchronous quorum rounds."""

@@ -10,6 +10,9 @@ counted on the link it crosses (:meth:`Collectives._count`) and, with the in-pro
 emulation, paced on that link: the sender reserves the link and stamps the arrival time, the
 receiver treats the message as delivered only at that time (:meth:`Mailbox.arrived`).
 
+A peer that dies is noticed, not waited for: its connection closes, so a receive from it ends
+with a **lost** message (:attr:`Message.lost`) and a send to it is reported by :meth:`flush`.
+
 Plain mode runs every site in one torch.distributed world, one trust domain
 (docs/SECURITY.md): these messages travel on that world's Gloo connections, like the ring
 collectives, so they are exactly as authenticated as the rest of the run.
@@ -40,6 +43,7 @@ class Message:
     arrival: float  # CLOCK_MONOTONIC seconds (0: at once)
     fields: list[float]
     payload: torch.Tensor
+    lost: bool = False  # the sender is gone: its connection closed before a whole message came in
 
 
 class Mailbox:
@@ -59,7 +63,8 @@ class Mailbox:
     def __init__(self, comm: Collectives, group: dist.ProcessGroup, fields: int) -> None:
         self.comm, self.group = comm, group
         self.header_len = 2 + fields
-        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sending: list[tuple[int, dist.Work, torch.Tensor]] = []
+        self._failed: set[int] = set()  # destinations a send to failed since the last flush
 
     def _arrival(self, dst: int, nbytes: int) -> float:
         wan, site = self.comm.wan, self.comm.groups.topology.site_of(dst)
@@ -78,16 +83,25 @@ class Mailbox:
         header = torch.tensor([self._arrival(dst, nbytes), payload.numel(), *fields], dtype=torch.float64)
         self.comm._count(dst, nbytes, nbytes)
         for t, tag in ((header, HEADER_TAG), (payload, PAYLOAD_TAG)):
-            if t.numel():
-                work = dist.isend(t, dst, group=self.group, tag=tag)
+            if t.numel() and dst not in self._failed:
+                try:
+                    work = dist.isend(t, dst, group=self.group, tag=tag)
+                except RuntimeError:  # the connection to dst is closed: dst is gone
+                    self._failed.add(dst)
+                    continue
                 assert work is not None
-                self._sending.append((work, t))
+                self._sending.append((dst, work, t))
 
-    def flush(self) -> None:
-        """Wait until every send has been taken by its receiver (bounded by the group's timeout)."""
-        for work, _ in self._sending:
-            work.wait()
-        self._sending = []
+    def flush(self) -> set[int]:
+        """Wait until every send has been taken by its receiver (bounded by the group's timeout);
+        returns the destinations whose connection closed (they are gone) since the last flush."""
+        for dst, work, _ in self._sending:
+            try:
+                work.wait()
+            except RuntimeError:
+                self._failed.add(dst)
+        failed, self._sending, self._failed = self._failed, [], set()
+        return failed
 
     def _receive(self, src: int) -> Message:
         """Block until ``src``'s next message is in (not held to its arrival time)."""
@@ -103,15 +117,23 @@ class Mailbox:
             work.wait()  # sent right after its header
         return Message(src, h[0], h[2:], payload)
 
+    def _receive_or_lost(self, src: int) -> Message:
+        """:meth:`_receive`, or a lost message once ``src``'s connection closes (Gloo: "Connection closed by peer")."""
+        try:
+            return self._receive(src)
+        except RuntimeError:
+            return Message(src, 0.0, [], torch.empty(0), lost=True)
+
     def listen(self, src: int, into: queue.Queue[Message], last: Callable[[Message], bool]) -> threading.Thread:
         """Put every message from ``src`` into ``into`` (as it comes in, not at its arrival time),
-        from a thread that stops after the message ``last`` says is the last."""
+        from a thread that stops after the message ``last`` says is the last, or after a lost
+        message if ``src`` dies first."""
 
         def run() -> None:
             while True:
-                msg = self._receive(src)
+                msg = self._receive_or_lost(src)
                 into.put(msg)
-                if last(msg):
+                if msg.lost or last(msg):
                     return
 
         thread = threading.Thread(target=run, name=f"mailbox-{src}", daemon=True)
@@ -119,10 +141,11 @@ class Mailbox:
         return thread
 
     def receive(self, src: int, timeout_s: float) -> Message | None:
-        """The next message from ``src``, held until its emulated arrival; None after ``timeout_s``
-        (the receive then stays pending in its thread: the caller is expected to stop)."""
+        """The next message from ``src``, held until its emulated arrival (a lost one at once, if
+        ``src`` dies first); None after ``timeout_s`` (the receive then stays pending in its
+        thread: the caller is expected to stop)."""
         got: queue.Queue[Message] = queue.Queue()
-        threading.Thread(target=lambda: got.put(self._receive(src)), name=f"mailbox-{src}", daemon=True).start()
+        threading.Thread(target=lambda: got.put(self._receive_or_lost(src)), name=f"mailbox-{src}", daemon=True).start()
         try:
             msg = got.get(timeout=timeout_s)
         except queue.Empty:

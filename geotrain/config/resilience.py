@@ -22,8 +22,8 @@ class FaultConfig(Section):
     )
     kill: list[str] = Field(
         default_factory=list,
-        description="Failure injection (elastic mode): 'SITE@STEP' SIGKILLs every process of that site at that inner step; "
-        "at a round's last step, in the middle of the cross-site all-reduce.",
+        description="Failure injection (elastic mode, or sync.quorum: any site but the first): 'SITE@STEP' SIGKILLs every "
+        "process of that site at that inner step; at a round's last step, in the middle of the cross-site all-reduce.",
     )
     hang: list[str] = Field(
         default_factory=list, description="Like kill, but SIGSTOPs the site (a hung datacenter: sockets stay open)."

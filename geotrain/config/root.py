@@ -86,8 +86,15 @@ class Config(Section):
         for (site, _), kind in self.fault.site_faults().items():
             if site not in names:
                 raise ValueError(f"fault.{kind}: unknown site {site!r} (sites: {', '.join(names)})")
-            if not self.elastic.enabled:
-                raise ValueError(f"fault.{kind}: killing, hanging or tampering with a site needs elastic.enabled=true")
+            if kind == "kill" and self.sync.quorum is not None and not self.elastic.enabled:  # a site lost for good
+                if site == names[0]:
+                    others = ", ".join(names[1:]) or "none"
+                    raise ValueError(f"fault.kill: site {site} holds the quorum syncer; kill another site (allowed: {others})")
+            elif not self.elastic.enabled:
+                raise ValueError(
+                    f"fault.{kind}: killing, hanging or tampering with a site needs elastic.enabled=true"
+                    + (" (or sync.quorum, for fault.kill)" if kind == "kill" else "")
+                )
         self._elastic_fits(len(names))
         self._fsdp_fits()
         self._unequal_fits()

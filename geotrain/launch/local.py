@@ -7,7 +7,9 @@ GLOO_SOCKET_IFNAME=lo) — no byte leaves 127.0.0.0/8. Output of every rank goes
 the console above a progress bar that follows rank 0's metrics.
 
 If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace period, and
-:class:`LaunchError` names the site and rank that failed. Children also get
+:class:`LaunchError` names the site and rank that failed. With asynchronous quorum rounds
+(``sync.quorum``) a site other than the first that fails (or that ``fault.kill`` names) is
+lost instead: its ranks are killed and the others go on (:mod:`geotrain.sync.quorum`). Children also get
 ``PR_SET_PDEATHSIG`` so they die if the launcher itself is killed: no orphans either way.
 """
 
@@ -108,10 +110,33 @@ def _launch(
     (out / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "ranks": [p.pid for p in procs]}))
 
     failure: str | None = None
+    # asynchronous quorum rounds go on without a site that dies (any but the first, which holds the
+    # syncer): its other ranks are killed too, and the run ends when every live site's ranks have
+    lost: set[int] = set()
+    tolerant = cfg.sync.quorum is not None
+
+    def lose(site: int, why: str) -> None:
+        lost.add(site)
+        for r in topo.site_ranks(site):
+            if procs[r].poll() is None:
+                procs[r].kill()
+        if console_print is not None:
+            console_print(f"[launcher] site {topo.site_names[site]} {why}; the asynchronous rounds go on without it")
+
     try:
         while True:
+            if tolerant:
+                for f in sorted((out / "faults").glob("kill-*.json")):  # fault.kill: a site asked to be killed
+                    request = json.loads(f.read_text())
+                    f.unlink()
+                    lose(topo.site_names.index(request["site"]), f"killed (fault injection at step {request['step']})")
             codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and topo.info(r).site_index not in lost]
+            for r, c in sorted(bad, key=lambda rc: (rc[1] > 0, rc[0])) if tolerant else []:
+                site = topo.info(r).site_index
+                if site and site not in lost:
+                    lose(site, f"lost: rank {r} {describe_exit(c)} (log: {out / 'logs' / f'rank{r}.log'})")
+            bad = [(r, c) for r, c in bad if topo.info(r).site_index not in lost]
             if bad:
                 # a peer that lost its connection may exit in the same poll: name the cause first
                 r, c = min(bad, key=lambda rc: (rc[1] > 0, rc[0]))
@@ -125,7 +150,7 @@ def _launch(
                     for line in tail:
                         console_print(f"[{info.tag}] {line}")
                 break
-            if all(c == 0 for c in codes):
+            if all(c is not None and (c == 0 or topo.info(r).site_index in lost) for r, c in enumerate(codes)):
                 break
             if on_poll is not None:
                 on_poll()

@@ -45,7 +45,9 @@ def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_h
 def run_summary(
     gathered: list[dict[str, Any]], topo: Topology, result: dict[str, Any], run: dict[str, Any], privacy: dict[str, Any]
 ) -> dict[str, Any]:
-    """The run's record from every rank's :func:`rank_record` (any order).
+    """The run's record from every rank's :func:`rank_record` (any order). A site none of whose
+    ranks reported (it died, and asynchronous quorum rounds went on without it) is listed in
+    ``lost_sites`` and left out of the per-site numbers.
 
     Args:
         topo: the topology of the ranks gathered.
@@ -56,8 +58,10 @@ def run_summary(
         privacy: the privacy machinery's summary.
     """
     ranks = sorted(gathered, key=lambda r: r["rank"])
-    hashes = {name: ranks[topo.site_ranks(i)[0]]["global_param_hash"] for i, name in enumerate(topo.site_names)}
-    agree = all(r["global_param_hash"] == hashes[r["site"]] for r in ranks)
+    by_rank = {r["rank"]: r for r in ranks}
+    live = [i for i in range(topo.num_sites) if all(r in by_rank for r in topo.site_ranks(i))]
+    hashes = {topo.site_names[i]: by_rank[topo.site_ranks(i)[0]]["global_param_hash"] for i in live}
+    agree = all(r["global_param_hash"] == hashes.get(r["site"]) for r in ranks)
     n = len(ranks)
     inter = sum(r["inter_site_bytes"] for r in ranks)
     raw = sum(r["inter_site_raw_bytes"] for r in ranks)
@@ -88,14 +92,15 @@ def run_summary(
         "adapt": run.get("adapt", []),
         "per_site": [
             {
-                "site": name,
+                "site": topo.site_names[i],
                 "workers": topo.workers[i],
-                "steps": max(ranks[r]["steps_done"] for r in topo.site_ranks(i)),
-                "step_seconds": sum(ranks[r]["step_seconds"] for r in topo.site_ranks(i)) / topo.workers[i],
-                "utilization": min(ranks[r]["utilization"] for r in topo.site_ranks(i)),
+                "steps": max(by_rank[r]["steps_done"] for r in topo.site_ranks(i)),
+                "step_seconds": sum(by_rank[r]["step_seconds"] for r in topo.site_ranks(i)) / topo.workers[i],
+                "utilization": min(by_rank[r]["utilization"] for r in topo.site_ranks(i)),
             }
-            for i, name in enumerate(topo.site_names)
+            for i in live
         ],
+        "lost_sites": [name for i, name in enumerate(topo.site_names) if i not in live],
         "link_emulation": run["link_emulation"],
         "peak_inter_site_bytes_per_step": sum(r["peak_inter_site_bytes_per_step"] for r in ranks),
         "final_sync_inter_site_bytes": sum(r["final_sync_inter_site_bytes"] for r in ranks),

@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,12 +46,20 @@ class Evaluator:
         model: a copy of the model to load the global parameters into.
         batches: the fixed evaluation batches (identical on every rank).
         tokens_per_rank_step: tokens one rank processes per step (the curve's x axis counts all ranks').
+        lost_sites: the sites that died (asynchronous quorum rounds go on without them). Once there
+            are any, the world group cannot be used: the first site's ranks evaluate alone, on
+            their site's group, and the other ranks get NaN.
     """
 
     def __init__(
-        self, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], groups: ProcessGroups, tokens_per_rank_step: int
+        self,
+        model: nn.Module,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        groups: ProcessGroups,
+        tokens_per_rank_step: int,
+        lost_sites: Callable[[], Sequence[int]] = lambda: (),
     ) -> None:
-        self.model, self.batches, self.groups = model, batches, groups
+        self.model, self.batches, self.groups, self.lost_sites = model, batches, groups, lost_sites
         self.tokens_per_rank_step = tokens_per_rank_step
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self.curve: list[dict[str, float]] = []
@@ -60,9 +68,14 @@ class Evaluator:
     @torch.no_grad()
     def loss(self, params: list[torch.Tensor]) -> float:
         g = self.groups
+        ranks, group = list(range(g.topology.world_size)), g.world
+        if self.lost_sites():
+            if g.me.site_index != 0:
+                return float("nan")
+            ranks, group = list(g.intra_ranks), g.intra
         load_parameters(self.model, params)
         self.model.eval()
-        world, rank = g.topology.world_size, g.me.rank
+        world, rank = len(ranks), ranks.index(g.me.rank)
         acc = torch.zeros(2, dtype=torch.float64)
         mine = self.batches[rank::world]
         for x, y in mine:
@@ -71,7 +84,7 @@ class Evaluator:
         if self.sharded:  # every rank of a site runs as many forwards (each gathers the site's shards)
             for x, y in self.batches[: -(-len(self.batches) // world) - len(mine)]:
                 self.model(x.to(g.device), y.to(g.device))
-        dist.all_reduce(acc, group=g.world)
+        dist.all_reduce(acc, group=group)
         return float(acc[0] / acc[1])
 
     def __call__(self, params: list[torch.Tensor], step: int, world_steps: int) -> float:

@@ -20,6 +20,8 @@ import json
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,28 @@ class Placement:
         return self.full.info(self.full.first_rank(self.site_index) + me.local_rank) if self.elastic else me
 
 
+def quorum_kill(cfg: Config, out: Path, where: RankInfo) -> Callable[[int], None] | None:
+    """``fault.kill`` with asynchronous quorum rounds: at the step, the site's local rank 0 asks the
+    launcher (a request file in ``OUT/faults``) to SIGKILL every process of the site, and every rank
+    of it waits for the signal (bounded: without a launcher that does it, the ranks fail)."""
+    steps = {step for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and kind == "kill"}
+    if not steps:
+        return None
+
+    def inject(step: int) -> None:
+        if step not in steps:
+            return
+        if where.local_rank == 0:
+            (out / "faults").mkdir(exist_ok=True)
+            request = {"site": where.site, "kind": "kill", "step": step, "time": time.time()}
+            ckpt.atomic_write(out / "faults" / f"kill-{where.site}-{step}.json", json.dumps(request).encode())
+            log(where, step, "fault injection: kill this site now")
+        time.sleep(60)
+        raise RuntimeError(f"fault injection: no launcher killed site {where.site} within 60 s")
+
+    return inject
+
+
 def train(cfg: Config, out: Path) -> dict[str, Any] | None:
     """Train this rank; returns the run summary on global rank 0, None elsewhere."""
     place = Placement.from_env(cfg)
@@ -197,7 +221,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         if place.elastic:  # every site is its own world with its own checkpoints
             ckpt_root = ckpt_root / where.site
         start = objs.resume(cfg.checkpoint.resume, ckpt_root) if cfg.checkpoint.resume else 0
-        inject = None
+        inject = quorum_kill(cfg, out, where) if cfg.sync.quorum is not None else None
         if place.elastic:
             faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
             member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
@@ -215,7 +239,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             if inject is not None:
                 inject(step)
 
-        evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step)
+        evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step, lost_sites=lambda: sync.lost_sites)
         result = train_loop(
             model,
             data,
@@ -240,8 +264,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         final_params = None
         if cfg.train.save_final:  # whole tensors (sharded: gathered in each site, every rank takes part)
             final_params = sync.full_tensors(sync.global_parameters())
-        gathered: list[Any] = [None] * place.world.world_size
-        dist.all_gather_object(gathered, rank_record(me, comm.stats, result, sync.global_hash()), group=groups.world)
+        gathered = sync.gather_records(rank_record(me, comm.stats, result, sync.global_hash()))
         summary = None
         if me.rank == 0:
             run = {
@@ -284,7 +307,8 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
                 export_model(whole, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
         if cfg.train.timeline:
             write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
-        dist.barrier(group=groups.world)
+        if not sync.lost_sites:  # with a site gone, the world group cannot be used
+            dist.barrier(group=groups.world)
         sync.close()
         return summary
     finally:

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -127,6 +128,7 @@ class SyncAlgorithm:
 
     name = "base"
     F = 1  # fragments synced separately (Streaming DiLoCo: its F)
+    lost_sites: Sequence[int] = ()  # sites that died and the run went on without (asynchronous quorum rounds)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float) -> None:
         self.model = model
@@ -281,6 +283,12 @@ class SyncAlgorithm:
     def pace_log(self) -> list[dict[str, Any]]:
         """Each round boundary's measured step rates and the inner steps chosen for the next round."""
         return []
+
+    def gather_records(self, record: Any) -> list[Any]:
+        """Every rank's ``record`` (a picklable object), on every rank (control plane, the world group)."""
+        gathered: list[Any] = [None] * self.comm.groups.topology.world_size
+        dist.all_gather_object(gathered, record, group=self.comm.groups.world)
+        return gathered
 
     def adapt_log(self) -> list[dict[str, Any]]:
         """``sync.adapt``: each round's measured link and the H and codec chosen for the next round."""

@@ -2,9 +2,10 @@
 
 After Decoupled DiLoCo (DeepMind 2026, arXiv:2604.21428: learners merge when a quorum has
 arrived within a grace window, token-weighted) and HALoS (arXiv:2506.04531: a global
-parameter server that sites push to and pull from). A **syncer** holds the global model and
-the outer optimizer; it runs as a thread beside the first site's local rank 0 (site 0 talks to
-it in memory; the others by messages, :mod:`geotrain.comm.mailbox`). Each site:
+parameter server that sites push to and pull from). A **syncer** (:mod:`geotrain.sync.syncer`)
+holds the global model and the outer optimizer; it runs as a thread beside the first site's
+local rank 0 (site 0 talks to it in memory; the others by messages,
+:mod:`geotrain.comm.mailbox`). This module is a site's side. Each site:
 
 1. runs H inner steps from the global model of version ``base``, then sends its
    pseudo-gradient Δ = θ_base − θ_local with ``base``, its steps and workers;
@@ -37,6 +38,12 @@ adds in another order). At the end every site sends a **final** update (possibly
 and waits; the syncer merges what is left once every site has, and sends every site the same
 model.
 
+A site that dies (any but the first, which holds the syncer) is **late forever**: the syncer
+learns it from the closed connection (:mod:`geotrain.comm.mailbox`), keeps the updates already in,
+and from then on counts a world round over the live sites only. The final answer names the live
+sites, so the end of the run (evaluation, rank records) avoids the world group, which holds the
+dead ranks (:meth:`AsyncDiLoCo.gather_records`, :class:`geotrain.run.loop.Evaluator`).
+
 Non-finite updates are left out by the syncer (the update guard's cross-site outlier test is a
 collective and is not applied here). Every wait is bounded by ``quorum.timeout_s``.
 """
@@ -44,10 +51,8 @@ collective and is not applied here). Every wait is bounded by ``quorum.timeout_s
 from __future__ import annotations
 
 import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,263 +61,13 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.groups import leaders_group
-from geotrain.comm.mailbox import Mailbox, Message
-from geotrain.config import QuorumConfig, SyncConfig
+from geotrain.comm.mailbox import Mailbox
+from geotrain.config import SyncConfig
 from geotrain.errors import SyncerTimeout
 from geotrain.sync.base import views_like
 from geotrain.sync.diloco import DiLoCo
-from geotrain.sync.outer import outer_step_, pseudo_gradient
-
-UPDATE, FINAL = 1.0, 2.0
-FIELDS = 5  # site → syncer: [kind, base, steps, workers, compute s]; syncer → site: [version, world steps, next H, 0, 0]
-
-
-@dataclass
-class Update:
-    """One site's delivery to the syncer."""
-
-    site: int
-    base: int  # version of the global model its round started from
-    steps: int
-    workers: int
-    delta: torch.Tensor  # flat fp32 pseudo-gradient (empty: a final delivery of no steps)
-    final: bool = False
-    compute_s: float = 0.0  # seconds of compute (pacing included, network waits not) the steps took
-
-
-def first_round_steps(cfg: SyncConfig) -> int:
-    """A site's first round: H, or with dynamic local updates max(1, H/10), to measure its pace."""
-    assert cfg.quorum is not None
-    return max(1, cfg.H // 10) if cfg.quorum.local_steps == "dynamic" else cfg.H
-
-
-def dynamic_steps(rates: Sequence[float], current: Sequence[int], H: int) -> list[int]:
-    """Dynamic local updates (Async Local-SGD, Liu et al. 2024): each site whose rate (steps per
-    second) is known runs H × its rate / the fastest rate, rounded, at least 1; the others keep
-    ``current``."""
-    fastest = max(rates)
-    return [max(1, min(H, round(H * r / fastest))) if r > 0 else c for r, c in zip(rates, current, strict=True)]
-
-
-def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: bool, power: float) -> list[float]:
-    """Each update's weight in the merge that makes version ``version + 1``: tokens (or 1) times
-    (1 + staleness)^-power, staleness = ``version - base``."""
-    return [(float(u.workers * u.steps) if weight_by_tokens else 1.0) * (1.0 + (version - u.base)) ** -power for u in updates]
-
-
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], total: float) -> torch.Tensor:
-    """Σ w·Δ / ``total`` in order, with the synchronous round's arithmetic
-    (:meth:`OuterSync._weighted_average`): equal weights that add up to ``total`` sum then divide,
-    else scale then sum. ``total`` is a whole world round's undiscounted tokens, so a stale
-    update's discount shrinks its contribution outright, even when it is alone in its merge."""
-    if len(set(weights)) == 1 and total == sum(weights):
-        out = deltas[0].clone()
-        for d in deltas[1:]:
-            out.add_(d)
-        return out.div_(len(deltas))
-    out = deltas[0].mul(weights[0] / total)
-    for d, w in zip(deltas[1:], weights[1:], strict=True):
-        out.add_(d.mul(w / total))
-    return out
-
-
-class DelayedNesterov:
-    """DiLoCo's outer SGD with its momentum delayed until a world round's worth of updates has
-    been merged (the delayed Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135).
-
-    A merge's g is its updates' weighted sum over a whole world round's tokens (every site's
-    workers × its steps in the merge, or its round's H), so one site's update counts for its
-    share of the world, as in a synchronous average, and a fast site that delivers twice as often moves θ
-    twice as often. g is applied at once (``lr·g``); once ``sites`` updates have been merged
-    since the last time, the momentum buffer takes their sum and its part (``lr·β·m``) is applied
-    too. Over a world round θ moves as one synchronous outer step on the round's mean. A merge
-    that holds every site's update with nothing pending is exactly that step: the torch
-    optimizer itself (so a quorum of every site is lock-step DiLoCo bit for bit); the momentum
-    buffer is the optimizer's own in both paths.
-    """
-
-    def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, sites: int) -> None:
-        self.theta, self.optimizer, self.sites = theta, optimizer, sites
-        self.lr, self.beta, self.nesterov = cfg.outer_lr, cfg.outer_momentum, cfg.nesterov
-        self.pending = [torch.zeros_like(t) for t in theta]
-        self.pending_updates = 0
-
-    @torch.no_grad()
-    def step(self, g: torch.Tensor, updates: int) -> None:
-        if not self.pending_updates and updates >= self.sites:  # a whole synchronous round
-            outer_step_(self.optimizer, self.theta, g)
-            return
-        self.pending_updates += updates
-        for t, p, v in zip(self.theta, self.pending, views_like(g, self.theta), strict=True):
-            t.add_(v, alpha=-self.lr)
-            p.add_(v)
-        if self.pending_updates < self.sites or not self.beta:
-            return
-        for t, p in zip(self.theta, self.pending, strict=True):
-            state = self.optimizer.state[t]
-            buf = state.get("momentum_buffer")
-            old = torch.zeros_like(p) if buf is None else buf.clone()
-            new = p.clone() if buf is None else buf.mul_(self.beta).add_(p)
-            state["momentum_buffer"] = new
-            t.add_(new if self.nesterov else old, alpha=-self.lr * self.beta)  # Nesterov: g + β·m_new; heavy ball: g + β·m_old
-            p.zero_()
-        self.pending_updates = 0
-
-
-class QuorumSyncer:
-    """The global model, the outer optimizer and the merge rule, in a thread (see the module docstring).
-
-    Args:
-        cfg: the quorum settings; ``weight_by_tokens``: weight updates by tokens.
-        workers: every site's workers, in site order.
-        theta: the initial global model (copied); ``make_optimizer``: the outer optimizer over a list of tensors.
-        mailbox: messages to and from the other sites' local rank 0 (``leaders``, in site order).
-    """
-
-    def __init__(
-        self,
-        cfg: QuorumConfig,
-        weight_by_tokens: bool,
-        workers: Sequence[int],
-        theta: Sequence[torch.Tensor],
-        make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-        sync_cfg: SyncConfig,
-        mailbox: Mailbox,
-        leaders: Sequence[int],
-    ) -> None:
-        self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
-        self.max_H = sync_cfg.H
-        self.dynamic = cfg.local_steps == "dynamic"
-        # every site's next round: H, or (dynamic) a first round of max(1, H/10) to measure its pace
-        self.H = [first_round_steps(sync_cfg)] * len(self.workers)
-        self.rates = [0.0] * len(self.workers)  # steps per second of compute, smoothed (dynamic)
-        self.theta = [t.detach().clone() for t in theta]
-        self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, len(self.workers))
-        self.mailbox, self.leaders = mailbox, list(leaders)
-        self.version = 0
-        self.world_steps = 0  # rank-steps merged so far
-        self.inbox: queue.Queue[Update] = queue.Queue()  # from site 0 (same process)
-        self.outbox: queue.Queue[tuple[list[float], torch.Tensor]] = queue.Queue()  # to site 0
-        self.log: list[dict[str, Any]] = []  # one entry per merge
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._guarded, name="quorum-syncer", daemon=True)
-        self._thread.start()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    def _guarded(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - handed to site 0's training thread, which raises it
-            self.error = exc
-
-    def _decode(self, msg: Message) -> Update:
-        kind, base, steps, workers, compute_s = msg.fields
-        site = self.leaders.index(msg.src)
-        return Update(site, int(base), int(steps), int(workers), msg.payload, final=kind == FINAL, compute_s=compute_s)
-
-    def _measure(self, u: Update) -> None:
-        """Dynamic local updates: smooth the site's rate (half weight on the newest round) and give
-        every measured site H x its rate / the fastest rate steps (at least 1, at most H)."""
-        if not self.dynamic or u.steps <= 0 or u.compute_s <= 0:
-            return
-        rate = u.steps / u.compute_s
-        self.rates[u.site] = rate if not self.rates[u.site] else 0.5 * (self.rates[u.site] + rate)
-        self.H = dynamic_steps(self.rates, self.H, self.max_H)
-
-    def _run(self) -> None:
-        n = len(self.workers)
-        incoming: queue.Queue[Message] = queue.Queue()
-        for r in self.leaders[1:]:  # each site's messages, until its final one
-            self.mailbox.listen(r, incoming, lambda m: m.fields[0] == FINAL)
-        pending: list[tuple[float, Update]] = []
-        open_: list[Update] = []
-        waiting: list[int] = []
-        finals: set[int] = set()
-        quorum_at: float | None = None
-        while not self._stop.is_set():
-            while not incoming.empty():
-                m = incoming.get_nowait()
-                pending.append((m.arrival, self._decode(m)))
-            while not self.inbox.empty():
-                pending.append((0.0, self.inbox.get_nowait()))
-            now = time.monotonic()
-            due = sorted((p for p in pending if p[0] <= now), key=lambda p: p[0])
-            pending = [p for p in pending if p[0] > now]
-            for _, u in due:
-                self._measure(u)
-                if u.final:
-                    finals.add(u.site)
-                elif u.base < self.version:  # late: merged later, and it goes on at once
-                    self._reply([u.site])
-                else:
-                    waiting.append(u.site)
-                if u.steps > 0:
-                    if bool(torch.isfinite(u.delta).all()):
-                        open_.append(u)
-                    else:
-                        self._note("rejected", [u], [], f"site {u.site}: non-finite update left out")
-            running = [s for s in range(n) if s not in finals]
-            if len(finals) == n:  # the final round: merge what is left, every site gets the same model
-                self._merge(open_, "final")
-                self._reply(sorted(finals))
-                return
-            delivered = {u.site for u in open_} | set(waiting)
-            if waiting and len(delivered) >= min(self.cfg.sites, len(running)):
-                quorum_at = now if quorum_at is None else quorum_at
-                if now >= quorum_at + self.cfg.grace_s or set(running) <= delivered:
-                    self._merge(open_, "quorum")
-                    open_, quorum_at = [], None
-                    self._reply(waiting)
-                    waiting = []
-            time.sleep(0.001)
-
-    def _merge(self, updates: list[Update], why: str) -> None:
-        if not updates:
-            return
-        ups = sorted(updates, key=lambda u: (u.site, u.base))
-        weights = merge_weights(ups, self.version, self.weight_by_tokens, self.cfg.staleness_power)
-        # a whole world round's tokens: each site's steps in this merge, or its round's H if it is
-        # not in it (a merge of every site: the merge's own tokens)
-        steps = list(self.H)
-        for s in {u.site for u in ups}:
-            steps[s] = max(u.steps for u in ups if u.site == s)
-        world = (
-            float(sum(w * k for w, k in zip(self.workers, steps, strict=True))) if self.weight_by_tokens else float(len(steps))
-        )
-        self.outer.step(weighted_mean([u.delta for u in ups], weights, world), len(ups))
-        self._note(why, ups, weights, "")
-        self.version += 1
-        self.world_steps += sum(u.workers * u.steps for u in ups)
-
-    def _note(self, why: str, ups: Sequence[Update], weights: Sequence[float], reason: str) -> None:
-        self.log.append(
-            {
-                "version": self.version + (0 if reason else 1),
-                "t": round(time.monotonic() - self._t0, 3),
-                "kind": why,
-                "sites": [u.site for u in ups],
-                "staleness": [self.version - u.base for u in ups],
-                "steps": [u.steps for u in ups],
-                "weights": [round(w, 4) for w in weights],
-                **({"next_H": list(self.H)} if self.dynamic else {}),
-                **({"why": reason} if reason else {}),
-            }
-        )
-
-    def _reply(self, sites: Sequence[int]) -> None:
-        theta = torch.cat([t.reshape(-1) for t in self.theta])
-        for s in sites:
-            fields = [float(self.version), float(self.world_steps), float(self.H[s]), 0.0, 0.0]
-            if s == 0:
-                self.outbox.put((fields, theta.clone()))
-            else:
-                self.mailbox.send(self.leaders[s], fields, theta)
-        self.mailbox.flush()  # each site posted its receive when it delivered
+from geotrain.sync.outer import pseudo_gradient
+from geotrain.sync.syncer import FIELDS, FINAL, UPDATE, QuorumSyncer, Update, first_round_steps, mask_sites
 
 
 class AsyncDiLoCo(DiLoCo):
@@ -379,6 +134,28 @@ class AsyncDiLoCo(DiLoCo):
     def pace_log(self) -> list[dict[str, Any]]:
         return [] if self.syncer is None else list(self.syncer.log)
 
+    def gather_records(self, record: Any) -> list[Any]:
+        """Every live rank's ``record`` (on global rank 0; the others get their site's). Once a site
+        has died the world group cannot be used: each site gathers on its own group, and the other
+        live sites' leaders send theirs to rank 0 on the leaders' group."""
+        if not self.lost_sites:
+            return super().gather_records(record)
+        g = self.comm.groups
+        mine: list[Any] = [None] * len(g.intra_ranks)
+        dist.gather_object(record, mine if self.leader else None, dst=g.intra_ranks[0], group=g.intra)
+        if not self.leader:
+            return []
+        assert self.mailbox is not None
+        if g.me.rank != self.leaders[0]:
+            dist.send_object_list([mine], dst=self.leaders[0], group=self.mailbox.group)
+            return mine
+        for s, r in enumerate(self.leaders):
+            if s and s not in self.lost_sites:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=r, group=self.mailbox.group)
+                mine += box[0]
+        return mine
+
     def finish(self) -> None:
         if not self._finished:
             self._exchange(final=True)
@@ -406,14 +183,14 @@ class AsyncDiLoCo(DiLoCo):
         if (site, self.rounds) in self.nan_at:  # failure injection
             delta.fill_(float("nan"))
         t0 = time.perf_counter()
-        control = torch.zeros(4, dtype=torch.float64)  # version, world steps, stop, next round's H
+        control = torch.zeros(5, dtype=torch.float64)  # version, world steps, stop, next round's H, live sites
         theta = torch.empty(delta.numel(), dtype=torch.float32)
         if self.leader:
             payload = delta if steps else delta[:0]
             update = Update(g.me.site_index, self.version, steps, self.site_workers, payload, final, self._round_compute)
             fields, theta = self._deliver(update)
             time_up = bool(self._max_seconds) and self._t0 is not None and time.perf_counter() - self._t0 >= self._max_seconds
-            control[:] = torch.tensor([fields[0], fields[1], float(time_up), fields[2]])
+            control[:] = torch.tensor([fields[0], fields[1], float(time_up), fields[2], fields[3]])
         if len(g.intra_ranks) > 1:  # the site's other ranks get the leader's answer
             for t in (control, theta):
                 dist.broadcast(t, g.intra_ranks[0], group=g.intra)
@@ -429,6 +206,8 @@ class AsyncDiLoCo(DiLoCo):
         self.version, self.world_total = int(control[0]), int(control[1])
         self._done = bool(control[2])
         self.clock.limit = max(1, int(control[3]))
+        n = g.topology.num_sites
+        self.lost_sites = [s for s in range(n) if s not in mask_sites(float(control[4]), n)]
         self._round_compute = 0.0
         if steps:
             self.rounds += 1
@@ -462,5 +241,7 @@ class AsyncDiLoCo(DiLoCo):
         msg = self.mailbox.receive(self.leaders[0], timeout)
         if msg is None:
             raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
+        if msg.lost:
+            raise SyncerTimeout(f"lost {who}: its connection closed (the run cannot go on without the first site)")
         self.mailbox.flush()
         return msg.fields, msg.payload
