@@ -84,6 +84,45 @@ def test_the_clock_of_link_changes_is_shared_by_every_rank_of_a_run(tmp_path: Pa
     b.close(unlink=True)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_link_state_left_by_a_killed_launcher_does_not_reach_the_next_run(tmp_path: Path, monkeypatch) -> None:
+    """A launcher that was SIGKILLed leaves its link-state file (clock and busy links). If the
+    kernel gives the next launcher the same port, that run must start its own clock: here the
+    stale clock is 10,000 s old, so a change scheduled at 1 h (links 1,000x slower) would fire at
+    once and every ring step would wait 1 s."""
+    import struct
+    import time
+
+    import geotrain.launch.local as local
+    from geotrain.comm.emulate.inprocess import state_path
+
+    real = local.host_store
+
+    def host_store_with_stale_state(*args, **kwargs):  # type: ignore[no-untyped-def]
+        store, agent = real(*args, **kwargs)
+        stale = SharedLinks(state_path(str(store.port)), 2)
+        struct.pack_into("d", stale._mm, stale._t0_off, time.monotonic() - 10_000)
+        stale.close()
+        return store, agent
+
+    monkeypatch.setattr(local, "host_store", host_store_with_stale_state)
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            "run.baseline=none",
+            "train.steps=10",
+            "sync.H=5",
+            "topology.links.emulate=inprocess",
+            "topology.links.inter.latency_s=0.001",
+            "topology.links.changes=[{after_s: 3600, bandwidth_scale: 0.001, latency_scale: 1000}]",
+        ],
+    )
+    s = launch_local(cfg, tmp_path / "run", console_print=None)
+    assert s["rounds"] == 2 and s["wan_wait_seconds"] < 0.5
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -61,6 +61,9 @@ def launch_local(
     # rendezvous inside the first site's namespace, out of this process's network stack
     store, agent = host_store(timeout_s=cfg.run.timeout_s) if kernel is None else (None, {})
     port = store.port if store is not None else free_port()
+    # a launcher that was SIGKILLed could not remove its link state: one left on this port would
+    # give this run its clock (scheduled link changes would fire early) and its busy links
+    state_path(str(port)).unlink(missing_ok=True)
     try:
         return _launch(cfg, topo, out, cfg_path, summary_path, port, agent, kernel, console_print, on_poll)
     finally:

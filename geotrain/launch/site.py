@@ -112,6 +112,7 @@ def run_site(
     summary.unlink(missing_ok=True)
     store, agent = host_store(bind, cfg.run.timeout_s, attempt=incarnation)  # the site's rendezvous (no port race)
     wan_key = f"site-{site}-{store.port}"
+    state_path(wan_key).unlink(missing_ok=True)  # one left by a SIGKILLed launcher would lend this run its clock
     mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link
     procs, pumps = [], []
     workers = topo.workers[index]
