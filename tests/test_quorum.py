@@ -4,7 +4,13 @@ configs it refuses (real processes, Gloo on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,6 +163,30 @@ def test_a_site_killed_mid_round_is_late_forever_and_the_others_finish_on_one_mo
     log = (tmp_path / "kill" / "logs" / "rank1.log").read_text()
     assert "fault injection: kill this site now" in log
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_from_outside_loses_its_site_and_the_others_finish(tmp_path: Path) -> None:
+    """Not an injected fault: one of site B's two ranks gets a SIGKILL from this test, by PID. The
+    launcher sees the rank die, kills B's other rank, and A and C finish on one model."""
+    topo = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 2}, {name: C, workers: 1}]"
+    cfg = load_config(None, TINY + ["run.baseline=none", *SLOW_C[1:], topo, "sync.H=16", "sync.quorum={sites: 1, grace_s: 0}"])
+    out = tmp_path / "ext"
+    got: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: got.update(launch_local(cfg, out, console_print=None)), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not ((out / "logs" / "rank1.log").exists() and "step" in (out / "logs" / "rank1.log").read_text()):
+        assert time.monotonic() < deadline and runner.is_alive(), "site B never started training"
+        time.sleep(0.1)
+    time.sleep(1.0)  # a few rounds in
+    os.kill(json.loads((out / "pids.json").read_text())["ranks"][2], signal.SIGKILL)  # B's local rank 1
+    runner.join(timeout=180)
+    assert not runner.is_alive() and got, "the run did not finish without site B"
+    assert got["lost_sites"] == ["B"] and [p["site"] for p in got["per_site"]] == ["A", "C"]
+    assert sorted(got["global_param_hash"]) == ["A", "C"] and len(set(got["global_param_hash"].values())) == 1
+    assert any(m["kind"] == "lost" and m["sites"] == [1] for m in got["pace"])
 
 
 @pytest.mark.slow
