@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from geotrain.config import load_config
-from geotrain.errors import ConfigError
+from geotrain.errors import ConfigError, LaunchError
 from geotrain.launch.local import launch_local
 from geotrain.sync.outer import outer_step_
 from geotrain.sync.syncer import DelayedNesterov, Update, dynamic_steps, merge_weights, weighted_mean
@@ -187,6 +187,20 @@ def test_a_rank_killed_from_outside_loses_its_site_and_the_others_finish(tmp_pat
     assert got["lost_sites"] == ["B"] and [p["site"] for p in got["per_site"]] == ["A", "C"]
     assert sorted(got["global_param_hash"]) == ["A", "C"] and len(set(got["global_param_hash"].values())) == 1
     assert any(m["kind"] == "lost" and m["sites"] == [1] for m in got["pace"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_site_that_fails_at_the_start_still_stops_the_run(tmp_path: Path) -> None:
+    """Before training starts the others would wait for the failed site in the start's collectives:
+    a site whose corpus is missing on its machine stops the run with the usual one line."""
+    topo = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1, corpus: /nonexistent/corpus.txt}]"
+    cfg = load_config(None, TINY + ["run.baseline=none", "train.steps=20", topo, "sync.quorum={sites: 1}"])
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 \(site B, local rank 0\) exited with code"):
+        launch_local(cfg, tmp_path / "bad", console_print=None)
+    assert time.monotonic() - t0 < 60  # not the rendezvous timeout
+    assert "topology.sites[1].corpus: file or directory not found" in (tmp_path / "bad" / "logs" / "rank1.log").read_text()
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ the console above a progress bar that follows rank 0's metrics.
 
 If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace period, and
 :class:`LaunchError` names the site and rank that failed. With asynchronous quorum rounds
-(``sync.quorum``) a site other than the first that fails (or that ``fault.kill`` names) is
-lost instead: its ranks are killed and the others go on (:mod:`geotrain.sync.quorum`). Children also get
+(``sync.quorum``) a site other than the first that fails once training has started (or that
+``fault.kill`` names) is lost instead: its ranks are killed and the others go on
+(:mod:`geotrain.sync.quorum`). Children also get
 ``PR_SET_PDEATHSIG`` so they die if the launcher itself is killed: no orphans either way.
 """
 
@@ -96,6 +97,10 @@ def _launch(
     console_print: Callable[[str], None] | None,
     on_poll: Callable[[], None] | None,
 ) -> dict[str, Any]:
+    tolerant = cfg.sync.quorum is not None
+    first_step = out / "metrics" / "rank0.jsonl"  # rank 0 logged a step: every rank is past the start's collectives
+    if tolerant:
+        first_step.unlink(missing_ok=True)  # an earlier run's (quorum rounds take no checkpoints to resume)
     procs: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
     wan_mode = "inprocess" if cfg.topology.links.emulate == "kernel" else cfg.topology.links.emulate
@@ -114,9 +119,10 @@ def _launch(
 
     failure: str | None = None
     # asynchronous quorum rounds go on without a site that dies (any but the first, which holds the
-    # syncer): its other ranks are killed too, and the run ends when every live site's ranks have
+    # syncer) once training has started: its other ranks are killed too, and the run ends when
+    # every live site's ranks have. A failure at the start (a missing corpus, say) still stops the
+    # run, since the others would wait for it in the start's collectives.
     lost: set[int] = set()
-    tolerant = cfg.sync.quorum is not None
 
     def lose(site: int, why: str) -> None:
         lost.add(site)
@@ -135,7 +141,8 @@ def _launch(
                     lose(topo.site_names.index(request["site"]), f"killed (fault injection at step {request['step']})")
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and topo.info(r).site_index not in lost]
-            for r, c in sorted(bad, key=lambda rc: (rc[1] > 0, rc[0])) if tolerant else []:
+            started = tolerant and bad and first_step.exists() and first_step.stat().st_size > 0
+            for r, c in sorted(bad, key=lambda rc: (rc[1] > 0, rc[0])) if started else []:
                 site = topo.info(r).site_index
                 if site and site not in lost:
                     lose(site, f"lost: rank {r} {describe_exit(c)} (log: {out / 'logs' / f'rank{r}.log'})")
