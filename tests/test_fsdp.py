@@ -197,7 +197,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     import pickle
 
     from geotrain.errors import CheckpointError
-    from geotrain.run.checkpoint import _SafeReader
+    from geotrain.run.checkpoint import safe_reader
 
     class Payload:
         def __reduce__(self) -> tuple:
@@ -206,7 +206,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     (tmp_path / "victim").write_text("still here")
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(CheckpointError, match="not a DCP metadata file"):
-        _SafeReader(tmp_path).read_metadata()
+        safe_reader(tmp_path).read_metadata()
     assert (tmp_path / "victim").exists()
 
 

@@ -20,16 +20,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 
-from geotrain.codecs import kernels
 from geotrain.errors import NonFiniteError
 
 CODEC_NAMES = ("none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd")
 FP16_MAX = 65504.0
+
+
+def _kernels() -> ModuleType:
+    """The compiled kernels, imported on first use: numba's import costs every rank a third of a
+    second at start (measured), and a run without codecs never needs it."""
+    from geotrain.codecs import kernels
+
+    return kernels
 
 
 def _refuse_non_finite(name: str, x: torch.Tensor) -> None:
@@ -156,7 +164,7 @@ class Int8(Codec):
             table.zero_()
             return buf
         xs = _np(x)
-        s, ss, probe = kernels.moments(xs)
+        s, ss, probe = _kernels().moments(xs)
         if not math.isfinite(probe):
             _refuse_non_finite(self.name, x)
         mean = s / n
@@ -165,12 +173,12 @@ class Int8(Codec):
         if half <= 1e-30 * max(1.0, abs(mean)):  # constant tensor: one bucket holds it exactly
             half = max(abs(mean), 1e-30)
         lo = mean - half
-        kernels.int8_encode(xs, lo, 256.0 / (2 * half), _np(buf[self.TABLE :]), _np(table))
+        _kernels().int8_encode(xs, lo, 256.0 / (2 * half), _np(buf[self.TABLE :]), _np(table))
         return buf
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         out = self._out(out, n)
-        kernels.lookup_decode(_np(buf[self.TABLE :]), _np(buf[: self.TABLE].view(torch.float32)), _np(out))
+        _kernels().lookup_decode(_np(buf[self.TABLE :]), _np(buf[: self.TABLE].view(torch.float32)), _np(out))
         return out
 
 
@@ -194,7 +202,7 @@ class _Block4(Codec):
         buf = torch.empty(self.encoded_nbytes(n), dtype=torch.uint8)
         nb = self._blocks(n)
         scales = buf[: 4 * nb].view(torch.float32)
-        probe = kernels.block4_encode(_np(x), self.block_size, self.is_fp4, _np(scales), _np(buf[4 * nb :]))
+        probe = _kernels().block4_encode(_np(x), self.block_size, self.is_fp4, _np(scales), _np(buf[4 * nb :]))
         if not math.isfinite(probe):
             _refuse_non_finite(self.name, x)
         return buf
@@ -202,7 +210,9 @@ class _Block4(Codec):
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         out = self._out(out, n)
         nb = self._blocks(n)
-        kernels.block4_decode(_np(buf[4 * nb :]), _np(buf[: 4 * nb].view(torch.float32)), self.block_size, self.is_fp4, _np(out))
+        _kernels().block4_decode(
+            _np(buf[4 * nb :]), _np(buf[: 4 * nb].view(torch.float32)), self.block_size, self.is_fp4, _np(out)
+        )
         return out
 
 
@@ -304,7 +314,9 @@ class SparseLoCo(Codec):
         nc = -(-n // self.chunk)
         scales = buf[: 8 * nc].view(torch.float32)
         if n:
-            probe = kernels.sparse2_encode(_np(x), self.chunk, self.fraction, self.offset_bits, _np(scales), _np(buf[8 * nc :]))
+            probe = _kernels().sparse2_encode(
+                _np(x), self.chunk, self.fraction, self.offset_bits, _np(scales), _np(buf[8 * nc :])
+            )
             if not math.isfinite(probe):
                 _refuse_non_finite(self.name, x)
         return buf
@@ -313,7 +325,7 @@ class SparseLoCo(Codec):
         out = self._out(out, n)
         if n:
             nc = -(-n // self.chunk)
-            kernels.sparse2_decode(
+            _kernels().sparse2_decode(
                 _np(buf[8 * nc :]), _np(buf[: 8 * nc].view(torch.float32)), self.chunk, self.fraction, self.offset_bits, _np(out)
             )
         return out

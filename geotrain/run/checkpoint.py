@@ -43,18 +43,18 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor import empty as dtensor_empty
 
 from geotrain.elastic.auth import RunKeys
 from geotrain.errors import CheckpointError
+from geotrain.sync.base import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 MANIFEST = "manifest.json"
 MANIFEST_MAX_BYTES = 1 << 20
@@ -127,6 +127,8 @@ def save(
     if where is not None:
         folder = d / f"site-{where.site}"
         tensors, state = split_dtensors(state)
+        import torch.distributed.checkpoint as dcp  # here: replicated runs never pay its import
+
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=where.mesh.get_group())
         for f in sorted(folder.iterdir()):
             if f.is_file() and _mine(f.name, where.local_rank):
@@ -343,7 +345,7 @@ def split_dtensors(state: Any, path: str = "") -> tuple[dict[str, DTensor], Any]
     found: dict[str, DTensor] = {}
 
     def walk(x: Any, at: str) -> Any:
-        if isinstance(x, DTensor):
+        if is_dtensor(x):
             found[at] = x
             return PLACEHOLDER + at
         if isinstance(x, dict):
@@ -425,28 +427,39 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with :class:`_MetadataUnpickler` for its ``.metadata``."""
+def safe_reader(folder: Path) -> Any:
+    """DCP's file reader of ``folder`` with :class:`_MetadataUnpickler` for its ``.metadata``
+    (DCP is imported here, not with this module: replicated runs never pay its import)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
-        try:
-            with open(path, "rb") as f:
-                metadata: Metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: not a DCP metadata file ({exc})") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-        return metadata
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = Path(self._get_metadata_path(kwargs.get("rank")))
+            try:
+                with open(path, "rb") as f:
+                    metadata: Metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{path}: not a DCP metadata file ({exc})") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+            return metadata
+
+    return SafeReader(folder)
 
 
 def load_sharded(d: Path, manifest: dict[str, Any], where: SiteShards) -> dict[str, Any]:
     """This rank's state from sharded checkpoint ``d`` (verified): its rank file (:meth:`SiteShards.donor`)
     with each placeholder filled by DCP with this rank's shard in the current layout (every rank of
     the site calls it together). Refuses a tensor the site's folder does not hold."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
     skeleton = torch.load(d / f"rank{where.donor(manifest)}.pt", map_location="cpu", weights_only=True)
-    reader = _SafeReader(d / f"site-{where.site}")
+    reader = safe_reader(d / f"site-{where.site}")
     saved = reader.read_metadata().state_dict_metadata
     tensors: dict[str, DTensor] = {}
     for name in _placeholders(skeleton):

@@ -17,7 +17,6 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def block_list(model: nn.Module) -> nn.ModuleList:
@@ -42,6 +41,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str, *, reshard_r
             evaluates: nothing gathered outlives a forward, so shards written between forwards are
             always what the next one sees).
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: replicated runs never pay its import
+
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if precision == "bf16" else None,
         reduce_dtype=torch.float32 if precision == "bf16" else None,

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.groups import ProcessGroups
@@ -26,7 +25,7 @@ from geotrain.data import RankData
 from geotrain.privacy.build import Privacy
 from geotrain.report.metrics import MetricsSink, log
 from geotrain.sync import SyncAlgorithm
-from geotrain.sync.base import local_tensor
+from geotrain.sync.base import is_dtensor, local_tensor
 
 
 @torch.no_grad()
@@ -61,7 +60,7 @@ class Evaluator:
     ) -> None:
         self.model, self.batches, self.groups, self.lost_sites = model, batches, groups, lost_sites
         self.tokens_per_rank_step = tokens_per_rank_step
-        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        self.sharded = any(is_dtensor(p) for p in model.parameters())
         self.curve: list[dict[str, float]] = []
         self.seconds = 0.0
 

@@ -15,6 +15,7 @@ imports :mod:`geotrain.privacy` or :mod:`geotrain.elastic`: the composition root
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
@@ -22,7 +23,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from geotrain.comm.collectives import Collectives
 from geotrain.sync.guard import UpdateGuard
@@ -79,10 +79,17 @@ class RoundMembership(Protocol):
         ...
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is an FSDP2 / DCP ``DTensor``, without importing ``torch.distributed.tensor``
+    (half a second of every rank's start, measured): if it was never imported, none exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of ``t``: its shard of an FSDP2 (DTensor) parameter or gradient, a view
     of the storage FSDP all-gathers from (writes to it are what the next forward sees); else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
@@ -139,7 +146,7 @@ class SyncAlgorithm:
         # sync.within_site=fsdp: each rank holds a shard of every parameter (DTensors on the site's
         # mesh), FSDP averages gradients inside the site, and pseudo-gradients, outer state and
         # cross-site exchanges are per shard (local rank i holds the same part in every site)
-        self.sharded = any(isinstance(p, DTensor) for p in self.params)
+        self.sharded = any(is_dtensor(p) for p in self.params)
         self.local_steps = 0
         self.rounds = 0
         self.region_rounds = 0  # multi-tier sync: rounds inside the region (rounds counts the world tier's)
@@ -165,6 +172,8 @@ class SyncAlgorithm:
         in the site, so every rank of the site calls it together)."""
         if not self.sharded:
             return tensors
+        from torch.distributed.tensor import DTensor
+
         return [
             DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
             if isinstance(p, DTensor)
@@ -180,6 +189,8 @@ class SyncAlgorithm:
             return x
         params = [self.params[i] for i in (range(len(self.params)) if which is None else which)]
         pieces = views_like(x, [local_tensor(p) for p in params]) if isinstance(x, torch.Tensor) else list(x)
+        from torch.distributed.tensor import DTensor
+
         return [
             DTensor.from_local(t.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
             if isinstance(p, DTensor)
@@ -191,7 +202,7 @@ class SyncAlgorithm:
     def shards_in(saved: Any, flat: bool = False) -> Any:
         """The inverse of :meth:`shards_out` on what a checkpoint gave back (resharded by DCP to this
         rank's parts): the local tensors, or their flat concatenation when ``flat``."""
-        if not isinstance(saved, list) or not any(isinstance(t, DTensor) for t in saved):
+        if not isinstance(saved, list) or not any(is_dtensor(t) for t in saved):
             return saved
         local = [local_tensor(t) for t in saved]
         return torch.cat([t.reshape(-1) for t in local]) if flat else local
