@@ -135,7 +135,7 @@ def _launch(
     try:
         while True:
             if tolerant:
-                for f in sorted((out / "faults").glob("kill-*.json")):  # fault.kill: a site asked to be killed
+                for f in sorted((out / "faults").glob("fault-*.json")):  # fault.kill: a site asked to be killed
                     request = json.loads(f.read_text())
                     f.unlink()
                     lose(topo.site_names.index(request["site"]), f"killed (fault injection at step {request['step']})")

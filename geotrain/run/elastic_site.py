@@ -25,6 +25,26 @@ from geotrain.run.state import RankObjects
 from geotrain.sync import DiLoCo
 
 
+def request_fault(folder: Path, where: RankInfo, kind: str, step: int, timeout_s: float = 120.0) -> None:
+    """Failure injection at ``step``: the site's local rank 0 asks the launcher to signal every
+    process of this site (``kind``: kill or hang) with a request file in ``folder``, and every rank
+    of it waits for the signal. Returns only if the launcher declined (a ``.skip`` file: it is the
+    last live site); raises if nothing happened within ``timeout_s`` (no launcher that injects faults)."""
+    request = folder / f"fault-{where.site}-{step}.json"
+    if where.local_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        # renamed into place: the launcher never reads half a file
+        atomic_write(request, json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}).encode())
+        log(where, step, f"fault injection: {kind} this site now")
+    skip = request.with_suffix(".skip")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if skip.exists():
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"fault injection: the launcher did not {kind} site {where.site} within {timeout_s:g} s")
+
+
 def join_elastic(
     cfg: ElasticConfig,
     topology: Topology,
@@ -54,18 +74,7 @@ def join_elastic(
         kind = faults.pop(step, None)
         if kind is None or (incarnation and (member.healed_at_step is None or step <= member.healed_at_step)):
             return
-        request = out / "elastic" / f"fault-{where.site}-{step}.json"
-        if where.local_rank == 0:  # the launcher signals every process of this site
-            # renamed into place: the launcher never reads half a file
-            atomic_write(request, json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}).encode())
-            log(where, step, f"fault injection: {kind} this site now")
-        skip = request.with_suffix(".skip")  # the launcher declined: it is the last live site
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if skip.exists():
-                return
-            time.sleep(0.01)
-        raise RuntimeError(f"fault injection: the launcher did not {kind} site {where.site}")
+        request_fault(out / "elastic", where, kind, step)
 
     def load(state: dict[str, Any]) -> None:
         objs.load_training(state)

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from geotrain.privacy.build import build_privacy
 from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import rank_record, run_summary
 from geotrain.run import checkpoint as ckpt
-from geotrain.run.elastic_site import join_elastic
+from geotrain.run.elastic_site import join_elastic, request_fault
 from geotrain.run.fsdp import copy_on, shard_model
 from geotrain.run.loop import Evaluator, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
@@ -114,23 +113,15 @@ class Placement:
 
 
 def quorum_kill(cfg: Config, out: Path, where: RankInfo) -> Callable[[int], None] | None:
-    """``fault.kill`` with asynchronous quorum rounds: at the step, the site's local rank 0 asks the
-    launcher (a request file in ``OUT/faults``) to SIGKILL every process of the site, and every rank
-    of it waits for the signal (bounded: without a launcher that does it, the ranks fail)."""
+    """``fault.kill`` with asynchronous quorum rounds: at the step, this site asks the launcher to
+    SIGKILL every process of it (:func:`request_fault`, in ``OUT/faults``)."""
     steps = {step for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and kind == "kill"}
     if not steps:
         return None
 
     def inject(step: int) -> None:
-        if step not in steps:
-            return
-        if where.local_rank == 0:
-            (out / "faults").mkdir(exist_ok=True)
-            request = {"site": where.site, "kind": "kill", "step": step, "time": time.time()}
-            ckpt.atomic_write(out / "faults" / f"kill-{where.site}-{step}.json", json.dumps(request).encode())
-            log(where, step, "fault injection: kill this site now")
-        time.sleep(60)
-        raise RuntimeError(f"fault injection: no launcher killed site {where.site} within 60 s")
+        if step in steps:
+            request_fault(out / "faults", where, "kill", step, timeout_s=60.0)
 
     return inject
 

@@ -271,13 +271,16 @@ class QuorumSyncer:
         self.version += 1
         self.world_steps += sum(u.workers * u.steps for u in ups)
 
-    def _note(self, why: str, ups: Sequence[Update], weights: Sequence[float], reason: str) -> None:
+    def _note(
+        self, why: str, ups: Sequence[Update], weights: Sequence[float], reason: str, sites: Sequence[int] | None = None
+    ) -> None:
+        """One log entry: a merge of ``ups`` (``reason`` empty), or an event about ``sites`` (default: the updates' sites)."""
         self.log.append(
             {
                 "version": self.version + (0 if reason else 1),
                 "t": round(time.monotonic() - self._t0, 3),
                 "kind": why,
-                "sites": [u.site for u in ups],
+                "sites": [u.site for u in ups] if sites is None else list(sites),
                 "staleness": [self.version - u.base for u in ups],
                 "steps": [u.steps for u in ups],
                 "weights": [round(w, 4) for w in weights],
@@ -293,8 +296,7 @@ class QuorumSyncer:
             return
         self.lost.add(site)
         self.outer.sites = len(self.workers) - len(self.lost)
-        self._note("lost", [], [], f"site {site}: {why}; late forever")
-        self.log[-1]["sites"] = [site]
+        self._note("lost", [], [], f"site {site}: {why}; late forever", sites=[site])
 
     def _reply(self, sites: Sequence[int]) -> None:
         theta = torch.cat([t.reshape(-1) for t in self.theta])
