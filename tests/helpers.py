@@ -89,12 +89,12 @@ def train_cli(
 
 
 def _kill_run(out: Path, launcher: subprocess.Popen[str]) -> None:
-    """SIGKILL a timed-out run's launcher and, by PID (``OUT/pids.json``), its ranks and Lighthouse,
-    which run in sessions of their own."""
+    """SIGKILL a timed-out run's launcher and, by PID (``OUT/pids.json``), its ranks, zygote and
+    Lighthouse, which run in sessions of their own."""
     launcher.kill()
     pids_file = out / "pids.json"
     pids = json.loads(pids_file.read_text()) if pids_file.exists() else {}
-    for pid in [*pids.get("ranks", []), pids.get("lighthouse")]:
+    for pid in [*pids.get("ranks", []), pids.get("zygote"), pids.get("lighthouse")]:
         if pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

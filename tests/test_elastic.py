@@ -21,7 +21,8 @@ import yaml
 from geotrain.comm.procs import free_port
 from geotrain.config import ElasticConfig
 from geotrain.elastic.lighthouse import LighthouseProcess
-from geotrain.launch.spawn import worker_cmd
+from geotrain.launch.spawn import worker_args
+from geotrain.launch.zygote import WORKER
 from tests.helpers import TINY, read_summary, train_args, train_cli
 
 pytestmark = pytest.mark.timeout(240)
@@ -187,7 +188,7 @@ def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
         rogue_env = site_env(topo, "off", 2, 1, 0, free_port(), addr, "unused")
         rogue_env["GEOTRAIN_SECRET"] = "a-wrong-secret-of-enough-length"
         sets = [x for o in [*TINY, *ELASTIC, "train.steps=500"] for x in ("--set", o)]
-        cmd = [*worker_cmd(cfg, tmp_path / "rogue"), *sets]
+        cmd = [sys.executable, "-m", WORKER, *worker_args(cfg, tmp_path / "rogue"), *sets]
         rogue = subprocess.run(cmd, capture_output=True, text=True, env=rogue_env, timeout=120)
         stdout, _ = run.communicate(timeout=200)
     assert rogue.returncode == 3, rogue.stdout[-2000:] + rogue.stderr[-2000:]
@@ -307,7 +308,7 @@ def test_elastic_checkpoints_resume_after_a_total_outage_exactly(tmp_path: Path)
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         pids = json.loads((out / "pids.json").read_text())
-        for pid in [pids["launcher"], pids["lighthouse"], *pids["ranks"]]:
+        for pid in [pids["launcher"], pids["zygote"], pids["lighthouse"], *pids["ranks"]]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
     finally:

@@ -1,4 +1,5 @@
-"""Failure handling of the local launcher: a killed rank stops the job cleanly, no orphans."""
+"""Failure handling of the local launcher: a killed rank stops the job cleanly, no orphans; ranks
+forked from the zygote (or started fresh) behave as processes of their own."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from geotrain.comm.procs import free_port
 from tests.test_training import TINY
 
 
@@ -28,7 +32,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(") ", 1)[1].split()[1])
+
+
+def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     args = [
         sys.executable,
         "-m",
@@ -46,7 +55,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
     metrics = tmp_path / "metrics" / "rank0.jsonl"
     while time.monotonic() < deadline:
         if metrics.exists() and metrics.stat().st_size > 0 and (tmp_path / "pids.json").exists():
-            return proc, json.loads((tmp_path / "pids.json").read_text())["ranks"]
+            return proc, json.loads((tmp_path / "pids.json").read_text())
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     proc.kill()
@@ -56,7 +65,8 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_killed_rank_fails_the_job_naming_site_and_rank(tmp_path: Path) -> None:
-    proc, pids = _start(tmp_path)
+    proc, started = _start(tmp_path)
+    pids = started["ranks"]
     t0 = time.monotonic()
     os.kill(pids[2], signal.SIGKILL)  # rank 2 = site B, local rank 0
     _, err = proc.communicate(timeout=60)
@@ -71,10 +81,73 @@ def test_killed_rank_fails_the_job_naming_site_and_rank(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_killing_the_launcher_takes_the_ranks_down(tmp_path: Path) -> None:
-    proc, pids = _start(tmp_path)
+    proc, started = _start(tmp_path)
+    pids = [*started["ranks"], started["zygote"]]  # the zygote dies with the launcher, the ranks with it
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
+
+
+def _rank_env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} | extra
+
+
+def _waiting_rank(tmp_path: Path, fork: bool) -> tuple[Any, threading.Thread, Path]:
+    """A rank that waits in the rendezvous for a peer that never comes (rank 0 of 2, for up to 60 s)."""
+    from geotrain.launch.spawn import spawn_rank, worker_args
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}]\nrun:\n  timeout_s: 60\n")
+    env = _rank_env(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["GEOTRAIN_PARENT_PID"] = str(os.getpid())
+    log = tmp_path / "rank.log"
+    p, t = spawn_rank(worker_args(cfg, tmp_path / "out"), env, log, None, fork=fork)
+    return p, t, log
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
+def test_a_rank_is_a_real_process_of_its_own_with_popens_exit_codes(tmp_path: Path, fork: bool) -> None:
+    from geotrain.launch.spawn import spawn_rank, worker_args
+
+    # no torch.distributed environment: the worker says so and exits 2, into its log
+    log = tmp_path / "bare.log"
+    p, t = spawn_rank(worker_args(tmp_path / "none.yaml", tmp_path / "out"), _rank_env(), log, None, fork=fork)
+    assert p.wait(timeout=60) == 2
+    t.join(timeout=10)
+    assert "the worker needs the torch.distributed environment (RANK, WORLD_SIZE" in log.read_text()
+
+    p, t, log = _waiting_rank(tmp_path, fork)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.5)  # still waiting for its peer
+    assert p.poll() is None and _alive(p.pid)
+    assert os.getsid(p.pid) == p.pid  # a session of its own: the terminal's Ctrl-C goes to the launcher only
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == -signal.SIGTERM
+    assert not _alive(p.pid)
+    p.kill()  # a rank already reaped is never signalled (its PID may be someone else's by now)
+    t.join(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_die_with_their_zygote(tmp_path: Path) -> None:
+    from geotrain.launch import spawn
+
+    p, t, _ = _waiting_rank(tmp_path, fork=True)
+    zygote = spawn.zygote_pid()
+    assert zygote is not None and _parent(p.pid) == zygote
+    os.kill(zygote, signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL  # PR_SET_PDEATHSIG; the launcher sees the zygote's end
+    deadline = time.monotonic() + 10
+    while _alive(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(p.pid)
+    q, u, _ = _waiting_rank(tmp_path, fork=True)  # the next rank gets a new zygote
+    assert spawn.zygote_pid() not in (None, zygote)
+    q.kill()
+    assert q.wait(timeout=30) == -signal.SIGKILL
+    t.join(timeout=10)
+    u.join(timeout=10)

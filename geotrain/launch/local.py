@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -35,13 +34,19 @@ from geotrain.comm.procs import free_port, host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.errors import LaunchError
-from geotrain.launch.spawn import describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
+from geotrain.launch.spawn import Rank, describe_exit, forks_ranks, rank_env, spawn_rank, stop_all, worker_args, zygote_pid
 
 
 def launch_local(
-    cfg: Config, out: Path, console_print: Callable[[str], None] | None = print, on_poll: Callable[[], None] | None = None
+    cfg: Config,
+    out: Path,
+    console_print: Callable[[str], None] | None = print,
+    on_poll: Callable[[], None] | None = None,
+    fork: bool | None = None,
 ) -> dict[str, Any]:
-    """Run one training job with every rank as a local process; return its summary.
+    """Run one training job with every rank as a local process; return its summary. Ranks are
+    forked from the zygote unless ``fork`` is False or the run will use CUDA (``fork=None``:
+    :func:`geotrain.launch.spawn.forks_ranks` decides).
 
     Raises:
         LaunchError: a rank failed (all others have been stopped).
@@ -66,7 +71,8 @@ def launch_local(
     # give this run its clock (scheduled link changes would fire early) and its busy links
     state_path(str(port)).unlink(missing_ok=True)
     try:
-        return _launch(cfg, topo, out, cfg_path, summary_path, port, agent, kernel, console_print, on_poll)
+        fork = forks_ranks(cfg.run.backend) if fork is None else fork
+        return _launch(cfg, topo, out, cfg_path, summary_path, port, agent, kernel, console_print, on_poll, fork)
     finally:
         if kernel is not None:
             kernel.down()
@@ -96,26 +102,28 @@ def _launch(
     kernel: KernelLinks | None,
     console_print: Callable[[str], None] | None,
     on_poll: Callable[[], None] | None,
+    fork: bool,
 ) -> dict[str, Any]:
     tolerant = cfg.sync.quorum is not None
     first_step = out / "metrics" / "rank0.jsonl"  # rank 0 logged a step: every rank is past the start's collectives
     if tolerant:
         first_step.unlink(missing_ok=True)  # an earlier run's (quorum rounds take no checkpoints to resume)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Rank] = []
     pumps: list[threading.Thread] = []
     wan_mode = "inprocess" if cfg.topology.links.emulate == "kernel" else cfg.topology.links.emulate
     for rank in range(topo.world_size):
         info = topo.info(rank)
         env = {**rank_env(rank, topo.world_size, topo.world_size, port, wan_mode), **agent}
-        cmd = worker_cmd(cfg_path, out)
+        netns = None
         if kernel is not None:  # the rank lives in its site's namespace; Gloo binds to its veth
             env.update(MASTER_ADDR=kernel.address(0), GLOO_SOCKET_IFNAME=IFNAME, GEOTRAIN_WAN_MODE="kernel")
-            cmd = ["ip", "netns", "exec", kernel.namespaces[info.site_index], *cmd]
+            netns = kernel.namespaces[info.site_index]
         forward = console_print if info.local_rank == 0 else None
-        p, t = spawn_rank(cmd, env, out / "logs" / f"rank{rank}.log", forward)
+        p, t = spawn_rank(worker_args(cfg_path, out), env, out / "logs" / f"rank{rank}.log", forward, netns, fork)
         procs.append(p)
         pumps.append(t)
-    (out / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "ranks": [p.pid for p in procs]}))
+    pids = {"launcher": os.getpid(), "zygote": zygote_pid(), "ranks": [p.pid for p in procs]}
+    (out / "pids.json").write_text(json.dumps(pids))
 
     failure: str | None = None
     # asynchronous quorum rounds go on without a site that dies (any but the first, which holds the

@@ -38,7 +38,7 @@ from geotrain.config import Config
 from geotrain.elastic.auth import load_secret
 from geotrain.errors import ConfigError, LaunchError, MembershipRefused
 from geotrain.launch.preflight import preflight
-from geotrain.launch.spawn import describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
+from geotrain.launch.spawn import describe_exit, forks_ranks, rank_env, spawn_rank, stop_all, worker_args
 
 _SIOCGIFADDR = 0x8915
 
@@ -130,7 +130,8 @@ def run_site(
         )
         suffix = f".{incarnation}" if incarnation else ""
         log = out / "logs" / f"{site}-rank{local}{suffix}.log"
-        p, t = spawn_rank(worker_cmd(cfg_path, out), env, log, console_print if local == 0 else None)
+        forward = console_print if local == 0 else None
+        p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=forks_ranks(cfg.run.backend))
         procs.append((p, log))
         pumps.append(t)
     stop = {"signal": 0}

@@ -20,12 +20,10 @@ run: its sealed checkpoints load.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +38,17 @@ from geotrain.config import Config
 from geotrain.elastic.lighthouse import LighthouseProcess
 from geotrain.elastic.records import merge_summaries
 from geotrain.errors import LaunchError
-from geotrain.launch.spawn import GRACE_SECONDS, describe_exit, rank_env, spawn_rank, stop_all, worker_cmd
+from geotrain.launch.spawn import (
+    GRACE_SECONDS,
+    Rank,
+    describe_exit,
+    forks_ranks,
+    rank_env,
+    spawn_rank,
+    stop_all,
+    worker_args,
+    zygote_pid,
+)
 
 REFUSED_EXIT = 3  # a worker that failed membership authentication
 
@@ -49,7 +57,7 @@ REFUSED_EXIT = 3  # a worker that failed membership authentication
 class _Site:
     index: int
     name: str
-    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    procs: list[Rank] = field(default_factory=list)
     incarnation: int = -1
     state: str = "down"  # running | finished | stopped (SIGSTOP) | down
     restart_at: float | None = None
@@ -138,7 +146,8 @@ def launch_elastic(
             rank = topo.first_rank(site.index) + local
             suffix = f".{site.incarnation}" if site.incarnation else ""
             forward = console_print if local == 0 else None
-            p, t = spawn_rank(worker_cmd(cfg_path, out), env, out / "logs" / f"rank{rank}{suffix}.log", forward)
+            log = out / "logs" / f"rank{rank}{suffix}.log"
+            p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=forks_ranks(cfg.run.backend))
             site.procs.append(p)
             pumps.append(t)
         site.state, site.restart_at = "running", None
@@ -146,9 +155,7 @@ def launch_elastic(
 
     def signal_site(site: _Site, sig: signal.Signals) -> None:
         for p in site.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, sig)
+            p.send_signal(sig)
 
     def live(site: _Site) -> bool:
         return site.state == "running" and (out / "elastic" / f"live-{site.name}.{site.incarnation}").exists()
@@ -239,6 +246,7 @@ def launch_elastic(
 def _write_pids(out: Path, sites: list[_Site], lighthouse: LighthouseProcess | None) -> None:
     pids = {
         "launcher": os.getpid(),
+        "zygote": zygote_pid(),
         "ranks": [p.pid for s in sites for p in s.procs],
         "lighthouse": lighthouse.proc.pid if lighthouse is not None and lighthouse.proc is not None else None,
     }

@@ -1,26 +1,35 @@
 """Starting and stopping worker processes: the environment a rank gets, one process per rank
 with its output copied to a log file, and a clean teardown.
 
-Each rank is ``python -m geotrain.run.worker`` with the torch.distributed environment a launcher
-like torchrun would give it, Gloo bound to the loopback interface (MASTER_ADDR=127.0.0.1,
-GLOO_SOCKET_IFNAME=lo). Children get ``PR_SET_PDEATHSIG`` (they call
-:func:`geotrain.comm.procs.die_with_parent` first thing), so they die if the launcher is killed.
+Each rank runs :func:`geotrain.run.worker.main` (what ``python -m geotrain.run.worker`` runs)
+with the torch.distributed environment a launcher like torchrun would give it, Gloo bound to the
+loopback interface (MASTER_ADDR=127.0.0.1, GLOO_SOCKET_IFNAME=lo), in a session of its own. Ranks
+are forked from the launcher's zygote (:mod:`geotrain.launch.zygote`), which imported torch and
+the worker once; each is still a real process with its own PID, signals, exit status and output
+pipe. Children get ``PR_SET_PDEATHSIG`` (they call :func:`geotrain.comm.procs.die_with_parent`
+first thing): a rank dies with the zygote, and the zygote with the launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Protocol
+
+from geotrain.errors import LaunchError
+from geotrain.launch.zygote import MAX_MESSAGE, WORKER, send
 
 GRACE_SECONDS = 3.0
+ZYGOTE_START_S = 300.0  # importing torch on a loaded machine; a bound all the same
 
 
 def describe_exit(code: int) -> str:
@@ -33,7 +42,7 @@ def describe_exit(code: int) -> str:
 
 
 def _pump(stream: IO[str], logfile: Path, forward: Callable[[str], None] | None) -> None:
-    with open(logfile, "w") as f:
+    with stream, open(logfile, "w") as f:
         for line in stream:
             f.write(line)
             f.flush()
@@ -61,24 +70,207 @@ def rank_env(rank: int, world: int, local_world: int, port: int, wan_mode: str) 
     }
 
 
+class Rank(Protocol):
+    """A running rank as the launchers see it: a :class:`subprocess.Popen` or a :class:`RankProcess`."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class RankProcess:
+    """One rank forked by the zygote: the part of :class:`subprocess.Popen` the launchers use
+    (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``). Exit codes follow Popen's: negative
+    for a signal."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self._zygote = zygote
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return self._zygote.exit_code(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._zygote.wait(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        self._zygote.signal(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Zygote:
+    """The launcher's end of its zygote: spawn requests, signals, and a thread that records exits."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, "GEOTRAIN_PARENT_PID": str(os.getpid())}
+        env.setdefault("OMP_NUM_THREADS", "1")  # OpenMP reads it once, when torch loads: as each rank had it
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "geotrain.launch.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches the launcher, which stops the ranks
+            )
+        self.sock = ours
+        self._exits: dict[int, int] = {}
+        self._replies: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._lock = threading.Lock()  # one spawn request at a time
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            with self._cond:
+                if not data:
+                    self._closed = True
+                else:
+                    message = json.loads(data)
+                    if "exit" in message:
+                        pid, code = message["exit"]
+                        self._exits[pid] = code
+                    else:
+                        self._replies.append(message)
+                self._cond.notify_all()
+            if not data:
+                return
+
+    def alive(self) -> bool:
+        return not self._closed and self.proc.poll() is None
+
+    def spawn(self, argv: list[str], env: dict[str, str], out_fd: int, netns: str | None) -> int:
+        with self._lock:
+            send(self.sock, {"spawn": {"argv": argv, "env": env, "netns": netns}}, [out_fd])
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._replies or self._closed, ZYGOTE_START_S):
+                    raise LaunchError(f"the zygote did not fork a rank within {ZYGOTE_START_S:.0f} s")
+                if not self._replies:
+                    raise LaunchError(f"the zygote (pid {self.proc.pid}) exited; its error is above")
+                reply = self._replies.pop(0)
+        if "error" in reply:
+            raise LaunchError(f"could not start a rank: {reply['error']}")
+        return int(reply["pid"])
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._cond:
+            if pid not in self._exits and self._closed:  # the zygote died: so did its ranks (PDEATHSIG)
+                return -signal.SIGKILL
+            return self._exits.get(pid)
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits or self._closed, timeout)
+        return self.exit_code(pid)
+
+    def signal(self, pid: int, sig: int) -> None:
+        if self.exit_code(pid) is None:
+            with contextlib.suppress(OSError):
+                send(self.sock, {"signal": [pid, int(sig)]})
+
+
+_zygote: _Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def _the_zygote() -> _Zygote:
+    """This process's zygote, started on first use and again if it has died."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or not _zygote.alive():
+            _zygote = _Zygote()
+        return _zygote
+
+
+def stop_zygote() -> None:
+    """Stop this process's zygote (its ranks die with it); the next rank starts a new one."""
+    global _zygote
+    with _zygote_lock:
+        z, _zygote = _zygote, None
+    if z is not None:
+        with contextlib.suppress(OSError):
+            z.sock.shutdown(socket.SHUT_RDWR)  # it exits when its socket closes; so does our reader
+        try:
+            z.proc.wait(timeout=GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            z.proc.kill()
+            z.proc.wait()
+
+
+def zygote_pid() -> int | None:
+    """The PID of this process's zygote while it runs (for ``OUT/pids.json``)."""
+    z = _zygote
+    return z.proc.pid if z is not None and z.alive() else None
+
+
+def forks_ranks(backend: str) -> bool:
+    """Whether a run's ranks are forked from the zygote: yes unless they will use CUDA, which must
+    not be set up in a process that forks, so those ranks start as fresh interpreters."""
+    if backend != "auto":
+        return backend == "gloo"
+    import torch
+
+    return not torch.cuda.is_available()  # here, in the launcher, which never forks
+
+
 def spawn_rank(
-    cmd: list[str], env: dict[str, str], logfile: Path, forward: Callable[[str], None] | None
-) -> tuple[subprocess.Popen[str], threading.Thread]:
-    """Start one worker in its own session; a thread copies its output to ``logfile`` (and ``forward``)."""
-    p = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
-    )
-    assert p.stdout is not None
-    t = threading.Thread(target=_pump, args=(p.stdout, logfile, forward), daemon=True)
+    argv: list[str],
+    env: dict[str, str],
+    logfile: Path,
+    forward: Callable[[str], None] | None,
+    netns: str | None = None,
+    fork: bool = True,
+) -> tuple[Rank, threading.Thread]:
+    """Start one worker (``argv``: its command-line arguments) in its own session, in network
+    namespace ``netns`` if given: forked from the zygote, or with ``fork=False`` as a fresh
+    ``python -m geotrain.run.worker``. A thread copies its output to ``logfile`` (and ``forward``)."""
+    rank: Rank
+    if fork:
+        zygote = _the_zygote()
+        read, write = os.pipe()
+        try:
+            rank = RankProcess(zygote, zygote.spawn(argv, env, write, netns))
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        stream: IO[str] = os.fdopen(read, "r", buffering=1, errors="replace")
+    else:
+        cmd = [sys.executable, "-m", WORKER, *argv]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        popen = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+        )
+        assert popen.stdout is not None
+        rank, stream = popen, popen.stdout
+    t = threading.Thread(target=_pump, args=(stream, logfile, forward), daemon=True)
     t.start()
-    return p, t
+    return rank, t
 
 
-def worker_cmd(cfg_path: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "geotrain.run.worker", "--config", str(cfg_path), "--out", str(out)]
+def worker_args(cfg_path: Path, out: Path) -> list[str]:
+    return ["--config", str(cfg_path), "--out", str(out)]
 
 
-def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+def stop_all(procs: Sequence[Rank]) -> None:
     """SIGTERM every live rank, SIGKILL what is left after the grace period, reap all."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
