@@ -49,7 +49,7 @@ def plain_loop(steps: int) -> float:
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model)
-    data = build_rank_data(cfg.data, 0, 1, 1, cfg.model.block_size, cfg.train.batch_size, 1, cfg.train.seed)
+    data = build_rank_data(cfg.data, 0, [1], cfg.model.block_size, cfg.train.batch_size, 1, cfg.train.seed)
     opt, sched = build_optimizer(
         cfg.optim, model, cfg.train.steps
     )  # same optimizer and schedule; not part of the framework overhead
