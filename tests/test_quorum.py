@@ -190,6 +190,43 @@ def test_a_rank_killed_from_outside_loses_its_site_and_the_others_finish(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_site_stopped_from_outside_goes_silent_is_lost_and_the_others_finish(tmp_path: Path) -> None:
+    """Both of site B's ranks get a SIGSTOP from this test: their connections stay open, so only
+    their silent heartbeats tell. The syncer loses B after lost_after_s; A and C finish on one
+    model, at their time limit, and the launcher kills B's stopped ranks. Without the heartbeat the
+    final round would wait for B until timeout_s and the run would fail."""
+    topo = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 2}, {name: C, workers: 1}]"
+    quorum = "sync.quorum={sites: 1, grace_s: 0, timeout_s: 60, heartbeat_s: 0.5, lost_after_s: 3}"
+    cfg = load_config(None, TINY + ["run.baseline=none", *SLOW_C[1:], topo, "sync.H=16", quorum])
+    out = tmp_path / "hung"
+    got: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: got.update(launch_local(cfg, out, console_print=None)), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not ((out / "logs" / "rank1.log").exists() and "step" in (out / "logs" / "rank1.log").read_text()):
+        assert time.monotonic() < deadline and runner.is_alive(), "site B never started training"
+        time.sleep(0.1)
+    time.sleep(1.0)  # a few rounds in
+    b_ranks = json.loads((out / "pids.json").read_text())["ranks"][1:3]
+    for pid in b_ranks:
+        os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    runner.join(timeout=120)
+    assert not runner.is_alive() and got, "the run did not finish without site B"
+    assert time.monotonic() - stopped < 40  # the time limit (6 s of training) and the loss, not timeout_s
+    assert got["lost_sites"] == ["B"] and [p["site"] for p in got["per_site"]] == ["A", "C"]
+    assert sorted(got["global_param_hash"]) == ["A", "C"] and len(set(got["global_param_hash"].values())) == 1
+    lost = [m for m in got["pace"] if m["kind"] == "lost"]
+    assert len(lost) == 1 and lost[0]["sites"] == [1] and "silent" in lost[0]["why"], lost
+    after = [m for m in got["pace"] if m["t"] > lost[0]["t"] and m["kind"] != "lost"]
+    assert all(1 not in m["sites"] for m in after)  # nothing of B after it was lost
+    for pid in b_ranks:  # killed by the launcher once the run was over (and reaped by the zygote)
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split(") ", 1)[1][0] == "Z"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_site_that_fails_at_the_start_still_stops_the_run(tmp_path: Path) -> None:
     """Before training starts the others would wait for the failed site in the start's collectives:
@@ -244,6 +281,11 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
         ),
         (["sync.quorum={sites: 1, grace_s: -1}"], "grace_s"),
         (["sync.quorum={grace_s: 1}"], "sites"),
+        (
+            ["sync.quorum={sites: 1, heartbeat_s: 2, lost_after_s: 4}"],
+            "sync.quorum.lost_after_s: must exceed twice heartbeat_s=2 (got 4)",
+        ),
+        (["sync.quorum={sites: 1, timeout_s: 30, lost_after_s: 30}"], "sync.quorum.lost_after_s: must be less than timeout_s=30"),
     ],
 )
 def test_bad_quorum_configs_are_refused_in_one_line(overrides: list[str], message: str) -> None:

@@ -154,6 +154,12 @@ def _launch(
                 site = topo.info(r).site_index
                 if site and site not in lost:
                     lose(site, f"lost: rank {r} {describe_exit(c)} (log: {out / 'logs' / f'rank{r}.log'})")
+            if tolerant and codes[0] == 0 and summary_path.exists():  # the run is over: stop the sites it lost
+                for name in json.loads(summary_path.read_text()).get("lost_sites", []):  # hung ones still run
+                    if topo.site_names.index(name) not in lost:
+                        lose(
+                            topo.site_names.index(name), "was lost by the syncer (silent: stopped or hung); its ranks are killed"
+                        )
             bad = [(r, c) for r, c in bad if topo.info(r).site_index not in lost]
             if bad:
                 # a peer that lost its connection may exit in the same poll: name the cause first

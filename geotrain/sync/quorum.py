@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from geotrain.comm.alive import Heartbeat
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.groups import leaders_group
 from geotrain.comm.mailbox import Mailbox
@@ -102,7 +103,9 @@ class AsyncDiLoCo(DiLoCo):
                 cfg,
                 self.mailbox,
                 self.leaders,
+                [topo.site_ranks(i) for i in range(topo.num_sites)],
             )
+        self.heartbeat = Heartbeat(g.me.rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
         self.version = 0
         self.world_total = 0
         self.clock.limit = first_round_steps(cfg)  # the syncer sets each later round's (dynamic local updates)
@@ -164,6 +167,7 @@ class AsyncDiLoCo(DiLoCo):
                 self.syncer.close()
 
     def close(self) -> None:
+        self.heartbeat.stop()
         if self.syncer is not None:
             self.syncer.close(timeout_s=1.0)
         super().close()

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message
 from geotrain.config import QuorumConfig, SyncConfig
 from geotrain.sync.base import views_like
@@ -150,8 +151,12 @@ class QuorumSyncer:
         sync_cfg: SyncConfig,
         mailbox: Mailbox,
         leaders: Sequence[int],
+        site_ranks: Sequence[Sequence[int]] = (),
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
+        # the other sites' ranks, watched for silence (a hung site is lost like a dead one); none: not watched
+        self.site_ranks = [list(r) for r in site_ranks]
+        self.watch = SilenceWatch([r for rs in self.site_ranks[1:] for r in rs], cfg.heartbeat_s, cfg.lost_after_s)
         self.max_H = sync_cfg.H
         self.dynamic = cfg.local_steps == "dynamic"
         # every site's next round: H, or (dynamic) a first round of max(1, H/10) to measure its pace
@@ -222,7 +227,11 @@ class QuorumSyncer:
             for s in sorted(gone - {u.site for _, u in pending}):
                 gone.discard(s)
                 self._lose(s, "its connection closed")
+            for s in self._silent_sites(finals):
+                self._lose(s, f"silent for over sync.quorum.lost_after_s={self.cfg.lost_after_s:g} s (stopped or hung)")
             for _, u in due:
+                if u.site in self.lost:  # sent before it went silent, arrived after it was lost: late forever
+                    continue
                 self._measure(u)
                 if u.final:
                     finals.add(u.site)
@@ -288,6 +297,15 @@ class QuorumSyncer:
                 **({"why": reason} if reason else {}),
             }
         )
+
+    def _silent_sites(self, finals: set[int]) -> list[int]:
+        """Sites (not the first, which holds this thread) still running, one of whose ranks has
+        not beaten its heartbeat for ``lost_after_s``."""
+        watched = [s for s in range(1, len(self.site_ranks)) if s not in finals and s not in self.lost]
+        if not watched:
+            return []
+        silent = self.watch.silent([r for s in watched for r in self.site_ranks[s]])
+        return [s for s in watched if any(r in silent for r in self.site_ranks[s])]
 
     def _lose(self, site: int, why: str) -> None:
         """``site`` died: it is late forever. Its updates already in were kept; from now on a world

@@ -1,0 +1,90 @@
+"""Liveness through the run's rendezvous store: each rank beats a counter; a watcher notices one
+that stopped.
+
+A site that dies closes its connections, and the mailbox sees that at once. A site that hangs (a
+``SIGSTOP``, a machine that vanishes without closing anything) keeps its connections open and
+just goes quiet. Its messages alone cannot tell it from a slow site: a round of a slow site may
+be long. So every rank runs a thread that adds 1 to its own key in the store every
+``heartbeat_s``. A stopped process stops beating, whatever it was doing; a slow one goes on.
+
+The store is the one torch.distributed rendezvoused on (``MASTER_ADDR``/``MASTER_PORT``, under
+geotrain's launchers or torchrun). Each beat is one small request to it; the watcher reads every
+rank's counter once per ``heartbeat_s``. Keys are ``geotrain/alive/<rank>``. The watcher measures
+silence on its own clock, so clocks of different machines never need to agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+
+def _key(rank: int) -> str:
+    return f"geotrain/alive/{rank}"
+
+
+def _client(timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+class Heartbeat:
+    """Beats ``rank``'s counter every ``period_s`` in a daemon thread until :meth:`stop`."""
+
+    def __init__(self, rank: int, period_s: float) -> None:
+        self.rank, self.period_s = rank, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):  # the store is gone once the run ends: nothing to tell
+            store = _client(max(10.0, 5 * self.period_s))
+            while not self._stop.is_set():
+                store.add(_key(self.rank), 1)
+                self._stop.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.period_s + 1.0)
+
+
+class SilenceWatch:
+    """Which ranks have not beaten for ``limit_s``, on this process's clock. Call :meth:`silent`
+    often; it reads the store at most once per ``period_s``."""
+
+    def __init__(self, ranks: Sequence[int], period_s: float, limit_s: float) -> None:
+        self.period_s, self.limit_s = period_s, limit_s
+        now = time.monotonic()
+        self._count = {r: -1 for r in ranks}
+        self._since = {r: now for r in ranks}  # a rank that has not beaten yet has until limit_s from now
+        self._read_at = 0.0
+        self._store: Any = None
+
+    def silent(self, ranks: Sequence[int]) -> dict[int, float]:
+        """Of ``ranks``, each one silent for at least ``limit_s``: its silence in seconds."""
+        now = time.monotonic()
+        if now - self._read_at >= self.period_s:
+            self._read_at = now
+            try:
+                if self._store is None:
+                    self._store = _client(max(10.0, 5 * self.period_s))
+                counts = {r: int(self._store.add(_key(r), 0)) for r in ranks}  # reads that never block on a missing key
+            except Exception:  # noqa: BLE001 - the store is unreachable: nobody counts as silent for it
+                counts = {r: self._count[r] + 1 for r in ranks}
+            for r, count in counts.items():
+                if count != self._count[r]:
+                    self._count[r], self._since[r] = count, now
+        return {r: now - self._since[r] for r in ranks if now - self._since[r] >= self.limit_s}
