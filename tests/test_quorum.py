@@ -35,6 +35,9 @@ SLOW_C = [
 ]
 
 
+THREE = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 2}, {name: C, workers: 1}]"  # C slow with SLOW_C
+
+
 def test_merge_weights_are_tokens_discounted_by_staleness() -> None:
     d = torch.zeros(1)
     ups = [Update(0, 5, 10, 2, d), Update(1, 4, 10, 1, d), Update(2, 2, 5, 1, d)]
@@ -145,8 +148,7 @@ def test_a_site_killed_mid_round_is_late_forever_and_the_others_finish_on_one_mo
     """Site B (two workers) is SIGKILLed by the launcher at step 40, in the middle of its third
     round (H = 16): the syncer notices its closed connection, the other sites go on to the end of
     their time, and the final round leaves A and C on one model, evaluated by site A alone."""
-    topo = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 2}, {name: C, workers: 1}]"
-    overrides = [*SLOW_C[1:], topo, "sync.H=16", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@40]"]
+    overrides = [*SLOW_C[1:], THREE, "sync.H=16", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@40]"]
     s, _ = _run(tmp_path, "kill", overrides)
     assert s["lost_sites"] == ["B"]
     a, c = s["per_site"]
@@ -165,14 +167,10 @@ def test_a_site_killed_mid_round_is_late_forever_and_the_others_finish_on_one_mo
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_rank_killed_from_outside_loses_its_site_and_the_others_finish(tmp_path: Path) -> None:
-    """Not an injected fault: one of site B's two ranks gets a SIGKILL from this test, by PID. The
-    launcher sees the rank die, kills B's other rank, and A and C finish on one model."""
-    topo = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 2}, {name: C, workers: 1}]"
-    cfg = load_config(None, TINY + ["run.baseline=none", *SLOW_C[1:], topo, "sync.H=16", "sync.quorum={sites: 1, grace_s: 0}"])
-    out = tmp_path / "ext"
+def _start_three_sites(out: Path, quorum: str) -> tuple[threading.Thread, dict[str, Any], list[int]]:
+    """Sites of 1, 2 and 1 workers (C slow) launched in a thread, once B is a few rounds in: the
+    thread, the summary it will fill, and the ranks' PIDs (B's are 1 and 2)."""
+    cfg = load_config(None, TINY + ["run.baseline=none", *SLOW_C[1:], THREE, "sync.H=16", quorum])
     got: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: got.update(launch_local(cfg, out, console_print=None)), daemon=True)
     runner.start()
@@ -181,7 +179,16 @@ def test_a_rank_killed_from_outside_loses_its_site_and_the_others_finish(tmp_pat
         assert time.monotonic() < deadline and runner.is_alive(), "site B never started training"
         time.sleep(0.1)
     time.sleep(1.0)  # a few rounds in
-    os.kill(json.loads((out / "pids.json").read_text())["ranks"][2], signal.SIGKILL)  # B's local rank 1
+    return runner, got, json.loads((out / "pids.json").read_text())["ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_from_outside_loses_its_site_and_the_others_finish(tmp_path: Path) -> None:
+    """Not an injected fault: one of site B's two ranks gets a SIGKILL from this test, by PID. The
+    launcher sees the rank die, kills B's other rank, and A and C finish on one model."""
+    runner, got, pids = _start_three_sites(tmp_path / "ext", "sync.quorum={sites: 1, grace_s: 0}")
+    os.kill(pids[2], signal.SIGKILL)  # B's local rank 1
     runner.join(timeout=180)
     assert not runner.is_alive() and got, "the run did not finish without site B"
     assert got["lost_sites"] == ["B"] and [p["site"] for p in got["per_site"]] == ["A", "C"]
@@ -196,19 +203,9 @@ def test_a_site_stopped_from_outside_goes_silent_is_lost_and_the_others_finish(t
     their silent heartbeats tell. The syncer loses B after lost_after_s; A and C finish on one
     model, at their time limit, and the launcher kills B's stopped ranks. Without the heartbeat the
     final round would wait for B until timeout_s and the run would fail."""
-    topo = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 2}, {name: C, workers: 1}]"
     quorum = "sync.quorum={sites: 1, grace_s: 0, timeout_s: 60, heartbeat_s: 0.5, lost_after_s: 3}"
-    cfg = load_config(None, TINY + ["run.baseline=none", *SLOW_C[1:], topo, "sync.H=16", quorum])
-    out = tmp_path / "hung"
-    got: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: got.update(launch_local(cfg, out, console_print=None)), daemon=True)
-    runner.start()
-    deadline = time.monotonic() + 120
-    while not ((out / "logs" / "rank1.log").exists() and "step" in (out / "logs" / "rank1.log").read_text()):
-        assert time.monotonic() < deadline and runner.is_alive(), "site B never started training"
-        time.sleep(0.1)
-    time.sleep(1.0)  # a few rounds in
-    b_ranks = json.loads((out / "pids.json").read_text())["ranks"][1:3]
+    runner, got, pids = _start_three_sites(tmp_path / "hung", quorum)
+    b_ranks = pids[1:3]
     for pid in b_ranks:
         os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
