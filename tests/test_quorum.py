@@ -289,3 +289,23 @@ def test_bad_quorum_configs_are_refused_in_one_line(overrides: list[str], messag
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_the_watch_names_a_rank_that_stopped_beating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """comm/alive.py against a real store: rank 0 beats, rank 1 never does; once rank 0 stops it
+    goes silent too. Silence is measured on the watcher's clock, from its first look."""
+    from geotrain.comm.alive import Heartbeat, SilenceWatch
+    from geotrain.comm.procs import host_store
+
+    store, _ = host_store(timeout_s=30)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    beat = Heartbeat(0, 0.05)
+    watch = SilenceWatch([0, 1], 0.05, 0.6)
+    assert watch.silent([0, 1]) == {}  # nobody is silent before limit_s has passed
+    time.sleep(0.8)
+    assert list(watch.silent([0, 1])) == [1]
+    beat.stop()
+    time.sleep(0.8)
+    assert sorted(watch.silent([0, 1])) == [0, 1]

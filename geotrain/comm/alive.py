@@ -15,8 +15,8 @@ silence on its own clock, so clocks of different machines never need to agree.
 
 from __future__ import annotations
 
-import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -50,11 +50,19 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        with contextlib.suppress(Exception):  # the store is gone once the run ends: nothing to tell
+        try:
             store = _client(max(10.0, 5 * self.period_s))
             while not self._stop.is_set():
                 store.add(_key(self.rank), 1)
                 self._stop.wait(self.period_s)
+        except Exception as exc:  # noqa: BLE001 - a thread's last word; the run goes on without it
+            if not self._stop.is_set():  # after stop() the store may be gone with the run: nothing to tell
+                print(
+                    f"geotrain: rank {self.rank}'s heartbeat to the rendezvous store stopped ({exc}); "
+                    "its site will be lost after sync.quorum.lost_after_s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def stop(self) -> None:
         self._stop.set()
