@@ -151,3 +151,28 @@ def test_ranks_die_with_their_zygote(tmp_path: Path) -> None:
     assert q.wait(timeout=30) == -signal.SIGKILL
     t.join(timeout=10)
     u.join(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_the_zygote_outlives_the_thread_that_started_it(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG fires when the *thread* that started a process ends. A run launched from a
+    worker thread (as tests and services do) must not take the zygote, and so the next run's
+    ranks, with it when that thread returns."""
+    from geotrain.launch import spawn
+
+    spawn.stop_zygote()
+    started: list[Any] = []
+    t = threading.Thread(target=lambda: started.append(_waiting_rank(tmp_path, fork=True)))
+    t.start()
+    t.join(timeout=60)
+    p, pump, _ = started[0]
+    zygote = spawn.zygote_pid()
+    time.sleep(1.0)
+    assert zygote is not None and _alive(zygote) and p.poll() is None
+    q, pump2, _ = _waiting_rank(tmp_path, fork=True)
+    assert spawn.zygote_pid() == zygote  # the same zygote serves the next rank
+    for r in (p, q):
+        r.kill()
+        assert r.wait(timeout=30) == -signal.SIGKILL
+    pump.join(timeout=10)
+    pump2.join(timeout=10)

@@ -103,6 +103,22 @@ class Mailbox:
         failed, self._sending, self._failed = self._failed, [], set()
         return failed
 
+    def poll(self) -> set[int]:
+        """:meth:`flush` without the wait: sends that are done are released (a failed one names its
+        destination), the others stay pending. A receiver that hangs (stopped, its sockets open)
+        may never take its message, and a sender that must go on cannot wait for it."""
+        pending = []
+        for dst, work, t in self._sending:
+            if not work.is_completed():
+                pending.append((dst, work, t))
+                continue
+            try:
+                work.wait()
+            except RuntimeError:
+                self._failed.add(dst)
+        failed, self._sending, self._failed = self._failed, pending, set()
+        return failed
+
     def _receive(self, src: int) -> Message:
         """Block until ``src``'s next message is in (not held to its arrival time)."""
         header = torch.zeros(self.header_len, dtype=torch.float64)

@@ -7,7 +7,7 @@ loopback interface (MASTER_ADDR=127.0.0.1, GLOO_SOCKET_IFNAME=lo), in a session 
 are forked from the launcher's zygote (:mod:`geotrain.launch.zygote`), which imported torch and
 the worker once; each is still a real process with its own PID, signals, exit status and output
 pipe. Children get ``PR_SET_PDEATHSIG`` (they call :func:`geotrain.comm.procs.die_with_parent`
-first thing): a rank dies with the zygote, and the zygote with the launcher.
+first thing): a rank dies with the zygote, and the zygote exits when the launcher's socket closes.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class _Zygote:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "GEOTRAIN_PARENT_PID": str(os.getpid())}
+        env = {k: v for k, v in os.environ.items() if k != "GEOTRAIN_PARENT_PID"}
         env.setdefault("OMP_NUM_THREADS", "1")  # OpenMP reads it once, when torch loads: as each rank had it
         with theirs:
             self.proc = subprocess.Popen(

@@ -14,8 +14,11 @@ other end of the Unix ``SOCK_SEQPACKET`` socket ``FD``. One message each way:
   code]}`` when a rank ends (code as :class:`subprocess.Popen` gives it: negative for a signal).
 
 The zygote computes nothing and starts no threads, so forking it is safe. It signals only ranks it
-has not yet reaped, so a signal never reaches a PID the kernel gave to another process. It dies
-with its launcher (``PR_SET_PDEATHSIG``) or when the socket closes, and its ranks die with it.
+has not yet reaped, so a signal never reaches a PID the kernel gave to another process. It exits
+when the launcher's end of the socket closes, which the kernel does when the launcher dies,
+however it dies; its ranks die with it (``PR_SET_PDEATHSIG``). The zygote itself does not use
+``PR_SET_PDEATHSIG``: that fires when the *thread* that started it ends, and a launcher may start
+it from a thread that ends long before the process (a run launched from a worker thread).
 
 Why not :mod:`multiprocessing`'s forkserver: it re-imports the launcher's ``__main__`` in the
 server or in every child. A user's script that calls :func:`geotrain.api.train` without an
@@ -34,7 +37,7 @@ import sys
 import traceback
 from typing import Any
 
-from geotrain.comm.procs import die_with_parent, enter_netns
+from geotrain.comm.procs import enter_netns
 
 WORKER = "geotrain.run.worker"
 # imported once for every rank: the worker (torch, torch.distributed, geotrain) and torch._dynamo,
@@ -136,7 +139,6 @@ def run_rank(request: dict[str, Any]) -> int:
 
 def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    die_with_parent()  # GEOTRAIN_PARENT_PID: the launcher
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops the ranks
     for name in PRELOAD:
         importlib.import_module(name)

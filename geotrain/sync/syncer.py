@@ -227,6 +227,7 @@ class QuorumSyncer:
             for s in sorted(gone - {u.site for _, u in pending}):
                 gone.discard(s)
                 self._lose(s, "its connection closed")
+            self._check_sends()
             for s in self._silent_sites(finals):
                 self._lose(s, f"silent for over sync.quorum.lost_after_s={self.cfg.lost_after_s:g} s (stopped or hung)")
             for _, u in due:
@@ -325,5 +326,10 @@ class QuorumSyncer:
                 self.outbox.put((fields, theta.clone()))
             elif s not in self.lost:
                 self.mailbox.send(self.leaders[s], fields, theta)
-        for r in self.mailbox.flush():  # each site posted its receive when it delivered; a dead one never takes it
+        self._check_sends()
+
+    def _check_sends(self) -> None:
+        """Lose the sites an answer could not be sent to (they are gone). Never waits: a site that
+        hangs may never take its answer, and the others must not wait for it."""
+        for r in self.mailbox.poll():
             self._lose(self.leaders.index(r), "the answer to it could not be sent")
