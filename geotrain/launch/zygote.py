@@ -143,8 +143,8 @@ def main() -> int:
     for name in PRELOAD:
         importlib.import_module(name)
     request = serve(sock)
-    if request is None:
-        return 0
+    if request is None:  # the launcher is gone: go at once (no interpreter teardown), and the ranks with us
+        os._exit(0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_rank(request)
 
