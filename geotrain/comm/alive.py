@@ -28,14 +28,15 @@ def _key(rank: int) -> str:
     return f"geotrain/alive/{rank}"
 
 
-def _client(timeout_s: float) -> Any:
+def _client(period_s: float) -> Any:
+    """A client of the run's store, whose requests give up after a few beats (at least 10 s)."""
     import torch.distributed as dist
 
     return dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=max(10.0, 5 * period_s)),
         wait_for_workers=False,
     )
 
@@ -51,7 +52,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         try:
-            store = _client(max(10.0, 5 * self.period_s))
+            store = _client(self.period_s)
             while not self._stop.is_set():
                 store.add(_key(self.rank), 1)
                 self._stop.wait(self.period_s)
@@ -88,7 +89,7 @@ class SilenceWatch:
             self._read_at = now
             try:
                 if self._store is None:
-                    self._store = _client(max(10.0, 5 * self.period_s))
+                    self._store = _client(self.period_s)
                 counts = {r: int(self._store.add(_key(r), 0)) for r in ranks}  # reads that never block on a missing key
             except Exception:  # noqa: BLE001 - the store is unreachable: nobody counts as silent for it
                 counts = {r: self._count[r] + 1 for r in ranks}

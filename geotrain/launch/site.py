@@ -116,6 +116,7 @@ def run_site(
     mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link
     procs, pumps = [], []
     workers = topo.workers[index]
+    fork = forks_ranks(cfg.run.backend)  # once: it may ask torch whether a GPU is there
     for local in range(workers):
         env = rank_env(local, workers, workers, store.port, mode)
         env.update(
@@ -131,7 +132,7 @@ def run_site(
         suffix = f".{incarnation}" if incarnation else ""
         log = out / "logs" / f"{site}-rank{local}{suffix}.log"
         forward = console_print if local == 0 else None
-        p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=forks_ranks(cfg.run.backend))
+        p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=fork)
         procs.append((p, log))
         pumps.append(t)
     stop = {"signal": 0}

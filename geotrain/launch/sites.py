@@ -134,6 +134,8 @@ def launch_elastic(
         if console_print is not None:
             console_print(line)
 
+    fork = forks_ranks(cfg.run.backend)  # once: it may ask torch whether a GPU is there
+
     def start(site: _Site) -> None:
         site.incarnation += 1
         site.store, agent = host_store(timeout_s=cfg.run.timeout_s, attempt=site.incarnation)  # the site's rendezvous
@@ -147,7 +149,7 @@ def launch_elastic(
             suffix = f".{site.incarnation}" if site.incarnation else ""
             forward = console_print if local == 0 else None
             log = out / "logs" / f"rank{rank}{suffix}.log"
-            p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=forks_ranks(cfg.run.backend))
+            p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=fork)
             site.procs.append(p)
             pumps.append(t)
         site.state, site.restart_at = "running", None
