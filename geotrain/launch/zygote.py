@@ -70,6 +70,7 @@ def serve(sock: socket.socket) -> dict[str, Any] | None:
     """Answer the launcher until its socket closes (return None). In a forked rank, return its
     spawn request."""
     live: set[int] = set()
+    me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -105,6 +106,8 @@ def serve(sock: socket.socket) -> dict[str, Any] | None:
             sock.close()
             request: dict[str, Any] = message["spawn"]
             request["out_fd"] = fds[0]
+            # known before the fork: a child that asked getppid() would get 1 if we died first
+            request["parent"] = me
             return request
         for fd in fds:
             os.close(fd)
@@ -123,7 +126,7 @@ def run_rank(request: dict[str, Any]) -> int:
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[union-attr]
     os.environ.clear()
-    os.environ.update(request["env"], GEOTRAIN_PARENT_PID=str(os.getppid()))  # the zygote: die with it
+    os.environ.update(request["env"], GEOTRAIN_PARENT_PID=str(request["parent"]))  # the zygote: die with it
     worker = importlib.import_module(WORKER)
     sys.argv = [str(worker.__file__), *request["argv"]]
     try:
