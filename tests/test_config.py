@@ -152,6 +152,49 @@ def test_bad_config_through_cli(tmp_path: Path, text: str | None, overrides: lis
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+@pytest.mark.timeout(120)
+def test_a_run_refused_before_launch_leaves_no_zygote(tmp_path: Path) -> None:
+    """The launcher starts its zygote before its own checks (so their imports overlap); a run they
+    refuse kills it at once rather than leaving it to finish importing torch as an orphan."""
+    (tmp_path / "tiny.txt").write_text("too small")
+    args = [
+        sys.executable,
+        "-m",
+        "geotrain",
+        "train",
+        "--out",
+        str(tmp_path / "out"),
+        "--set",
+        f"data.corpus={tmp_path / 'tiny.txt'}",
+    ]
+    t0 = _ticks()
+    with open(tmp_path / "err", "w") as err:  # a file, not a pipe: the zygote would hold a pipe open
+        code = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=err, timeout=60).returncode
+    assert not _zygotes_since(t0), "a refused run left its zygote behind"
+    assert code == 2
+    assert (tmp_path / "err").read_text().startswith("geotrain: config error: data.corpus: held-out split too small")
+
+
+def _ticks() -> float:
+    """Now, in the clock ticks since boot that /proc/PID/stat gives start times in."""
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+
+
+def _zygotes_since(t0: float) -> list[int]:
+    """Live (not zombie) zygote processes started at or after ``t0`` (:func:`_ticks`)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and b"geotrain.launch.zygote" in (d / "cmdline").read_bytes():
+                fields = (d / "stat").read_text().rsplit(") ", 1)[1].split()
+                if fields[0] != "Z" and int(fields[19]) >= t0 - 1:
+                    found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
 def test_config_reference_is_up_to_date() -> None:
     from geotrain.config import markdown_reference
 

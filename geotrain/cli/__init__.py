@@ -48,6 +48,9 @@ def _run_one(cfg: Config, out: Path, progress: Progress) -> dict[str, Any]:
 def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("runs/geotrain")) -> None:
     """Train (by default DiLoCo on 2 sites x 2 workers, plus the DDP baseline on the same tokens)."""
     cfg = load(config, set_)
+    from geotrain.launch import spawn
+
+    spawn.prestart_zygote(cfg.run.backend)  # its imports overlap the ones below
     from geotrain.comm.topology import Topology
     from geotrain.launch.preflight import preflight
     from geotrain.report.outputs import write_outputs
@@ -56,8 +59,10 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     try:
         preflight(cfg)
     except ConfigError as exc:
+        spawn.stop_zygote(now=True)
         fail(f"config error: {exc}")
     except CheckpointError as exc:
+        spawn.stop_zygote(now=True)
         fail(f"checkpoint.resume: refused: {exc}")
     topo = Topology.from_config(cfg.topology)
     algorithms: list[str] = [cfg.sync.algorithm]
@@ -195,13 +200,18 @@ def site(
 ) -> None:
     """Run one site of an elastic run on this machine (one command per site; docs/ELASTIC.md)."""
     cfg = load(config, set_)
+    from geotrain.launch import spawn
+
+    spawn.prestart_zygote(cfg.run.backend)  # its imports overlap the site launcher's
     from geotrain.launch.site import run_site
 
     try:
         summary = run_site(cfg, out, site_name, lighthouse_addr, bind, incarnation)
     except ConfigError as exc:
+        spawn.stop_zygote(now=True)
         fail(f"config error: {exc}")
     except CheckpointError as exc:
+        spawn.stop_zygote(now=True)
         fail(f"checkpoint.resume: refused: {exc}")
     except LaunchError as exc:
         fail(f"site failed: {exc}", 1)

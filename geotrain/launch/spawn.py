@@ -29,6 +29,7 @@ from geotrain.errors import LaunchError
 from geotrain.launch.zygote import MAX_MESSAGE, WORKER, send
 
 GRACE_SECONDS = 3.0
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA, AMD (ROCm)
 ZYGOTE_START_S = 300.0  # importing torch on a loaded machine; a bound all the same
 
 
@@ -198,12 +199,17 @@ def _the_zygote() -> _Zygote:
         return _zygote
 
 
-def stop_zygote() -> None:
-    """Stop this process's zygote (its ranks die with it); the next rank starts a new one."""
+def stop_zygote(now: bool = False) -> None:
+    """Stop this process's zygote (its ranks die with it); the next rank starts a new one.
+    ``now``: SIGKILL it at once (a launcher that refused its config before starting any rank; the
+    zygote would otherwise finish importing torch before it saw its socket close)."""
     global _zygote
     with _zygote_lock:
         z, _zygote = _zygote, None
-    if z is not None:
+    if z is not None and now:
+        z.proc.kill()
+        z.proc.wait()
+    elif z is not None:
         with contextlib.suppress(OSError):
             z.sock.shutdown(socket.SHUT_RDWR)  # it exits when its socket closes; so does our reader
         try:
@@ -217,6 +223,15 @@ def zygote_pid() -> int | None:
     """The PID of this process's zygote while it runs (for ``OUT/pids.json``)."""
     z = _zygote
     return z.proc.pid if z is not None and z.alive() else None
+
+
+def prestart_zygote(backend: str) -> None:
+    """Start the zygote now, when this run's ranks will be forked whatever torch says (Gloo, or
+    ``auto`` on a machine with no GPU device node), so that its imports overlap the launcher's own
+    checks, which import torch too. A launcher that then refuses its config calls
+    :func:`stop_zygote` with ``now=True``."""
+    if backend == "gloo" or (backend == "auto" and not any(os.path.exists(d) for d in GPU_DEVICE_NODES)):
+        _the_zygote()
 
 
 def forks_ranks(backend: str) -> bool:
