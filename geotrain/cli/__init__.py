@@ -9,7 +9,7 @@ Torch is imported only once the config is valid, so bad input is rejected fast.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
@@ -24,6 +24,23 @@ from geotrain.errors import CheckpointError, ConfigError, LaunchError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train one model across several datacenters.")
 app.add_typer(bench_app, name="bench")
 app.add_typer(data_app, name="data")
+
+
+def _prestart_zygote(cfg: Config) -> None:
+    """Start the ranks' zygote before the launcher's own checks, so that their imports of torch
+    overlap (:func:`geotrain.launch.spawn.prestart_zygote`); :func:`_refuse` stops it."""
+    from geotrain.launch import spawn
+    from geotrain.launch.zygote import HF_PRELOAD
+
+    spawn.prestart_zygote(cfg.run.backend, HF_PRELOAD if cfg.model.kind == "hf" else ())
+
+
+def _refuse(message: str) -> NoReturn:
+    """:func:`fail` for a run refused before any rank started: the zygote goes at once."""
+    from geotrain.launch import spawn
+
+    spawn.stop_zygote(now=True)
+    fail(message)
 
 
 def _run_one(cfg: Config, out: Path, progress: Progress) -> dict[str, Any]:
@@ -48,9 +65,7 @@ def _run_one(cfg: Config, out: Path, progress: Progress) -> dict[str, Any]:
 def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("runs/geotrain")) -> None:
     """Train (by default DiLoCo on 2 sites x 2 workers, plus the DDP baseline on the same tokens)."""
     cfg = load(config, set_)
-    from geotrain.launch import spawn
-
-    spawn.prestart_zygote(cfg.run.backend)  # its imports overlap the ones below
+    _prestart_zygote(cfg)
     from geotrain.comm.topology import Topology
     from geotrain.launch.preflight import preflight
     from geotrain.report.outputs import write_outputs
@@ -59,11 +74,9 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     try:
         preflight(cfg)
     except ConfigError as exc:
-        spawn.stop_zygote(now=True)
-        fail(f"config error: {exc}")
+        _refuse(f"config error: {exc}")
     except CheckpointError as exc:
-        spawn.stop_zygote(now=True)
-        fail(f"checkpoint.resume: refused: {exc}")
+        _refuse(f"checkpoint.resume: refused: {exc}")
     topo = Topology.from_config(cfg.topology)
     algorithms: list[str] = [cfg.sync.algorithm]
     if cfg.run.baseline not in ("none", cfg.sync.algorithm):
@@ -200,19 +213,15 @@ def site(
 ) -> None:
     """Run one site of an elastic run on this machine (one command per site; docs/ELASTIC.md)."""
     cfg = load(config, set_)
-    from geotrain.launch import spawn
-
-    spawn.prestart_zygote(cfg.run.backend)  # its imports overlap the site launcher's
+    _prestart_zygote(cfg)
     from geotrain.launch.site import run_site
 
     try:
         summary = run_site(cfg, out, site_name, lighthouse_addr, bind, incarnation)
     except ConfigError as exc:
-        spawn.stop_zygote(now=True)
-        fail(f"config error: {exc}")
+        _refuse(f"config error: {exc}")
     except CheckpointError as exc:
-        spawn.stop_zygote(now=True)
-        fail(f"checkpoint.resume: refused: {exc}")
+        _refuse(f"checkpoint.resume: refused: {exc}")
     except LaunchError as exc:
         fail(f"site failed: {exc}", 1)
     console.print(f"site {site_name} finished; wrote {summary}")

@@ -113,13 +113,13 @@ class RankProcess:
 class _Zygote:
     """The launcher's end of its zygote: spawn requests, signals, and a thread that records exits."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: Sequence[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {k: v for k, v in os.environ.items() if k != "GEOTRAIN_PARENT_PID"}
         env.setdefault("OMP_NUM_THREADS", "1")  # OpenMP reads it once, when torch loads: as each rank had it
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "geotrain.launch.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "geotrain.launch.zygote", str(theirs.fileno()), *preload],
                 pass_fds=[theirs.fileno()],
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -190,12 +190,13 @@ _zygote: _Zygote | None = None
 _zygote_lock = threading.Lock()
 
 
-def _the_zygote() -> _Zygote:
-    """This process's zygote, started on first use and again if it has died."""
+def _the_zygote(preload: Sequence[str] = ()) -> _Zygote:
+    """This process's zygote, started on first use and again if it has died (``preload``: modules
+    it imports on top, when this call starts it)."""
     global _zygote
     with _zygote_lock:
         if _zygote is None or not _zygote.alive():
-            _zygote = _Zygote()
+            _zygote = _Zygote(preload)
         return _zygote
 
 
@@ -225,13 +226,14 @@ def zygote_pid() -> int | None:
     return z.proc.pid if z is not None and z.alive() else None
 
 
-def prestart_zygote(backend: str) -> None:
+def prestart_zygote(backend: str, preload: Sequence[str] = ()) -> None:
     """Start the zygote now, when this run's ranks will be forked whatever torch says (Gloo, or
     ``auto`` on a machine with no GPU device node), so that its imports overlap the launcher's own
-    checks, which import torch too. A launcher that then refuses its config calls
-    :func:`stop_zygote` with ``now=True``."""
+    checks, which import torch too (``preload``: modules it imports on top, such as
+    :data:`~geotrain.launch.zygote.HF_PRELOAD` for a Hugging Face model). A launcher that then
+    refuses its config calls :func:`stop_zygote` with ``now=True``."""
     if backend == "gloo" or (backend == "auto" and not any(os.path.exists(d) for d in GPU_DEVICE_NODES)):
-        _the_zygote()
+        _the_zygote(preload)
 
 
 def forks_ranks(backend: str) -> bool:

@@ -5,7 +5,8 @@ A fresh interpreter spends about 3 s of CPU importing torch, the worker and ``to
 waited about 6 s for that before any rank could rendezvous. Forked from the zygote, a rank starts
 at once and shares those pages with its siblings.
 
-Run as ``python -m geotrain.launch.zygote FD`` by :mod:`geotrain.launch.spawn`, which holds the
+Run as ``python -m geotrain.launch.zygote FD [MODULE ...]`` (modules to import on top, such as
+:data:`HF_PRELOAD`) by :mod:`geotrain.launch.spawn`, which holds the
 other end of the Unix ``SOCK_SEQPACKET`` socket ``FD``. One message each way:
 
 - launcher -> zygote: ``{"spawn": {"argv", "env", "netns"}}`` with the write end of the rank's
@@ -27,6 +28,7 @@ server or in every child. A user's script that calls :func:`geotrain.api.train` 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -43,6 +45,8 @@ WORKER = "geotrain.run.worker"
 # imported once for every rank: the worker (torch, torch.distributed, geotrain) and torch._dynamo,
 # which the first optimizer step imports anyway
 PRELOAD = (WORKER, "torch._dynamo")
+# what model.kind=hf ranks import on top (about 1 s of CPU each): the launcher asks for it by name
+HF_PRELOAD = ("transformers.modeling_utils",)
 MAX_MESSAGE = 1 << 20  # a rank's environment and arguments
 
 
@@ -145,6 +149,9 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops the ranks
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in sys.argv[2:]:  # optional extras (HF_PRELOAD): a rank that needs a missing one says so itself
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     request = serve(sock)
     if request is None:  # the launcher is gone: go at once (no interpreter teardown), and the ranks with us
         os._exit(0)
