@@ -9,7 +9,16 @@ order so that machine noise hits all alike:
 - ``forked``: the zygote is already running (every launch after the first in one process).
 
 The statistic is the median over repetitions of the launch's wall time, from ``launch_local``'s
-call to its return (start, rendezvous, 4 steps, evaluation, summary). Prints a table and writes JSON.
+call to its return (start, rendezvous, 4 steps, evaluation, summary).
+
+The same run through the command line, ``python -m geotrain train`` from the interpreter's start
+to its exit (outputs and plot included), in two ways, also rotating:
+
+- ``cli``: the launcher starts the zygote before its own checks, so their imports overlap;
+- ``cli, zygote after checks``: ``GEOTRAIN_ZYGOTE_EARLY=0``, the zygote starts with the first rank
+  (as before 2026-11-26).
+
+Prints a table and writes JSON.
 
     python benchmarks/launch_start.py [--reps 5] [--json benchmarks/results/launch_start.json]
 """
@@ -21,6 +30,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +54,7 @@ RUN = [
     "run.baseline=none",
 ]
 MODES = ("fresh", "forked, zygote starting", "forked")
+CLI_MODES = ("cli", "cli, zygote after checks")
 
 
 def launch(mode: str, out: Path) -> float:
@@ -54,6 +66,24 @@ def launch(mode: str, out: Path) -> float:
     elapsed = time.perf_counter() - t
     assert summary["steps"] == 4 and summary["world_size"] == 4, summary
     return elapsed
+
+
+def launch_cli(mode: str, out: Path) -> float:
+    cmd = [sys.executable, "-m", "geotrain", "train", "--out", str(out), *(x for o in RUN for x in ("--set", o))]
+    env = {**os.environ, "GEOTRAIN_ZYGOTE_EARLY": "0" if mode == "cli, zygote after checks" else "1"}
+    t = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    elapsed = time.perf_counter() - t
+    assert json.loads((out / "summary.json").read_text())["runs"][0]["steps"] == 4
+    return elapsed
+
+
+def table(times: dict[str, list[float]], base: str) -> dict[str, float]:
+    median = {m: statistics.median(v) for m, v in times.items()}
+    print(f"{'mode':<26}{'median s':>10}{'min s':>8}{'max s':>8}{'vs ' + base:>{max(10, len(base) + 5)}}")
+    for m, v in times.items():
+        print(f"{m:<26}{median[m]:>10.2f}{min(v):>8.2f}{max(v):>8.2f}{median[m] / median[base]:>9.2f}x")
+    return median
 
 
 def main() -> None:
@@ -68,11 +98,15 @@ def main() -> None:
             for i in range(len(MODES)):
                 mode = MODES[(rep + i) % len(MODES)]
                 times[mode].append(launch(mode, Path(tmp) / f"{rep}-{i}"))
-    spawn.stop_zygote()
-    median = {m: statistics.median(v) for m, v in times.items()}
-    print(f"{'mode':<26}{'median s':>10}{'min s':>8}{'max s':>8}{'vs fresh':>10}")
-    for m in MODES:
-        print(f"{m:<26}{median[m]:>10.2f}{min(times[m]):>8.2f}{max(times[m]):>8.2f}{median[m] / median['fresh']:>9.2f}x")
+        spawn.stop_zygote()
+        cli: dict[str, list[float]] = {m: [] for m in CLI_MODES}
+        for rep in range(args.reps):
+            for i in range(len(CLI_MODES)):
+                mode = CLI_MODES[(rep + i) % len(CLI_MODES)]
+                cli[mode].append(launch_cli(mode, Path(tmp) / f"cli-{rep}-{i}"))
+    median = table(times, "fresh")
+    print()
+    cli_median = table(cli, "cli, zygote after checks")
     if args.json:
         result = {
             "run": RUN,
@@ -82,6 +116,9 @@ def main() -> None:
             "seconds": times,
             "median_s": median,
             "ratio_to_fresh": {m: median[m] / median["fresh"] for m in MODES},
+            "cli_seconds": cli,
+            "cli_median_s": cli_median,
+            "cli_ratio": cli_median["cli"] / cli_median["cli, zygote after checks"],
         }
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -35,6 +35,7 @@ def test_overhead_and_launch_start_scripts_run(tmp_path: Path) -> None:
     r = _run("launch_start.py", ["--reps", "1"], tmp_path / "launch.json")
     assert set(r["median_s"]) == {"fresh", "forked, zygote starting", "forked"}
     assert all(len(v) == 1 and v[0] > 0 for v in r["seconds"].values())
+    assert set(r["cli_median_s"]) == {"cli", "cli, zygote after checks"} and r["cli_ratio"] > 0
 
 
 @pytest.mark.timeout(120)

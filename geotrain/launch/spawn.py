@@ -231,7 +231,10 @@ def prestart_zygote(backend: str, preload: Sequence[str] = ()) -> None:
     ``auto`` on a machine with no GPU device node), so that its imports overlap the launcher's own
     checks, which import torch too (``preload``: modules it imports on top, such as
     :data:`~geotrain.launch.zygote.HF_PRELOAD` for a Hugging Face model). A launcher that then
-    refuses its config calls :func:`stop_zygote` with ``now=True``."""
+    refuses its config calls :func:`stop_zygote` with ``now=True``. ``GEOTRAIN_ZYGOTE_EARLY=0`` in
+    the environment turns this off (``benchmarks/launch_start.py`` measures the difference)."""
+    if os.environ.get("GEOTRAIN_ZYGOTE_EARLY") == "0":
+        return
     if backend == "gloo" or (backend == "auto" and not any(os.path.exists(d) for d in GPU_DEVICE_NODES)):
         _the_zygote(preload)
 
