@@ -292,6 +292,28 @@ def test_round_outcomes_flag_a_committed_round_with_two_models() -> None:
     assert round_outcomes(split)["split"] == 1
 
 
+def test_a_fault_is_judged_only_until_its_site_heals() -> None:
+    """D, killed at t=100, came back and healed in the next round (quorum at 101.2) before anyone
+    left it out; A's death at 108 rolled back a round that still had D in it. That rollback is A's,
+    not D's (it was once counted as D's detection, 8.5 s)."""
+    from geotrain.elastic.records import attribute_failures
+
+    every = ["A", "B", "C", "D"]
+    logs = {
+        "B": [
+            {"start": 100.2, "quorum_s": 1.0, "end": 101.5, "admitted": every, "healers": ["D"], "outcome": "committed"},
+            {"start": 108.1, "quorum_s": 0.1, "end": 108.5, "admitted": every, "healers": [], "outcome": "rolled_back"},
+            {"start": 109.0, "quorum_s": 0.1, "end": 109.4, "admitted": ["B", "C", "D"], "healers": [], "outcome": "committed"},
+        ]
+    }
+    faults = [{"site": "D", "kind": "kill", "injected_at": 100.0}, {"site": "A", "kind": "kill", "injected_at": 108.0}]
+    d, a = attribute_failures(faults, [{"site": "A", "time": 108.4}], logs)
+    assert d["detection_seconds"] is None and d["excluded_after_seconds"] is None
+    assert d["healed_after_seconds"] == pytest.approx(1.2)
+    assert a["detection_seconds"] == pytest.approx(0.4) and a["excluded_after_seconds"] == pytest.approx(1.1)
+    assert a["healed_after_seconds"] is None
+
+
 @pytest.mark.slow
 def test_elastic_checkpoints_resume_after_a_total_outage_exactly(tmp_path: Path) -> None:
     """Every process of the run (launcher, Lighthouse, all sites) SIGKILLed at once; started again

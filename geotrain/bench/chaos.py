@@ -146,6 +146,8 @@ def run_chaos(
         "failures": summary["failures"],
         "max_detection_seconds": max((f["detection_seconds"] or 0.0 for f in injected), default=0.0),
         "max_excluded_after_seconds": max((f["excluded_after_seconds"] or 0.0 for f in injected), default=0.0),
+        # restarted and healed before any quorum left it out: the others never had to act
+        "healed_before_excluded": sum(1 for f in injected if f["excluded_after_seconds"] is None and f["healed_after_seconds"]),
         "final_eval_loss": summary["final_eval_loss"],
         "wall_seconds": summary["wall_seconds"],
     }
@@ -171,6 +173,7 @@ def run_soaks(out: Path, seeds: list[int], hog_counts: list[int], **kwargs: Any)
                 "mean_seconds_lost_per_failure": statistics.mean(r["seconds_lost_per_failure"] for r in rs),
                 "max_detection_seconds": max(r["max_detection_seconds"] for r in rs),
                 "max_excluded_after_seconds": max(r["max_excluded_after_seconds"] for r in rs),
+                "healed_before_excluded": sum(r["healed_before_excluded"] for r in rs),
             }
         )
     return {"runs": runs, "summary": summary}
@@ -182,10 +185,10 @@ def chaos_table(report: dict[str, Any], title: str) -> Any:
 
     table = Table(title=title)
     cols = ["cpu hogs", "seed", "rounds", "committed", "rolled back", "split", "failures", "consistent"]
-    for col in [*cols, "s lost / failure", "max detection s"]:
+    for col in [*cols, "healed unexcluded", "s lost / failure", "max detection s"]:
         table.add_column(col, justify="right")
     for r in report["runs"]:
         keys = ("cpu_hogs", "seed", "rounds", "committed", "rolled_back", "split_then_healed", "failures_injected", "consistent")
-        cells = [str(r[k]) for k in keys]
+        cells = [str(r[k]) for k in (*keys, "healed_before_excluded")]
         table.add_row(*cells, f"{r['seconds_lost_per_failure']:.2f}", f"{r['max_detection_seconds']:.2f}")
     return table

@@ -86,6 +86,57 @@ def _unique_events(summaries: Any) -> list[dict[str, Any]]:
     return sorted(seen.values(), key=lambda e: (e["round"], e["site"]))
 
 
+def attribute_failures(
+    failures: list[dict[str, Any]], events: list[dict[str, Any]], logs: dict[str, list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """For each injected fault (``site``, ``kind``, ``injected_at``): when the survivors first acted on
+    it (``detection_seconds``: a detection event, a round with the site in it rolled back, or a
+    quorum without it), when a quorum first left it out (``excluded_after_seconds``) and when its
+    next incarnation healed (``healed_after_seconds``); None where that did not happen. Seconds
+    are counted from the fault. ``events``: the sites' ``detected`` entries; ``logs``:
+    :func:`read_rounds`."""
+    detected = []
+    ordered = sorted(failures, key=lambda x: x["injected_at"])
+    for i, fail in enumerate(ordered):
+        t = fail["injected_at"]
+        # the fault's episode ends when its site heals (its next incarnation is in a round) or at
+        # its next fault: a site restarted fast enough to heal in the very next round was never
+        # excluded, and a later round rolled back for another site's fault is not this one's
+        healed = [  # when the round's quorum formed with the site's next incarnation in it
+            r["start"] + r.get("quorum_s", 0.0)
+            for recs in logs.values()
+            for r in recs
+            if r["start"] + r.get("quorum_s", 0.0) >= t and fail["site"] in r.get("healers", [])
+        ]
+        nxt = next((f["injected_at"] for f in ordered[i + 1 :] if f["site"] == fail["site"]), float("inf"))
+        until = min([nxt, *healed])
+        seen = [e["time"] - t for e in events if e["site"] == fail["site"] and t <= e["time"] < until]
+        seen += [  # a round with the site in it that failed after the fault: the survivors noticed
+            r["end"] - t
+            for recs in logs.values()
+            for r in recs
+            if r["outcome"] == "rolled_back" and t <= r["end"] < until and fail["site"] in r.get("admitted", [])
+        ]
+        excluded = [
+            r["start"] + r.get("quorum_s", 0.0) - t
+            for recs in logs.values()
+            for r in recs
+            if t <= r["start"] + r.get("quorum_s", 0.0) < until and fail["site"] not in r.get("admitted", [fail["site"]])
+        ]
+        seen += excluded  # a quorum without it: the survivors have acted on the failure
+        detected.append(
+            {
+                "site": fail["site"],
+                "kind": fail["kind"],
+                **({"step": fail["step"]} if "step" in fail else {}),
+                "detection_seconds": min(seen) if seen else None,
+                "excluded_after_seconds": min(excluded) if excluded else None,
+                "healed_after_seconds": min(healed) - t if healed and min(healed) < nxt else None,
+            }
+        )
+    return detected
+
+
 def merge_summaries(
     out: Path, topo: Topology, failures: list[dict[str, Any]], heartbeat_timeout_s: float, wall: float
 ) -> dict[str, Any] | None:
@@ -99,32 +150,7 @@ def merge_summaries(
         return None
     logs = read_rounds(out)
     events = [e for s in finished.values() for e in s.get("detected", [])]
-    detected = []
-    for fail in sorted(failures, key=lambda x: x["injected_at"]):
-        t = fail["injected_at"]
-        seen = [e["time"] - t for e in events if e["site"] == fail["site"] and e["time"] >= t]
-        seen += [  # a round with the site in it that failed after the fault: the survivors noticed
-            r["end"] - t
-            for recs in logs.values()
-            for r in recs
-            if r["outcome"] == "rolled_back" and r["end"] >= t and fail["site"] in r.get("admitted", [])
-        ]
-        excluded = [
-            r["start"] + r.get("quorum_s", 0.0) - t
-            for recs in logs.values()
-            for r in recs
-            if r["start"] + r.get("quorum_s", 0.0) >= t and fail["site"] not in r.get("admitted", [fail["site"]])
-        ]
-        seen += excluded  # a quorum without it: the survivors have acted on the failure
-        detected.append(
-            {
-                "site": fail["site"],
-                "kind": fail["kind"],
-                **({"step": fail["step"]} if "step" in fail else {}),
-                "detection_seconds": min(seen) if seen else None,
-                "excluded_after_seconds": min(excluded) if excluded else None,
-            }
-        )
+    detected = attribute_failures(failures, events, logs)
     first = finished[next(iter(finished))]
     hashes = {name: s["global_param_hash"][name] for name, s in finished.items()}
     outcomes = round_outcomes(logs)
