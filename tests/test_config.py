@@ -12,7 +12,7 @@ import yaml
 
 from geotrain.config import Config, load_config
 from geotrain.errors import ConfigError
-from tests.helpers import REPO
+from tests.helpers import REPO, train_args
 
 
 def test_defaults_are_the_documented_main_job() -> None:
@@ -157,16 +157,7 @@ def test_a_run_refused_before_launch_leaves_no_zygote(tmp_path: Path) -> None:
     """The launcher starts its zygote before its own checks (so their imports overlap); a run they
     refuse kills it at once rather than leaving it to finish importing torch as an orphan."""
     (tmp_path / "tiny.txt").write_text("too small")
-    args = [
-        sys.executable,
-        "-m",
-        "geotrain",
-        "train",
-        "--out",
-        str(tmp_path / "out"),
-        "--set",
-        f"data.corpus={tmp_path / 'tiny.txt'}",
-    ]
+    args = train_args(tmp_path / "out", [f"data.corpus={tmp_path / 'tiny.txt'}"])
     t0 = _ticks()
     with open(tmp_path / "err", "w") as err:  # a file, not a pipe: the zygote would hold a pipe open
         code = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=err, timeout=60).returncode
