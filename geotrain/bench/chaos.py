@@ -147,7 +147,9 @@ def run_chaos(
         "max_detection_seconds": max((f["detection_seconds"] or 0.0 for f in injected), default=0.0),
         "max_excluded_after_seconds": max((f["excluded_after_seconds"] or 0.0 for f in injected), default=0.0),
         # restarted and healed before any quorum left it out: the others never had to act
-        "healed_before_excluded": sum(1 for f in injected if f["excluded_after_seconds"] is None and f["healed_after_seconds"]),
+        "healed_before_excluded": sum(
+            1 for f in injected if f["excluded_after_seconds"] is None and f["healed_after_seconds"] is not None
+        ),
         "final_eval_loss": summary["final_eval_loss"],
         "wall_seconds": summary["wall_seconds"],
     }

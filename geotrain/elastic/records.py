@@ -95,34 +95,25 @@ def attribute_failures(
     next incarnation healed (``healed_after_seconds``); None where that did not happen. Seconds
     are counted from the fault. ``events``: the sites' ``detected`` entries; ``logs``:
     :func:`read_rounds`."""
+    rounds = [(r, r["start"] + r.get("quorum_s", 0.0)) for recs in logs.values() for r in recs]  # with its quorum time
     detected = []
     ordered = sorted(failures, key=lambda x: x["injected_at"])
     for i, fail in enumerate(ordered):
-        t = fail["injected_at"]
-        # the fault's episode ends when its site heals (its next incarnation is in a round) or at
-        # its next fault: a site restarted fast enough to heal in the very next round was never
-        # excluded, and a later round rolled back for another site's fault is not this one's
-        healed = [  # when the round's quorum formed with the site's next incarnation in it
-            r["start"] + r.get("quorum_s", 0.0)
-            for recs in logs.values()
-            for r in recs
-            if r["start"] + r.get("quorum_s", 0.0) >= t and fail["site"] in r.get("healers", [])
-        ]
-        nxt = next((f["injected_at"] for f in ordered[i + 1 :] if f["site"] == fail["site"]), float("inf"))
+        t, site = fail["injected_at"], fail["site"]
+        # the fault's episode ends when its site heals (a quorum with its next incarnation as a
+        # healer) or at its next fault: a site restarted fast enough to heal in the very next
+        # round was never excluded, and a later round rolled back for another site's fault is not
+        # this one's
+        nxt = next((f["injected_at"] for f in ordered[i + 1 :] if f["site"] == site), float("inf"))
+        healed = [q for r, q in rounds if t <= q < nxt and site in r.get("healers", [])]
         until = min([nxt, *healed])
-        seen = [e["time"] - t for e in events if e["site"] == fail["site"] and t <= e["time"] < until]
+        seen = [e["time"] - t for e in events if e["site"] == site and t <= e["time"] < until]
         seen += [  # a round with the site in it that failed after the fault: the survivors noticed
             r["end"] - t
-            for recs in logs.values()
-            for r in recs
-            if r["outcome"] == "rolled_back" and t <= r["end"] < until and fail["site"] in r.get("admitted", [])
+            for r, _ in rounds
+            if r["outcome"] == "rolled_back" and t <= r["end"] < until and site in r.get("admitted", [])
         ]
-        excluded = [
-            r["start"] + r.get("quorum_s", 0.0) - t
-            for recs in logs.values()
-            for r in recs
-            if t <= r["start"] + r.get("quorum_s", 0.0) < until and fail["site"] not in r.get("admitted", [fail["site"]])
-        ]
+        excluded = [q - t for r, q in rounds if t <= q < until and site not in r.get("admitted", [site])]
         seen += excluded  # a quorum without it: the survivors have acted on the failure
         detected.append(
             {
@@ -131,7 +122,7 @@ def attribute_failures(
                 **({"step": fail["step"]} if "step" in fail else {}),
                 "detection_seconds": min(seen) if seen else None,
                 "excluded_after_seconds": min(excluded) if excluded else None,
-                "healed_after_seconds": min(healed) - t if healed and min(healed) < nxt else None,
+                "healed_after_seconds": min(healed) - t if healed else None,
             }
         )
     return detected

@@ -207,17 +207,17 @@ def stop_zygote(now: bool = False) -> None:
     global _zygote
     with _zygote_lock:
         z, _zygote = _zygote, None
-    if z is not None and now:
+    if z is None:
+        return
+    if now:
+        z.proc.kill()
+    with contextlib.suppress(OSError):
+        z.sock.shutdown(socket.SHUT_RDWR)  # it exits when its socket closes; so does our reader
+    try:
+        z.proc.wait(timeout=GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
         z.proc.kill()
         z.proc.wait()
-    elif z is not None:
-        with contextlib.suppress(OSError):
-            z.sock.shutdown(socket.SHUT_RDWR)  # it exits when its socket closes; so does our reader
-        try:
-            z.proc.wait(timeout=GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            z.proc.kill()
-            z.proc.wait()
 
 
 def zygote_pid() -> int | None:
