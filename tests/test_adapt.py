@@ -47,6 +47,42 @@ def test_choose_round_is_the_planner_formulas_answer(bps: float, rtt: float) -> 
     assert got["predicted_utilization"] == u and got["meets_target"] == (u >= target)
 
 
+@pytest.mark.parametrize("bps", [1e5, 1e6, 1e7, 1e9])
+@pytest.mark.parametrize("tau", [0, 5, 20])
+def test_choose_round_for_streaming_is_the_planner_formulas_answer(bps: float, tau: int) -> None:
+    """Codec (least compression), then H (smallest), then fragment count (fewest) that reach the
+    target, by the streaming formula; else the most utilisation (most compression, H_max)."""
+    params, step_s, sites, rtt, lo, hi, target, counts = 1e6, 0.01, 2, 0.01, 21, 200, 0.6, [1, 2, 4, 8]
+
+    def u(c: str, h: int, f: int) -> float:
+        return utilization("streaming", bps, params, step_s, sites, rtt, h, f, tau, {"streaming": BITS[c]})
+
+    want = None
+    for c in sorted(BITS, key=lambda c: -BITS[c]):
+        ok = [(h, f) for h in range(lo, hi + 1) for f in counts if u(c, h, f) >= target]
+        if ok:
+            want = (c, *min(ok))
+            break
+    if want is None:
+        want = max(
+            ((c, h, f) for c in BITS for h in range(lo, hi + 1) for f in counts), key=lambda k: (u(*k), -BITS[k[0]], k[1], -k[2])
+        )
+    got = choose_round(bps, params, step_s, sites, rtt, lo, hi, BITS, target, counts, tau)
+    assert (got["codec"], got["H"], got["fragments"]) == want
+    assert got["predicted_utilization"] == u(*want) and got["meets_target"] == (u(*want) >= target)
+
+
+def test_streaming_formula_cannot_hide_more_than_a_cycle() -> None:
+    """F exchanges share one link: however many fragments and however long tau, a cycle of H steps
+    cannot carry more than H steps of compute's worth of transfer without waiting."""
+    params, step_s, H, rtt, bps = 1e6, 0.01, 20, 0.0, 1e6
+    vol, _ = _volume_latency(params, 32, 2, rtt)
+    for F in (1, 4, 16, 64):
+        u = utilization("streaming", bps, params, step_s, 2, rtt, H, F, 19, {"streaming": 32})
+        assert u <= H * step_s / (vol / bps) + 1e-12
+        assert math.isclose(u, H * step_s / (vol / bps), rel_tol=1e-9) or F == 1
+
+
 def test_achieved_bandwidth_inverts_the_formulas_transfer_time() -> None:
     params, sites, rtt, bps = 2e6, 4, 0.05, 3e7
     vol, lat = _volume_latency(params, 32, sites, rtt)
@@ -126,7 +162,13 @@ def test_link_state_left_by_a_killed_launcher_does_not_reach_the_next_run(tmp_pa
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["sync.adapt={}", "sync.algorithm=streaming"], "sync.algorithm: not combined with sync.adapt yet"),
+        (["sync.adapt={}", "sync.algorithm=ddp"], "sync.algorithm: not combined with sync.adapt yet"),
+        (["sync.adapt={fragments: [2]}"], "sync.adapt.fragments: Streaming DiLoCo only"),
+        (["sync.adapt={}", "sync.algorithm=streaming", "sync.eager=true"], "sync.eager: not combined with sync.adapt yet"),
+        (["sync.adapt={fragments: [1, 2]}", "sync.algorithm=streaming"], "sync.fragments: the first fragment count"),
+        (["sync.adapt={fragments: [4, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count once"),
+        (["sync.adapt={fragments: [0, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count in 1..4096"),
+        (["sync.adapt={H_min: 5}", "sync.algorithm=streaming", "sync.tau=5"], "sync.adapt.H_min: must exceed tau=5"),
         (["sync.adapt={}", "sync.pace=adaptive"], "sync.pace: not combined with sync.adapt yet"),
         (["sync.adapt={}", "checkpoint.every=5"], "checkpoint.every: not combined with sync.adapt yet"),
         (["sync.adapt={H_min: 100}"], "sync.H: the first round's H must lie in"),
@@ -197,3 +239,55 @@ def test_a_run_measures_the_link_and_follows_a_10x_slowdown_with_the_planners_ch
     rec = adapt_record(s, cfg, after_s)
     assert len(rec["timeline"]) == len(log) and rec["rounds_to_follow"] in (1, 2) and rec["follow_met"]
     assert plot_adapt(rec, tmp_path / "adapt.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_path: Path) -> None:
+    """Streaming DiLoCo on an emulated 2 Mbit/s, 5 ms link that becomes 10x slower 3 s in: after
+    every cycle of H steps the choice of H, codec and fragment count is the planner formula's
+    answer for the link measured in the exchange thread, the run follows it (fragments rebuilt,
+    momentum carried), the slowdown is followed within 2 cycles, and the sites end on one model."""
+    after_s, lo, hi, target, tau, counts = 3.0, 11, 100, 0.5, 10, [1, 2, 4, 8]
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "model.n_layer=4",
+            "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
+            "topology.links.inter.bandwidth_bps=2e6",
+            "topology.links.inter.latency_s=0.005",
+            "sync.algorithm=streaming",
+            "sync.H=30",
+            f"sync.tau={tau}",
+            "sync.fragments=4",
+            f"sync.adapt={{target: {target}, H_min: {lo}, H_max: {hi}, fragments: {counts}}}",
+            f"topology.links.changes=[{{after_s: {after_s}, bandwidth_scale: 0.1}}]",
+            "train.steps=450",
+            "train.eval_every=1000000",
+            "run.baseline=none",
+            "train.save_final=false",
+        ],
+    )
+    s = launch_local(cfg, tmp_path / "run", console_print=None)
+    log = s["adapt"]
+    assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
+    assert [a["round"] for a in log] == list(range(1, len(log) + 1)) and len(log) >= 3
+    codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
+    for prev, a in zip([None, *log], log, strict=False):
+        assert a["fragment_choices"] == counts and a["tau"] == tau and a["exchanges"] >= 1
+        assert a["rtt_s"] == min(a["ping_s"])
+        assert a["link_bps"] == achieved_bps(a["link_bytes"], a["link_seconds"], 2, a["rtt_s"], a["exchanges"])
+        want = choose_round(a["link_bps"], s["params"], max(a["step_s"]), 2, a["rtt_s"], lo, hi, codecs, target, counts, tau)
+        assert a["next"] == want
+        first = {"H": 30, "codec": "none", "fragments": 4}
+        assert {k: a[k] for k in first} == (first if prev is None else {k: prev["next"][k] for k in first})
+    # the fragment count was rebuilt at least once (per fragment, tau steps of compute hide more
+    # than the 10 ms round trip here, so more fragments pay)
+    assert len({a["fragments"] for a in log}) > 1, [a["fragments"] for a in log]
+    before = [a for a in log if a["t_s"] < after_s]
+    assert before and all(0.8e6 <= a["link_bps"] <= 2.4e6 for a in before), [a["link_bps"] for a in before]
+    first = next(i for i, a in enumerate(log) if a["t_s"] >= after_s)
+    slow = next(i for i, a in enumerate(log) if a["t_s"] - a["link_seconds"] >= after_s)
+    assert log[slow]["link_bps"] < 0.4e6, log[slow]
+    assert any(a["changed"] for a in log[first : slow + 2]), log[first : slow + 2]

@@ -1,5 +1,6 @@
 """The run of ``geotrain bench tiers`` where the wide-area link slows 10x mid-run and geotrain
-adapts (``sync.adapt``, :mod:`geotrain.sync.adapt`).
+adapts (``sync.adapt``, :mod:`geotrain.sync.adapt`), with DiLoCo or (``--adapt-algorithm
+streaming``) Streaming DiLoCo, whose fragment count is chosen too.
 
 Flat DiLoCo over the tiers benchmark's two regions of two sites (10 Gbit/s inside a region,
 10 Mbit/s and 40 ms between regions). After ``slowdown_s`` seconds the links between regions
@@ -17,10 +18,17 @@ from typing import Any
 
 from geotrain.config import CODEC_BITS, Config
 
+STREAMING_TAU = 10  # streaming: steps a fragment's exchange hides behind (more than the 240 ms latency term here)
+STREAMING_FRAGMENTS = [1, 2, 4, 8]
 
-def adapt_overrides(slowdown_s: float, target: float, H_min: int, H_max: int) -> list[str]:
+
+def adapt_overrides(slowdown_s: float, target: float, H_min: int, H_max: int, algorithm: str = "diloco") -> list[str]:
+    """``algorithm`` streaming: Streaming DiLoCo with tau=10, the fragment count chosen too (1, 2, 4 or 8)."""
+    frags = f", fragments: {STREAMING_FRAGMENTS}" if algorithm == "streaming" else ""
     return [
-        f"sync.adapt={{target: {target}, H_min: {H_min}, H_max: {H_max}}}",
+        f"sync.algorithm={algorithm}",
+        *([f"sync.tau={STREAMING_TAU}", "sync.fragments=4"] if algorithm == "streaming" else []),
+        f"sync.adapt={{target: {target}, H_min: {max(H_min, STREAMING_TAU + 1) if frags else H_min}, H_max: {H_max}{frags}}}",
         f"topology.links.changes=[{{after_s: {slowdown_s}, bandwidth_scale: 0.1}}]",
         "train.eval_every=1000000",  # no evaluation inside rounds: it would count as compute in the measurement
     ]
@@ -39,10 +47,11 @@ def adapt_record(summary: dict[str, Any], cfg: Config, slowdown_s: float) -> dic
             # the slowest site's (the formula's T is its step time); faster sites also wait for it
             "utilization": a["utilization"][a["step_s"].index(max(a["step_s"]))],
             "utilization_min": min(a["utilization"]),
-            "link_mbps": a["link_bps"] / 1e6,
+            "link_mbps": None if a["link_bps"] is None else a["link_bps"] / 1e6,  # None: nothing crossed sites
             "rtt_ms": 1e3 * a["rtt_s"],
             "next_H": a["next"]["H"],
             "next_codec": a["next"]["codec"],
+            **({"fragments": a["fragments"], "next_fragments": a["next"]["fragments"]} if "fragments" in a else {}),
             "predicted_utilization": a["next"]["predicted_utilization"],
             "changed": a["changed"],
             "why": a["why"],
@@ -55,12 +64,14 @@ def adapt_record(summary: dict[str, Any], cfg: Config, slowdown_s: float) -> dic
     first = next((i for i, a in enumerate(timeline) if a["t_s"] >= slowdown_s), None)
     follow = None
     if first is not None:
-        same = [a["link_mbps"] for a in timeline[:first] if a["codec"] == timeline[first]["codec"]]
-        ref = statistics.median(same) if same else timeline[0]["link_mbps"]
-        seen = next((i for i in range(first, len(timeline)) if timeline[i]["link_mbps"] < ref / 2), None)
+        measured = [a for a in timeline if a["link_mbps"] is not None]
+        same = [a["link_mbps"] for a in timeline[:first] if a["codec"] == timeline[first]["codec"] and a in measured]
+        ref = statistics.median(same) if same else measured[0]["link_mbps"]
+        seen = next((i for i in range(first, len(timeline)) if (timeline[i]["link_mbps"] or ref) < ref / 2), None)
         follow = None if seen is None else seen - first + 1
     return {
         "mode": "adaptive",
+        "algorithm": cfg.sync.algorithm,
         "slowdown_s": slowdown_s,
         "target": cfg.sync.adapt.target if cfg.sync.adapt else None,
         "timeline": timeline,
@@ -83,9 +94,15 @@ def plot_adapt(run: dict[str, Any], path: Path) -> Path:
 
     tl = run["timeline"]
     t = [a["t_s"] for a in tl]
+    frags = "next_fragments" in tl[0]
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
     axes[0].step(t, [a["next_H"] for a in tl], where="post", label="H chosen for the next round")
     axes[0].set_ylabel("H (inner steps)")
+    if frags:  # Streaming DiLoCo: the fragment count on the same axes' twin
+        twin = axes[0].twinx()
+        twin.step(t, [a["next_fragments"] for a in tl], where="post", color="tab:purple", ls="--", label="fragments chosen")
+        twin.set_ylabel("fragments")
+        twin.legend(loc="upper left", fontsize=8)
     axes[1].step(t, [CODEC_BITS[a["next_codec"]] for a in tl], where="post", color="tab:orange", label="codec chosen")
     axes[1].set_yticks([4, 8, 16, 32], ["fp4", "int8", "bf16", "fp32"])
     axes[1].set_ylabel("codec (bits)")
@@ -103,8 +120,9 @@ def plot_adapt(run: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     follow = run["rounds_to_follow"]
+    what = "Streaming DiLoCo" if run.get("algorithm") == "streaming" else "DiLoCo"
     fig.suptitle(
-        f"geotrain bench tiers: links between regions 10x slower at {run['slowdown_s']:g} s; followed in "
+        f"geotrain bench tiers ({what}): links between regions 10x slower at {run['slowdown_s']:g} s; followed in "
         f"{follow if follow is not None else '-'} round(s)"
     )
     fig.tight_layout()

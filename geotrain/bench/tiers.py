@@ -13,9 +13,10 @@ Two regions of two sites (one worker each): 10 Gbit/s, 1 ms between the sites of
 
 It writes ``runs: [{mode, seed, slow_tier_bytes, eval_loss, utilization, ...}]`` and the targets.
 
-Then one more run (first seed), ``adaptive``: flat DiLoCo with ``sync.adapt`` while the links
-between regions slow 10x mid-run (:mod:`geotrain.bench.adapt`): its timeline of H, codec and
-utilisation is ``adaptive``.
+Then one more run (first seed), ``adaptive``: flat DiLoCo (or, ``adapt_algorithm="streaming"``,
+Streaming DiLoCo) with ``sync.adapt`` while the links between regions slow 10x mid-run
+(:mod:`geotrain.bench.adapt`): its timeline of H, codec (fragments) and utilisation is
+``adaptive``. ``adapt_only`` runs only that.
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def bench_tiers(
     adapt_steps: int = 1200,
     slowdown_s: float = 60.0,
     adapt_target: float = 0.8,
+    adapt_algorithm: str = "diloco",
+    adapt_only: bool = False,
 ) -> dict[str, Any]:
     from geotrain.launch.local import launch_local
 
     t_start = time.perf_counter()
     runs: list[dict[str, Any]] = []
-    for seed in seeds:
+    for seed in () if adapt_only else seeds:
         for mode in MODES:
             s = launch_local(tiers_config(mode, steps, H, seed, extra), out / f"{mode}-{seed}", console_print=None)
             runs.append(
@@ -102,13 +105,19 @@ def bench_tiers(
     adaptive = None
     if adapt_steps:
         cfg = tiers_config(
-            "flat", adapt_steps, H, seeds[0], [*(extra or []), *adapt_overrides(slowdown_s, adapt_target, 10, 200)]
+            "flat",
+            adapt_steps,
+            H,
+            seeds[0],
+            [*(extra or []), *adapt_overrides(slowdown_s, adapt_target, 10, 200, adapt_algorithm)],
         )
         adaptive = adapt_record(launch_local(cfg, out / "adaptive", console_print=None), cfg, slowdown_s)
         progress(
             f"{'adaptive':>15} seed {seeds[0]}: {len(adaptive['timeline'])} rounds, links 10x slower at {slowdown_s:g} s, "
             f"followed in {adaptive['rounds_to_follow']} round(s)"
         )
+    if adapt_only:
+        return {"adaptive": adaptive, "bench_seconds": time.perf_counter() - t_start}
     means = {
         m: {k: sum(r[k] for r in runs if r["mode"] == m) / len(seeds) for k in ("slow_tier_bytes", "eval_loss", "utilization")}
         for m in MODES
@@ -140,6 +149,9 @@ def tiers_targets(means: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 def print_tiers(result: dict[str, Any], console: Any) -> None:
+    if "runs" not in result:  # adapt_only
+        print_adapt(result["adaptive"], console)
+        return
     t = table(
         f"bench tiers: 2 regions x 2 sites, 10 Gbit/s inside, 10 Mbit/s 40 ms across; {result['steps']} steps, H={result['H']}",
         ["mode", "seed", "world rounds", "region rounds", "slow-tier bytes", "all inter-site bytes", "eval loss", "utilisation"],
@@ -164,12 +176,14 @@ def print_tiers(result: dict[str, Any], console: Any) -> None:
 
 def print_adapt(run: dict[str, Any], console: Any) -> None:
     t = table(
-        f"adaptive: flat DiLoCo, sync.adapt (target {run['target']:.0%}), links between regions 10x slower at {run['slowdown_s']:g} s",
+        f"adaptive: flat {'Streaming DiLoCo' if run.get('algorithm') == 'streaming' else 'DiLoCo'}, sync.adapt (target "
+        f"{run['target']:.0%}), links between regions 10x slower at {run['slowdown_s']:g} s",
         [
             "round",
             "ends at",
             "H",
             "codec",
+            "fragments",
             "link",
             "rtt",
             "busy (slowest site)",
@@ -180,10 +194,12 @@ def print_adapt(run: dict[str, Any], console: Any) -> None:
         ],
     )
     for a in run["timeline"]:
+        link, pred = a["link_mbps"], a["predicted_utilization"]
         t.add_row(
-            str(a["round"]), f"{a['t_s']:.1f} s", str(a["H"]), a["codec"], f"{a['link_mbps']:.2f} Mbit/s", f"{a['rtt_ms']:.0f} ms",
+            str(a["round"]), f"{a['t_s']:.1f} s", str(a["H"]), a["codec"], str(a.get("fragments", "-")),
+            "-" if link is None else f"{link:.2f} Mbit/s", f"{a['rtt_ms']:.0f} ms",
             f"{a['utilization']:.1%}", f"{a['utilization_min']:.1%}", str(a["next_H"]), a["next_codec"],
-            f"{a['predicted_utilization']:.1%}",
+            "-" if pred is None else f"{pred:.1%}",
         )  # fmt: skip
     console.print(t)
     follow = run["rounds_to_follow"]

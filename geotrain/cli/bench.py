@@ -234,10 +234,18 @@ def bench_tiers_cmd(
         int, typer.Option(min=0, max=100_000, help="Inner steps of the adaptive run with the mid-run slowdown (0: skip it).")
     ] = 1200,
     slowdown_s: Annotated[float, typer.Option(min=1, max=3600, help="When the links between regions slow 10x.")] = 60.0,
+    adapt_algorithm: Annotated[
+        str, typer.Option(help="The adaptive run's algorithm: diloco, or streaming (the fragment count is chosen too).")
+    ] = "diloco",
+    adapt_only: Annotated[bool, typer.Option("--adapt-only", help="Run only the adaptive run.")] = False,
     set_: SetOpt = None,
 ) -> None:
     """Two regions of two sites (10 Gbit/s inside, 10 Mbit/s across): flat DiLoCo vs two tiers, slow-tier bytes and loss;
     then adaptation to a 10x slowdown of the links between regions."""
+    if adapt_algorithm not in ("diloco", "streaming"):
+        fail(f"--adapt-algorithm: {adapt_algorithm!r} (allowed: diloco, streaming)")
+    if adapt_only and not adapt_steps:
+        fail("--adapt-only: needs --adapt-steps above 0")
     from geotrain.bench.adapt import plot_adapt
     from geotrain.bench.tiers import bench_tiers, print_tiers
 
@@ -245,14 +253,24 @@ def bench_tiers_cmd(
         seeds,
         set_,
         lambda s: bench_tiers(
-            out, steps, H, s, extra=set_, progress=progress_line, adapt_steps=adapt_steps, slowdown_s=slowdown_s
+            out,
+            steps,
+            H,
+            s,
+            extra=set_,
+            progress=progress_line,
+            adapt_steps=adapt_steps,
+            slowdown_s=slowdown_s,
+            adapt_algorithm=adapt_algorithm,
+            adapt_only=adapt_only,
         ),
     )
     print_tiers(result, wide(150))
     if json_out is not None:
         write_json(result, json_out)
     if plot is not None and result["adaptive"]:
-        console.print(f"wrote {plot_adapt(result['adaptive'], plot / 'tiers_adapt.png')}")
+        name = "tiers_adapt_streaming.png" if adapt_algorithm == "streaming" else "tiers_adapt.png"
+        console.print(f"wrote {plot_adapt(result['adaptive'], plot / name)}")
 
 
 @bench_app.command("scale")

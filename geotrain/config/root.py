@@ -127,12 +127,12 @@ class Config(Section):
         _refuse(refused, "sync.region_every")
 
     def _adapt_fits(self) -> None:
-        """sync.adapt: DiLoCo's lock-step rounds; what it is not combined with yet (docs/HETERO.md)."""
+        """sync.adapt: lock-step rounds of DiLoCo or Streaming DiLoCo; what it is not combined with yet (docs/HETERO.md)."""
         if self.sync.adapt is None:
             return
         p = self.privacy
         refused = [
-            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+            (self.sync.algorithm == "ddp", "sync.algorithm", "use sync.algorithm=diloco or streaming"),
             (
                 self.sync.pace != "lockstep" or bool(self.train.max_seconds),
                 "sync.pace",

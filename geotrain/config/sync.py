@@ -14,9 +14,11 @@ ADAPT_CODECS: tuple[FixedCodec, ...] = ("none", "bf16", "int8", "fp4")  # sync.a
 
 
 class AdaptConfig(Section):
-    """Adaptation to the measured network (DiLoCo, lock-step rounds; docs/HETERO.md): after every
-    round the link's achieved bandwidth and latency are measured, and H and the codec of the next
-    round are chosen with the planner's closed form (:func:`geotrain.plan.strategies.utilization`)."""
+    """Adaptation to the measured network (DiLoCo or Streaming DiLoCo, lock-step rounds;
+    docs/HETERO.md): after every round (streaming: every H steps, one cycle of its fragments) the
+    link's achieved bandwidth and latency are measured, and H, the codec and (streaming) the
+    fragment count are chosen with the planner's closed form
+    (:func:`geotrain.plan.strategies.utilization`)."""
 
     target: float = Field(
         default=0.9, gt=0, lt=1, description="Compute utilisation to hold (compute time / wall time of a round)."
@@ -29,6 +31,12 @@ class AdaptConfig(Section):
         description="The codecs adaptation may choose from (fixed-width ones, no error feedback); the least compression that "
         "reaches the target within H_max wins, then the smallest H.",
     )
+    fragments: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        description="Streaming DiLoCo: the fragment counts adaptation may choose from (after the codec and H, the fewest "
+        "that reach the target); default: 1, 2, 4, ... up to sync.fragments, and sync.fragments.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AdaptConfig:
@@ -37,7 +45,18 @@ class AdaptConfig(Section):
         dup = sorted({c for c in self.codecs if self.codecs.count(c) > 1})
         if dup:
             raise ValueError(f"codecs: each codec once (repeated: {', '.join(dup)})")
+        if self.fragments is not None:
+            if any(not 1 <= f <= 4096 for f in self.fragments):
+                raise ValueError(f"fragments: each count in 1..4096 (got {self.fragments})")
+            if len(set(self.fragments)) < len(self.fragments):
+                raise ValueError(f"fragments: each count once (got {self.fragments})")
         return self
+
+    def fragment_choices(self, first: int) -> list[int]:
+        """The fragment counts to choose from, ascending, given the run's first one (``sync.fragments``)."""
+        if self.fragments is not None:
+            return sorted(self.fragments)
+        return sorted({1 << i for i in range(first.bit_length()) if 1 << i <= first} | {first})
 
 
 class QuorumConfig(Section):
@@ -138,9 +157,9 @@ class SyncConfig(Section):
     )
     adapt: AdaptConfig | None = Field(
         default=None,
-        description="Adaptation to the measured network: H (within H_min..H_max) and the codec chosen after every round "
-        "from the measured link to hold a target utilisation (unset: fixed H and codec; set e.g. sync.adapt={} for the "
-        "defaults).",
+        description="Adaptation to the measured network: H (within H_min..H_max), the codec and (streaming) the fragment "
+        "count chosen after every round from the measured link to hold a target utilisation (unset: fixed H and codec; "
+        "set e.g. sync.adapt={} for the defaults).",
     )
     quorum: QuorumConfig | None = Field(
         default=None,
@@ -226,6 +245,20 @@ class SyncConfig(Section):
                 )
             if self.error_feedback:
                 raise ValueError("error_feedback: adaptation switches codecs between rounds; leave error_feedback unset")
+            if self.algorithm != "streaming" and a.fragments is not None:
+                raise ValueError("adapt.fragments: Streaming DiLoCo only (sync.algorithm=streaming); leave it unset")
+            if self.algorithm == "streaming":
+                if self.eager:
+                    raise ValueError("eager: not combined with sync.adapt yet; set sync.eager=false")
+                if a.fragments is not None and self.fragments not in a.fragments:
+                    raise ValueError(
+                        f"fragments: the first fragment count must be one of sync.adapt.fragments "
+                        f"({', '.join(map(str, a.fragments))}; got {self.fragments})"
+                    )
+                if a.H_min <= self.tau:
+                    raise ValueError(
+                        f"adapt.H_min: must exceed tau={self.tau}, a fragment merges before it syncs again (got {a.H_min})"
+                    )
         if self.algorithm == "streaming" and not self.eager and self.tau >= self.H:
             raise ValueError(f"tau: must be below H={self.H}, a fragment merges before it syncs again (got {self.tau})")
         return self

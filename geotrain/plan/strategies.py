@@ -27,6 +27,7 @@ bandwidth in this model, and :func:`choose_round` picks DiLoCo's H and codec for
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 # Streaming DiLoCo (arXiv 2501.18512) Table 4: Gbit/s for 90/95/99% utilisation; H=100, MFU 60%
@@ -69,7 +70,8 @@ def _comm_allowed(alg: str, u: float, step_s: float, H: int, F: int, tau: int) -
         return 2 * step_s / 3 + slack
     if alg == "diloco":
         return H * slack
-    return tau * step_s + H * slack / F
+    # each exchange hides behind tau steps, and the F exchanges of a cycle share one link
+    return min(tau * step_s + H * slack / F, H * (step_s + slack) / F)
 
 
 def required_bps(
@@ -111,7 +113,15 @@ def utilization(
         return step_s / (step_s + max(0.0, t - 2 * step_s / 3))
     if alg == "diloco":
         return H * step_s / (H * step_s + t)
-    return H * step_s / (H * step_s + F * max(0.0, t - tau * step_s))
+    return H * step_s / (H * step_s + _streaming_exposed(t, H, F, tau, step_s))
+
+
+def _streaming_exposed(t: float, H: int, F: int, tau: int, step_s: float) -> float:
+    """Seconds per cycle of H steps that compute waits on Streaming DiLoCo's network: each of the F
+    exchanges of ``t`` seconds hides behind tau steps, and at least the link's excess over the
+    cycle's compute (the exchanges run one after another on one link: with F·tau > H their
+    overlap windows overlap, and more fragments cannot hide more than the cycle's H steps)."""
+    return max(F * max(0.0, t - tau * step_s), F * t - H * step_s, 0.0)
 
 
 def strategies(
@@ -163,12 +173,13 @@ def strategies(
     return {"fragments": fragments, "tau": tau, "rows": rows, "recommendation": rec}
 
 
-def achieved_bps(nbytes: float, seconds: float, sites: int, rtt_s: float) -> float:
-    """The bandwidth (bit/s) a measured cross-site all-reduce achieved in this model: a site sent
-    ``nbytes`` in ``seconds``, of which the model's latency term is not transfer time. (At least a
-    twentieth of the time is counted as transfer, so a latency overestimate cannot make it infinite.)"""
+def achieved_bps(nbytes: float, seconds: float, sites: int, rtt_s: float, exchanges: int = 1) -> float:
+    """The bandwidth (bit/s) measured cross-site all-reduces achieved in this model: a site sent
+    ``nbytes`` in ``seconds`` over ``exchanges`` all-reduces, each paying the model's latency term,
+    which is not transfer time. (At least a twentieth of the time is counted as transfer, so a
+    latency overestimate cannot make it infinite.)"""
     _, lat = _volume_latency(0.0, 0.0, sites, rtt_s)
-    return 8 * nbytes / max(seconds - lat, seconds / 20, 1e-9)
+    return 8 * nbytes / max(seconds - exchanges * lat, seconds / 20, 1e-9)
 
 
 def choose_round(
@@ -181,22 +192,45 @@ def choose_round(
     H_max: int,
     codec_bits: dict[str, float],
     target: float,
+    fragments: Sequence[int] = (),
+    tau: int = 0,
 ) -> dict[str, Any]:
-    """DiLoCo's H and codec for a link of ``bps`` and ``rtt_s``: the least compression (most bits)
-    that reaches ``target`` with some H <= ``H_max``, with the smallest such H (the least
-    staleness); when no codec reaches it, the most compressed at ``H_max`` (the highest
-    utilisation). Returns {codec, H, predicted_utilization, meets_target}."""
+    """H, codec and fragment count for a link of ``bps`` and ``rtt_s``: the least compression
+    (most bits) that reaches ``target`` with some H <= ``H_max``, with the smallest such H (the
+    least staleness), then the fewest fragments that reach it there; when no codec reaches it, the
+    most compressed at ``H_max`` with the fragment count of highest utilisation (the fewest of
+    equals). ``fragments`` empty: DiLoCo (one exchange per round, no overlap); else Streaming
+    DiLoCo with these fragment counts to choose from and ``tau`` steps of overlap. Returns
+    {codec, H, fragments (streaming only), predicted_utilization, meets_target}."""
+    counts = sorted(fragments) or [1]
 
-    def u(bits: float, H: int) -> float:
-        return utilization("diloco", bps, params, step_s, sites, rtt_s, H, 1, 0, {"diloco": bits})
+    def u(bits: float, H: int, F: int) -> float:
+        alg = "streaming" if fragments else "diloco"
+        return utilization(alg, bps, params, step_s, sites, rtt_s, H, F, tau, {alg: bits})
+
+    def best_F(bits: float, H: int) -> int:
+        return max(counts, key=lambda F: (u(bits, H, F), -F))
+
+    def result(name: str, bits: float, H: int) -> dict[str, Any]:
+        F = best_F(bits, H)
+        if u(bits, H, F) >= target:  # the fewest fragments that reach the target
+            F = next(f for f in counts if u(bits, H, f) >= target)
+        pu = u(bits, H, F)
+        return {
+            "codec": name,
+            "H": H,
+            **({"fragments": F} if fragments else {}),
+            "predicted_utilization": pu,
+            "meets_target": pu >= target,
+        }
 
     by_bits = sorted(codec_bits.items(), key=lambda kv: -kv[1])  # stable: equal widths keep the given order
     for name, bits in by_bits:
-        if u(bits, H_max) >= target:
-            lo, hi = H_min, H_max  # u grows with H: the smallest H that reaches the target
+        if u(bits, H_max, best_F(bits, H_max)) >= target:
+            lo, hi = H_min, H_max  # the best u grows with H: the smallest H that reaches the target
             while lo < hi:
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if u(bits, mid) >= target else (mid + 1, hi)
-            return {"codec": name, "H": lo, "predicted_utilization": u(bits, lo), "meets_target": True}
+                lo, hi = (lo, mid) if u(bits, mid, best_F(bits, mid)) >= target else (mid + 1, hi)
+            return result(name, bits, lo)
     name, bits = by_bits[-1]
-    return {"codec": name, "H": H_max, "predicted_utilization": u(bits, H_max), "meets_target": False}
+    return result(name, bits, H_max)

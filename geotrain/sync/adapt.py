@@ -34,7 +34,6 @@ feedback (each codec gets its own reducer, made when first chosen).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,20 +41,20 @@ import torch
 from geotrain.comm.collectives import Collectives
 from geotrain.config import CODEC_BITS, AdaptConfig
 from geotrain.plan.strategies import achieved_bps, choose_round
-from geotrain.sync.reducer import SiteReducer
 
 
 class NetworkAdapter:
-    """Measures each round's cross-site exchange and chooses the next round's H and codec.
+    """Measures the cross-site exchanges of each round and chooses the next round's H, codec and
+    (Streaming DiLoCo) fragment count.
 
     Args:
         cfg: the ``sync.adapt`` section.
         comm: the collectives (its stats count bytes and waits; control exchanges across sites).
         params: values in one pseudo-gradient (the formula's P).
         H: the first round's H.
-        codec: the first round's codec, whose reducer is ``reducer``.
-        reducer: the first round's reducer.
-        make_reducer: builds the reducer of another codec.
+        codec: the first round's codec.
+        fragments: Streaming DiLoCo: (the first fragment count, the counts to choose from, tau);
+            None for DiLoCo.
     """
 
     def __init__(
@@ -65,27 +64,20 @@ class NetworkAdapter:
         params: int,
         H: int,
         codec: str,
-        reducer: SiteReducer,
-        make_reducer: Callable[[str], SiteReducer],
+        fragments: tuple[int, list[int], int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.comm = comm
         self.params = params
         self.H = H
         self.codec = codec
-        self.reducers = {codec: reducer}
-        self._make_reducer = make_reducer
+        self.F, self.counts, self.tau = fragments if fragments is not None else (1, [], 0)
         self.log: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._round_start = self._t0
         self._wait0 = comm.stats.wan_wait_seconds
         self._sent0 = 0
         self._avg_t0 = 0.0
-
-    @property
-    def reducer(self) -> SiteReducer:
-        """The reducer of this round's codec."""
-        return self.reducers[self.codec]
 
     def start_average(self) -> None:
         """Just before the round's cross-site average."""
@@ -100,79 +92,114 @@ class NetworkAdapter:
 
     def skip_round(self) -> None:
         """A round that was rolled back: not measured; the next round's clock starts now."""
-        self._round_start, self._wait0 = time.perf_counter(), self.comm.stats.wan_wait_seconds
+        self.lap()
+
+    def lap(self) -> tuple[float, float]:
+        """The training thread's wall seconds and seconds waited on the wide-area network since the
+        last lap (or the start); the next round's clock starts now."""
+        now, wait = time.perf_counter(), self.comm.stats.wan_wait_seconds
+        out = (now - self._round_start, wait - self._wait0)
+        self._round_start, self._wait0 = now, wait
+        return out
 
     def end_round(self, round_id: int, steps: int) -> bool:
-        """Just after the round's average was applied (every rank of every site calls it): measure,
-        agree, choose; True when H or the codec changed for the next round."""
+        """DiLoCo, just after the round's average was applied (every rank of every site calls it):
+        measure, agree, choose; True when H or the codec changed for the next round."""
+        avg_s = time.perf_counter() - self._avg_t0
+        sent = self.comm.stats.inter_bytes - self._sent0
+        wall, waited = self.lap()  # the exchanges below count in the next round
+        return self.decide(round_id, steps, [(sent, avg_s)], wall, waited)
+
+    def decide(self, round_id: int, steps: int, exchanges: list[tuple[int, float]], wall: float, waited: float) -> bool:
+        """Agree on the link from every site's measurements of a round and choose the next round's
+        settings (every rank of every site calls it with the same number of ``exchanges``: the
+        bytes this rank sent across sites in each and its seconds); True when one changed.
+
+        Streaming DiLoCo calls it in its exchange thread (its control exchanges use lane 0's groups,
+        as the fragments' averages do), ``wall`` and ``waited`` being the training thread's."""
         comm, g = self.comm, self.comm.groups
         topo = g.topology
-        avg_s = time.perf_counter() - self._avg_t0
-        sent = comm.stats.inter_bytes - self._sent0
-        now = time.perf_counter()
-        round_s, waited = now - self._round_start, comm.stats.wan_wait_seconds - self._wait0
-        self._round_start, self._wait0 = now, comm.stats.wan_wait_seconds  # the exchanges below count in the next round
         ping, t = torch.zeros(1, dtype=torch.float64), time.perf_counter()
         comm.gather_sites(ping)  # two one-hop exchanges, back to back: the round trip of the site that
         comm.gather_sites(ping)  # sent last in the first (see the module docstring)
         ping_s = time.perf_counter() - t
-        mine = torch.tensor([float(sent), avg_s, ping_s, round_s, waited], dtype=torch.float64)
+        m = len(exchanges)
+        mine = torch.tensor(
+            [ping_s, wall, waited, *(float(b) for b, _ in exchanges), *(s for _, s in exchanges)], dtype=torch.float64
+        )
         if len(g.intra_ranks) > 1:  # per site: bytes summed over its ranks, times averaged
             comm.sum_in_site(mine)
-            mine[1:].div_(len(g.intra_ranks))
+            mine[:3].div_(len(g.intra_ranks))
+            mine[3 + m :].div_(len(g.intra_ranks))
         rows = comm.gather_sites(mine)
-        sent_s, avg, pings, wall, wait = (rows[:, i].tolist() for i in range(5))
+        pings, walls, waits = (rows[:, i].tolist() for i in range(3))
+        sent_s, secs_s = rows[:, 3 : 3 + m], rows[:, 3 + m :]
         n = topo.num_sites
         rtt = min(pings)
-        bps = achieved_bps(max(sent_s), min(avg), n, rtt)
-        step_s = [(w - x) / max(1, steps) for w, x in zip(wall, wait, strict=True)]
-        choice = choose_round(
-            bps,
-            self.params,
-            max(step_s),
-            n,
-            rtt,
-            self.cfg.H_min,
-            self.cfg.H_max,
-            {c: float(CODEC_BITS[c]) for c in self.cfg.codecs},
-            self.cfg.target,
+        # per exchange, the most bytes a site sent and the shortest time (a site that arrived late
+        # did not wait for the others: its time is the transfer alone), summed over the exchanges
+        nbytes, secs = float(sent_s.max(0).values.sum()) if m else 0.0, float(secs_s.min(0).values.sum()) if m else 0.0
+        bps = achieved_bps(nbytes, secs, n, rtt, m) if m else None
+        step_s = [(w - x) / max(1, steps) for w, x in zip(walls, waits, strict=True)]
+        now: dict[str, Any] = {"H": self.H, "codec": self.codec, **({"fragments": self.F} if self.counts else {})}
+        choice: dict[str, Any] = (
+            choose_round(
+                bps,
+                self.params,
+                max(step_s),
+                n,
+                rtt,
+                self.cfg.H_min,
+                self.cfg.H_max,
+                {c: float(CODEC_BITS[c]) for c in self.cfg.codecs},
+                self.cfg.target,
+                self.counts,
+                self.tau,
+            )
+            if bps is not None
+            else {**now, "predicted_utilization": None, "meets_target": None}
         )
-        changed = (choice["H"], choice["codec"]) != (self.H, self.codec)
+        changed = any(choice[k] != v for k, v in now.items())
         self.log.append(
             {
                 "round": round_id,
                 "t_s": round(self._clock(), 3),
-                "H": self.H,
-                "codec": self.codec,
+                **now,
                 "steps": steps,
-                "bytes": [int(b) for b in sent_s],
+                "bytes": [int(b) for b in sent_s.sum(1).tolist()],
                 # exact: the choice can be recomputed from these (tests do)
-                "allreduce_s": avg,
+                "allreduce_s": secs_s.sum(1).tolist(),
+                "exchanges": m,
+                # the agreed sums over exchanges: per exchange the most bytes a site sent, the shortest time
+                "link_bytes": nbytes,
+                "link_seconds": secs,
+                **({"fragment_choices": list(self.counts), "tau": self.tau} if self.counts else {}),
                 "ping_s": pings,
                 "step_s": step_s,
-                "utilization": [round((w - x) / w, 4) if w > 0 else 0.0 for w, x in zip(wall, wait, strict=True)],
+                "utilization": [round((w - x) / w, 4) if w > 0 else 0.0 for w, x in zip(walls, waits, strict=True)],
                 "params": self.params,
                 "link_bps": bps,
                 "rtt_s": rtt,
                 "next": choice,
                 "changed": changed,
-                "why": _reason(choice, bps, rtt, max(step_s), self.cfg),
+                "why": "no exchange crossed sites in this round: nothing measured, nothing changed"
+                if bps is None
+                else _reason(choice, bps, rtt, max(step_s), self.cfg),
             }
         )
-        self.H, self.codec = choice["H"], choice["codec"]
-        if self.codec not in self.reducers:
-            self.reducers[self.codec] = self._make_reducer(self.codec)
+        self.H, self.codec, self.F = int(choice["H"]), str(choice["codec"]), int(choice.get("fragments", self.F))
         return changed
 
 
 def _reason(choice: dict[str, Any], bps: float, rtt: float, step_s: float, cfg: AdaptConfig) -> str:
     seen = f"link {bps / 1e6:.2f} Mbit/s, rtt {rtt * 1e3:.0f} ms, {step_s * 1e3:.0f} ms/step"
+    frags = f" with {choice['fragments']} fragment(s)" if "fragments" in choice else ""
     if choice["meets_target"]:
         return (
             f"{seen}: {choice['codec']} is the least compression that reaches {cfg.target:.0%} within H<={cfg.H_max}; "
-            f"the smallest H that does is {choice['H']} ({choice['predicted_utilization']:.1%})"
+            f"the smallest H that does is {choice['H']}{frags} ({choice['predicted_utilization']:.1%})"
         )
     return (
         f"{seen}: no codec reaches {cfg.target:.0%} within H<={cfg.H_max}; the most utilisation is "
-        f"{choice['codec']} at H={choice['H']} ({choice['predicted_utilization']:.1%})"
+        f"{choice['codec']} at H={choice['H']}{frags} ({choice['predicted_utilization']:.1%})"
     )

@@ -54,15 +54,10 @@ class DiLoCo(OuterSync):
         self.clock = RoundClock(comm, self.H, cfg.pace == "adaptive")
         self.adapter: NetworkAdapter | None = None  # sync.adapt: H and codec follow the measured network
         if cfg.adapt is not None:
-            self.adapter = NetworkAdapter(
-                cfg.adapt,
-                comm,
-                sum(s.numel() for s in shapes),
-                self.H,
-                cfg.codec,
-                self.reducer,
-                lambda codec: SiteReducer(cfg.model_copy(update={"codec": codec}), comm, shapes, sharded=self.sharded),
-            )
+            self.adapter = NetworkAdapter(cfg.adapt, comm, sum(s.numel() for s in shapes), self.H, cfg.codec)
+            self._reducers: dict[str, SiteReducer] = {
+                cfg.codec: self.reducer
+            }  # one per codec chosen (fixed width: no state to carry)
 
     def after_step(self) -> None:
         super().after_step()
@@ -155,7 +150,13 @@ class DiLoCo(OuterSync):
         if self.adapter is not None and self.adapter.end_round(self.rounds + 1, self._steps_in_round):
             # the next round's H and codec, chosen from this round's measured link (sync.adapt)
             self.H = self.clock.H = self.clock.limit = self.adapter.H
-            self.reducer = self.adapter.reducer
+            codec = self.adapter.codec
+            if codec not in self._reducers:
+                shapes = [p.shape for p in self.local_params()]
+                self._reducers[codec] = SiteReducer(
+                    self.cfg.model_copy(update={"codec": codec}), self.comm, shapes, sharded=self.sharded
+                )
+            self.reducer = self._reducers[codec]
         self._steps_in_round = 0
         self.rounds += 1
         self._note("committed", "")

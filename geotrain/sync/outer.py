@@ -60,6 +60,7 @@ class OuterSync(SyncAlgorithm):
         self.rollback_reasons: list[str] = []
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
+        self.guard_per_step = cfg.adapt is not None  # the guard judges norms per inner step (H varies)
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
@@ -91,8 +92,8 @@ class OuterSync(SyncAlgorithm):
             return
         included = [True] * self.num_sites
         if self.guard is not None:
-            # sync.adapt: H varies between rounds, so the guard compares norms per inner step
-            included = self.guard.include(delta, key, round_id, per=max(1, steps) if self.cfg.adapt is not None else 1)
+            # DiLoCo with sync.adapt: H varies between rounds, so the guard compares norms per inner step
+            included = self.guard.include(delta, key, round_id, per=max(1, steps) if self.guard_per_step else 1)
             if not any(included):
                 raise RoundFailed(f"round {round_id}: every site's update was rejected by the guard")
             if not included[self.comm.groups.me.site_index]:

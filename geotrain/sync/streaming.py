@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -22,9 +22,12 @@ import torch.nn as nn
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed
+from geotrain.sync.adapt import NetworkAdapter
 from geotrain.sync.base import views_like
 from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
 from geotrain.sync.reducer import SiteReducer
+
+T = TypeVar("T")
 
 
 def fragment_count(cfg: SyncConfig, tensors: int) -> int:
@@ -85,24 +88,65 @@ class StreamingDiLoCo(OuterSync):
         cfg: SyncConfig,
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip, cfg)
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.F = fragment_count(cfg, len(self.params))
+        self._names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self._sizes = [p.numel() for p in self.params]
         self.tau = cfg.tau
         self.alpha = cfg.alpha
         self.eager = cfg.eager
-        self.fragments = strided_fragments(names, [p.numel() for p in self.params], self.F)
-        self.offsets = [(f * self.H) // self.F for f in range(self.F)]
-        self.outer = [self._outer_optimizer([self.global_params[i] for i in frag]) for frag in self.fragments]
-        local = self.local_params()
-        self.reducers = [
-            SiteReducer(cfg, comm, [local[i].shape for i in frag], seed=f, sharded=self.sharded)
-            for f, frag in enumerate(self.fragments)
-        ]
-        self.last_sync = [0] * self.F
+        self.codec: str = cfg.codec
+        self.base = 0  # the step the fragments' schedule counts from (a change of H or F restarts it)
+        self._param_sync = [0] * len(self.params)  # each parameter's last sync step
+        self.outer: list[torch.optim.Optimizer] = []
+        self._reducer_sets: dict[tuple[str, int], list[SiteReducer]] = {}
+        self._build(fragment_count(cfg, len(self.params)), 0)
         # fragment -> (merge at step, the exchange in flight, its averaged Δ when done)
         self.pending: dict[int, tuple[int, Future[None], torch.Tensor]] = {}
         self.previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (local Δ, its exchange result)
         self._network = ThreadPoolExecutor(1, thread_name_prefix="wan-exchange")
+        self.guard_per_step = False
+        self.adapter: NetworkAdapter | None = None  # sync.adapt: H, codec and F follow the measured network
+        self._exchanges: list[tuple[int, float]] = []  # exchange thread: (bytes, seconds) of each since the last measurement
+        self._decision: tuple[int, Future[bool]] | None = None  # (applied at step, the agreement in flight)
+        self._lap_step = 0
+        if cfg.adapt is not None:
+            # counts that leave no fragment empty (layers are dealt out strided; see strided_fragments)
+            counts = [f for f in cfg.adapt.fragment_choices(cfg.fragments) if all(strided_fragments(self._names, self._sizes, f))]
+            counts = sorted({*counts, self.F})
+            self.adapter = NetworkAdapter(cfg.adapt, comm, sum(self._sizes), self.H, self.codec, (self.F, counts, self.tau))
+
+    def _build(self, F: int, t: int) -> None:
+        """F fragments, their offsets in the cycle of H steps counted from step ``t``, an outer
+        optimizer per fragment (each parameter's momentum carried over from the old ones) and
+        the reducers of this codec."""
+        self.F = F
+        self.fragments = strided_fragments(self._names, self._sizes, F)
+        self.offsets = [(f * self.H) // F for f in range(F)]
+        carried = {p: state for o in self.outer for p, state in o.state.items()}
+        self.outer = [self._outer_optimizer([self.global_params[i] for i in frag]) for frag in self.fragments]
+        for o in self.outer:
+            for p in o.param_groups[0]["params"]:
+                if p in carried:
+                    o.state[p] = carried[p]
+        self.reducers = self._reducers_for(self.codec)
+        self.last_sync = [min(self._param_sync[i] for i in frag) for frag in self.fragments]
+        self.base = t
+
+    def _reducers_for(self, codec: str) -> list[SiteReducer]:
+        """One reducer per fragment for ``codec`` (made once per codec and fragment count: adaptation's
+        codecs are fixed-width, without state to carry)."""
+        key = (codec, self.F)
+        if key not in self._reducer_sets:
+            cfg = self.cfg if codec == self.cfg.codec else self.cfg.model_copy(update={"codec": codec})
+            shapes = [p.shape for p in self.local_params()]
+            self._reducer_sets[key] = [
+                SiteReducer(cfg, self.comm, [shapes[i] for i in frag], seed=f, sharded=self.sharded)
+                for f, frag in enumerate(self.fragments)
+            ]
+        return self._reducer_sets[key]
+
+    def _due(self, f: int, t: int) -> bool:
+        """Fragment ``f`` syncs after step ``t``."""
+        return t > self.base and (t - self.base) % self.H == self.offsets[f]
 
     def after_step(self) -> None:
         super().after_step()
@@ -110,27 +154,81 @@ class StreamingDiLoCo(OuterSync):
         if not self.eager:
             for f in [f for f, (at, _, _) in self.pending.items() if at <= t]:
                 self._merge(f)
+        if self._decision is not None and self._decision[0] <= t:
+            self._apply_decision(t)
+        if self.adapter is not None and t > self.base and (t - self.base) % self.H == 0:
+            self._measure(t)  # the end of a cycle: before fragment 0's sync, which counts in the next
         for f in range(self.F):
-            if t % self.H == self.offsets[f] and t > 0 and (self.eager or f not in self.pending):
+            if self._due(f, t) and (self.eager or f not in self.pending):
                 self._sync(f, t)
+
+    def _measure(self, t: int) -> None:
+        """sync.adapt, at the end of a cycle of H steps: the agreement on this cycle's measurements
+        goes to the exchange thread, behind the fragments' exchanges it measures (every site
+        submits the same work in the same order); its choice is applied max(1, tau) steps later,
+        when the fragment exchanged before it has merged anyway."""
+        assert self.adapter is not None and self._decision is None
+        wall, waited = self.adapter.lap()
+        steps, self._lap_step = t - self._lap_step, t
+        fut = self._network.submit(self._decide, len(self.adapter.log) + 1, steps, wall, waited)
+        self._decision = (t + max(1, self.tau), fut)
+
+    def _decide(self, cycle: int, steps: int, wall: float, waited: float) -> bool:
+        """Exchange thread: agree on the link from the exchanges since the last measurement, choose."""
+        assert self.adapter is not None
+        taken, self._exchanges = self._exchanges, []
+        return self.adapter.decide(cycle, steps, taken, wall, waited)
+
+    @torch.no_grad()
+    def _apply_decision(self, t: int) -> None:
+        """The choice of the last measurement: a new codec takes effect at the next sync; a new H or
+        fragment count at a quiet point: every exchange in flight is merged now (early), then the
+        fragments and their schedule are rebuilt from step ``t``."""
+        assert self._decision is not None and self.adapter is not None
+        fut, self._decision = self._decision[1], None
+        a = self.adapter
+        if not self._wait(fut):
+            return
+        self.codec = a.codec
+        if (a.H, a.F) == (self.H, self.F):
+            self.reducers = self._reducers_for(self.codec)
+            return
+        for f in list(self.pending):
+            self._merge(f)
+        self.H = a.H
+        self._build(a.F, t)
+
+    def adapt_log(self) -> list[dict[str, Any]]:
+        return [] if self.adapter is None else self.adapter.log
 
     def budget_exhausted(self) -> bool:
         t = self.local_steps + 1
-        due = any(t % self.H == self.offsets[f] for f in range(self.F))
-        return due and not self._privacy_allows_round()
+        return any(self._due(f, t) for f in range(self.F)) and not self._privacy_allows_round()
 
     def in_flight_bytes(self) -> int:
         """fp32 bytes of pseudo-gradient fragments whose exchange has not finished."""
         return sum(4 * d.numel() for _, fut, d in self.pending.values() if not fut.done())
 
     def _start(self, f: int, delta: torch.Tensor, steps: int) -> Future[None]:
-        return self._network.submit(self._average_across_sites, delta, self.reducers[f], steps, self.rounds, f)
+        # with adaptation the guard keeps a history per (H, fragment count, fragment): a merge keeps
+        # alpha of the local drift, so a pseudo-gradient's norm does not scale with its steps
+        key = f if self.adapter is None else (self.H * 4097 + self.F) * 4096 + f
+        return self._network.submit(self._exchange, delta, self.reducers[f], steps, self.rounds, key)
 
-    def _wait(self, fut: Future[None]) -> None:
+    def _exchange(self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int, key: int) -> None:
+        """Exchange thread: one fragment's average across sites (timed for sync.adapt)."""
+        sent, t0 = self.comm.stats.inter_bytes, time.perf_counter()
+        self._average_across_sites(delta, reducer, steps, round_id, key)
+        if self.adapter is not None:
+            self._exchanges.append((self.comm.stats.inter_bytes - sent, time.perf_counter() - t0))
+
+    def _wait(self, fut: Future[T]) -> T:
         """Block the training thread until ``fut`` is done; the time counts as waiting on the network."""
         t0 = time.perf_counter()
-        fut.result()
-        self.comm.add_wait(time.perf_counter() - t0)
+        try:
+            return fut.result()
+        finally:
+            self.comm.add_wait(time.perf_counter() - t0)
 
     def _globals(self, f: int) -> list[torch.Tensor]:
         return [self.global_params[i] for i in self.fragments[f]]
@@ -149,6 +247,8 @@ class StreamingDiLoCo(OuterSync):
         delta = pseudo_gradient(self._globals(f), [local[i] for i in frag])
         steps = t - self.last_sync[f]
         self.last_sync[f] = t
+        for i in frag:
+            self._param_sync[i] = t
         if self.eager:
             self.rounds += 1  # for streaming, a round is one fragment's sync
             self._eager_step(f, delta, steps)
@@ -195,6 +295,9 @@ class StreamingDiLoCo(OuterSync):
         """Bring every site onto one model: wait for what is in flight, then (τ variant) merge it and
         sync every fragment with unsynced steps, or (eager) apply what is still owed and average
         the sites' global models."""
+        if self._decision is not None:  # the last measurement's choice is not applied: the run ends
+            self._wait(self._decision[1])
+            self._decision = None
         if self.eager:
             self._finish_eager()
         else:
