@@ -274,9 +274,10 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
     assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
     assert [a["round"] for a in log] == list(range(1, len(log) + 1)) and len(log) >= 3
     codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
-    for prev, a in zip([None, *log], log, strict=False):
+    for i, (prev, a) in enumerate(zip([None, *log], log, strict=False)):
         assert a["fragment_choices"] == counts and a["tau"] == tau and a["exchanges"] >= 1
-        assert a["rtt_s"] == min(a["ping_s"])
+        # the rtt: the shortest ping of the last ping_window cycles (pinged from the exchange thread)
+        assert a["rtt_s"] == min(min(b["ping_s"]) for b in log[max(0, i + 1 - a["ping_window"]) : i + 1])
         assert a["link_bps"] == achieved_bps(a["link_bytes"], a["link_seconds"], 2, a["rtt_s"], a["exchanges"])
         want = choose_round(a["link_bps"], s["params"], max(a["step_s"]), 2, a["rtt_s"], lo, hi, codecs, target, counts, tau)
         assert a["next"] == want

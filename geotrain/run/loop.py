@@ -197,10 +197,16 @@ def train_loop(
         clock.stop()
         done = sync.done  # the run ended at this step's round boundary (same on every rank)
         adapted = sync.adapt_log()
-        if len(adapted) > seen_adapt:  # sync.adapt: print each change of H or codec, and why
-            seen_adapt, a = len(adapted), adapted[-1]
-            if a["changed"] and me.rank == 0:
-                log(me, step, f"adapt: H {a['H']} -> {a['next']['H']}, codec {a['codec']} -> {a['next']['codec']}: {a['why']}")
+        n = len(adapted)  # streaming appends from its exchange thread
+        for a in adapted[seen_adapt:n] if me.rank == 0 else ():  # sync.adapt: print each change, and why
+            if a["changed"]:
+                moved = ", ".join(
+                    f"{k} {a[k]} -> {a['next'][k]}"
+                    for k in ("H", "codec", "fragments")
+                    if a.get(k, a["next"].get(k)) != a["next"].get(k)
+                )
+                log(me, step, f"adapt: {moved}: {a['why']}")
+        seen_adapt = n
         if done:
             last = step
         record = {

@@ -42,6 +42,8 @@ from geotrain.comm.collectives import Collectives
 from geotrain.config import CODEC_BITS, AdaptConfig
 from geotrain.plan.strategies import achieved_bps, choose_round
 
+PING_WINDOW = 4  # Streaming DiLoCo: the rtt is the shortest ping of the last 4 cycles
+
 
 class NetworkAdapter:
     """Measures the cross-site exchanges of each round and chooses the next round's H, codec and
@@ -72,6 +74,8 @@ class NetworkAdapter:
         self.H = H
         self.codec = codec
         self.F, self.counts, self.tau = fragments if fragments is not None else (1, [], 0)
+        self.ping_window = PING_WINDOW if fragments is not None else 1  # rounds whose shortest ping is the rtt
+        self._pings: list[float] = []
         self.log: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._round_start = self._t0
@@ -135,7 +139,10 @@ class NetworkAdapter:
         pings, walls, waits = (rows[:, i].tolist() for i in range(3))
         sent_s, secs_s = rows[:, 3 : 3 + m], rows[:, 3 + m :]
         n = topo.num_sites
-        rtt = min(pings)
+        # Streaming pings from its exchange thread, beside the training thread's compute, and a
+        # scheduling delay only ever adds: the shortest of the last few rounds' pings
+        self._pings = [*self._pings[-(self.ping_window - 1) :], min(pings)] if self.ping_window > 1 else [min(pings)]
+        rtt = min(self._pings)
         # per exchange, the most bytes a site sent and the shortest time (a site that arrived late
         # did not wait for the others: its time is the transfer alone), summed over the exchanges
         nbytes, secs = float(sent_s.max(0).values.sum()) if m else 0.0, float(secs_s.min(0).values.sum()) if m else 0.0
@@ -175,6 +182,7 @@ class NetworkAdapter:
                 "link_seconds": secs,
                 **({"fragment_choices": list(self.counts), "tau": self.tau} if self.counts else {}),
                 "ping_s": pings,
+                "ping_window": self.ping_window,
                 "step_s": step_s,
                 "utilization": [round((w - x) / w, 4) if w > 0 else 0.0 for w, x in zip(walls, waits, strict=True)],
                 "params": self.params,
