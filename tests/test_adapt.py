@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.bench.adapt import adapt_record, plot_adapt
+from geotrain.bench.adapt import adapt_record, held_record, plot_adapt
 from geotrain.comm.emulate.inprocess import SharedLinks
 from geotrain.comm.topology import Topology
 from geotrain.config import CODEC_BITS, TopologyConfig, load_config
 from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
-from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, utilization
+from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, streaming_effective_bps, utilization
 from tests.helpers import TINY
 
 BITS = {"none": 32.0, "bf16": 16.0, "int8": 8.0, "fp4": 4.0}
@@ -81,6 +81,20 @@ def test_streaming_formula_cannot_hide_more_than_a_cycle() -> None:
         u = utilization("streaming", bps, params, step_s, 2, rtt, H, F, 19, {"streaming": 32})
         assert u <= H * step_s / (vol / bps) + 1e-12
         assert math.isclose(u, H * step_s / (vol / bps), rel_tol=1e-9) or F == 1
+
+
+@pytest.mark.parametrize(("H", "F", "tau"), [(20, 4, 2), (20, 4, 10), (100, 16, 10), (50, 1, 0)])
+@pytest.mark.parametrize("exposed", [0.05, 0.5, 3.0])
+def test_streaming_effective_bandwidth_inverts_the_formula_on_a_measured_wait(H: int, F: int, tau: int, exposed: float) -> None:
+    params, bits, step_s, sites, rtt = 2e6, 32.0, 0.05, 4, 0.02
+    bps = streaming_effective_bps(exposed, params, bits, step_s, sites, rtt, H, F, tau)
+    u = utilization("streaming", bps, params, step_s, sites, rtt, H, F, tau, {"streaming": bits})
+    _, lat = _volume_latency(params, bits, sites, rtt, F)
+    if min(exposed / F + tau * step_s, (exposed + H * step_s) / F) > 20 / 19 * lat:
+        assert math.isclose(u, H * step_s / (H * step_s + exposed), rel_tol=1e-9)
+    else:  # less exposure than the latency term alone gives: no bandwidth explains it; a large, finite one
+        assert math.isfinite(bps) and u < H * step_s / (H * step_s + exposed)
+    assert streaming_effective_bps(0.0, params, bits, step_s, sites, rtt, H, F, tau) == math.inf
 
 
 def test_achieved_bandwidth_inverts_the_formulas_transfer_time() -> None:
@@ -278,8 +292,14 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
         assert a["fragment_choices"] == counts and a["tau"] == tau and a["exchanges"] >= 1
         # the rtt: the shortest ping of the last ping_window cycles (pinged from the exchange thread)
         assert a["rtt_s"] == min(min(b["ping_s"]) for b in log[max(0, i + 1 - a["ping_window"]) : i + 1])
-        assert a["link_bps"] == achieved_bps(a["link_bytes"], a["link_seconds"], 2, a["rtt_s"], a["exchanges"])
-        want = choose_round(a["link_bps"], s["params"], max(a["step_s"]), 2, a["rtt_s"], lo, hi, codecs, target, counts, tau)
+        assert 1 <= a["link_exchanges"] <= a["exchanges"]
+        assert a["link_bps"] == achieved_bps(a["link_bytes"], a["link_seconds"], 2, a["rtt_s"], a["link_exchanges"])
+        # the formula inverted on the slowest site's wait per H steps too; the slower of the two links
+        T = max(a["step_s"])
+        assert a["exposed_s"] == a["waited_s"][a["step_s"].index(T)] / a["steps"] * a["H"]
+        bits, args = codecs[a["codec"]], (T, 2, a["rtt_s"], a["H"], a["fragments"], tau)
+        assert a["effective_bps"] == min(a["link_bps"], streaming_effective_bps(a["exposed_s"], s["params"], bits, *args))
+        want = choose_round(a["effective_bps"], s["params"], T, 2, a["rtt_s"], lo, hi, codecs, target, counts, tau)
         assert a["next"] == want
         first = {"H": 30, "codec": "none", "fragments": 4}
         assert {k: a[k] for k in first} == (first if prev is None else {k: prev["next"][k] for k in first})
@@ -289,6 +309,12 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
     before = [a for a in log if a["t_s"] < after_s]
     assert before and all(0.8e6 <= a["link_bps"] <= 2.4e6 for a in before), [a["link_bps"] for a in before]
     first = next(i for i, a in enumerate(log) if a["t_s"] >= after_s)
-    slow = next(i for i, a in enumerate(log) if a["t_s"] - a["link_seconds"] >= after_s)
+    slow = next(i for i, a in enumerate(log) if a["t_s"] - max(a["allreduce_s"]) >= after_s)  # all its exchanges after
     assert log[slow]["link_bps"] < 0.4e6, log[slow]
     assert any(a["changed"] for a in log[first : slow + 2]), log[first : slow + 2]
+    # the benchmark's record and plot of such a run, and its per-round formula check
+    rec = adapt_record(s, cfg, after_s)
+    assert rec["algorithm"] == "streaming" and [a["fragments"] for a in rec["timeline"]] == [a["fragments"] for a in log]
+    assert plot_adapt(rec, tmp_path / "adapt.png").stat().st_size > 10_000
+    held = held_record(s)
+    assert [r["predicted_utilization"] for r in held["rounds"]] == [a["next"]["predicted_utilization"] for a in log]

@@ -34,6 +34,52 @@ def adapt_overrides(slowdown_s: float, target: float, H_min: int, H_max: int, al
     ]
 
 
+def held_overrides(algorithm: str, H: int) -> list[str]:
+    """Adaptation pinned to one setting (H, fp32, and for streaming 4 fragments) on a steady link:
+    every round measures and predicts the utilisation of the settings it ran, so the formula's
+    accuracy shows without any change of settings."""
+    frags = ", fragments: [4]" if algorithm == "streaming" else ""
+    return [
+        f"sync.algorithm={algorithm}",
+        *([f"sync.tau={STREAMING_TAU}", "sync.fragments=4"] if algorithm == "streaming" else []),
+        f"sync.adapt={{target: 0.8, H_min: {H}, H_max: {H}, codecs: [none]{frags}}}",
+        "train.eval_every=1000000",
+    ]
+
+
+def held_record(summary: dict[str, Any]) -> dict[str, Any]:
+    """Per round of the pinned run: the slowest site's measured busy fraction and the formula's
+    prediction for the same settings from that round's own measurements; medians without the
+    first (warm-up) and the last (shorter) rounds."""
+    rounds = [
+        {
+            "round": a["round"],
+            "H": a["H"],
+            "fragments": a.get("fragments", 1),
+            "utilization": a["utilization"][a["step_s"].index(max(a["step_s"]))],
+            "utilization_min": min(a["utilization"]),
+            "predicted_utilization": a["next"]["predicted_utilization"],
+            # streaming: the formula on the link's transfer-time bandwidth alone, without the exposure
+            "predicted_on_link": a.get("predicted_on_link"),
+            "link_mbps": None if a["link_bps"] is None else a["link_bps"] / 1e6,
+            "step_ms": 1e3 * max(a["step_s"]),
+        }
+        for a in summary["adapt"]
+    ]
+    core = [r for r in rounds[1:-1] if r["predicted_utilization"] is not None]
+    on_link = [r["predicted_on_link"] for r in core if r["predicted_on_link"] is not None]
+    return {
+        "rounds": rounds,
+        "median_utilization": statistics.median(r["utilization"] for r in core) if core else None,
+        "median_predicted": statistics.median(r["predicted_utilization"] for r in core) if core else None,
+        "median_predicted_on_link": statistics.median(on_link) if on_link else None,
+        "utilization": summary["utilization"],
+        "wan_wait_seconds": summary["wan_wait_seconds"],
+        "wall_seconds": summary["wall_seconds"],
+        "steps": summary["steps"],
+    }
+
+
 def adapt_record(summary: dict[str, Any], cfg: Config, slowdown_s: float) -> dict[str, Any]:
     """What the benchmark keeps of the adaptive run: the timeline and how fast it followed the slowdown."""
     log = summary["adapt"]
@@ -122,7 +168,7 @@ def plot_adapt(run: dict[str, Any], path: Path) -> Path:
     follow = run["rounds_to_follow"]
     what = "Streaming DiLoCo" if run.get("algorithm") == "streaming" else "DiLoCo"
     fig.suptitle(
-        f"geotrain bench tiers ({what}): links between regions 10x slower at {run['slowdown_s']:g} s; followed in "
+        f"{what}: links between regions 10x slower at {run['slowdown_s']:g} s; followed in "
         f"{follow if follow is not None else '-'} round(s)"
     )
     fig.tight_layout()

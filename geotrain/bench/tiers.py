@@ -16,7 +16,9 @@ It writes ``runs: [{mode, seed, slow_tier_bytes, eval_loss, utilization, ...}]``
 Then one more run (first seed), ``adaptive``: flat DiLoCo (or, ``adapt_algorithm="streaming"``,
 Streaming DiLoCo) with ``sync.adapt`` while the links between regions slow 10x mid-run
 (:mod:`geotrain.bench.adapt`): its timeline of H, codec (fragments) and utilisation is
-``adaptive``. ``adapt_only`` runs only that.
+``adaptive``. ``adapt_only`` runs only that, then ``held``: the same link, no slowdown, the
+settings pinned (H=47, fp32, 4 fragments), each round's measured busy fraction beside the
+formula's prediction for it.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from geotrain.bench.adapt import adapt_overrides, adapt_record
+from geotrain.bench.adapt import adapt_overrides, adapt_record, held_overrides, held_record
 from geotrain.bench.common import table
 from geotrain.config import Config, load_config
 
 REGION_EVERY = 4
+HELD_H, HELD_STEPS = 47, 500  # --adapt-only: the settings held to check the formula (H=47, fp32)
 MODES = {
     "flat": ["sync.region_every=0"],
     "tiered": [f"sync.region_every={REGION_EVERY}", "sync.region_outer=average"],
@@ -116,8 +119,14 @@ def bench_tiers(
             f"{'adaptive':>15} seed {seeds[0]}: {len(adaptive['timeline'])} rounds, links 10x slower at {slowdown_s:g} s, "
             f"followed in {adaptive['rounds_to_follow']} round(s)"
         )
-    if adapt_only:
-        return {"adaptive": adaptive, "bench_seconds": time.perf_counter() - t_start}
+    if adapt_only:  # and the formula's accuracy with the settings held (no change, no slowdown)
+        cfg = tiers_config("flat", HELD_STEPS, HELD_H, seeds[0], [*(extra or []), *held_overrides(adapt_algorithm, HELD_H)])
+        held = {"H": HELD_H, **held_record(launch_local(cfg, out / "held", console_print=None))}
+        progress(
+            f"{'held':>15} seed {seeds[0]}: H={HELD_H}, fp32: {held['median_utilization']:.1%} busy, "
+            f"{held['median_predicted']:.1%} predicted (medians)"
+        )
+        return {"adaptive": adaptive, "held": held, "bench_seconds": time.perf_counter() - t_start}
     means = {
         m: {k: sum(r[k] for r in runs if r["mode"] == m) / len(seeds) for k in ("slow_tier_bytes", "eval_loss", "utilization")}
         for m in MODES
@@ -151,6 +160,14 @@ def tiers_targets(means: dict[str, dict[str, float]]) -> dict[str, Any]:
 def print_tiers(result: dict[str, Any], console: Any) -> None:
     if "runs" not in result:  # adapt_only
         print_adapt(result["adaptive"], console)
+        h = result["held"]
+        on_link = h["median_predicted_on_link"]
+        console.print(
+            f"held at H={h['H']}, fp32, no slowdown: the slowest site {h['median_utilization']:.1%} busy against "
+            f"{h['median_predicted']:.1%} predicted (medians of {len(h['rounds']) - 2} rounds)"
+            + ("" if on_link is None else f", {on_link:.1%} by the formula on the link's transfer time alone")
+            + f"; {h['utilization']:.1%} over the run"
+        )
         return
     t = table(
         f"bench tiers: 2 regions x 2 sites, 10 Gbit/s inside, 10 Mbit/s 40 ms across; {result['steps']} steps, H={result['H']}",

@@ -182,6 +182,21 @@ def achieved_bps(nbytes: float, seconds: float, sites: int, rtt_s: float, exchan
     return 8 * nbytes / max(seconds - exchanges * lat, seconds / 20, 1e-9)
 
 
+def streaming_effective_bps(
+    exposed_s: float, params: float, bits: float, step_s: float, sites: int, rtt_s: float, H: int, F: int, tau: int
+) -> float:
+    """The bandwidth (bit/s) at which :func:`utilization`'s streaming formula predicts that a cycle
+    of H steps at these settings leaves compute waiting ``exposed_s`` seconds: the formula inverted
+    on a measured wait, as :func:`achieved_bps` inverts DiLoCo's on a measured all-reduce (inf when
+    nothing was exposed). The exposure is increasing in each exchange's time t, through both of its
+    terms, so t is the smaller of the two terms' inverses."""
+    if exposed_s <= 0:
+        return math.inf
+    t = min(exposed_s / F + tau * step_s, (exposed_s + H * step_s) / F)
+    vol, lat = _volume_latency(params, bits, sites, rtt_s, F)
+    return vol / max(t - lat, t / 20, 1e-9)
+
+
 def choose_round(
     bps: float,
     params: float,

@@ -29,6 +29,15 @@ round of H inner steps of ``T`` seconds and one blocking all-reduce across ``n``
 A change of link is followed in the round after the first average that crossed the changed
 link. Switching codecs keeps no state to carry: adaptation uses fixed-width codecs without error
 feedback (each codec gets its own reducer, made when first chosen).
+
+**Streaming DiLoCo** (:class:`~geotrain.sync.streaming.StreamingDiLoCo` calls :meth:`decide`
+in its exchange thread once per cycle of H steps) differs in four ways: a round has several
+exchanges, and the link counts those that carried at least half as much as the largest, each
+paying the latency term; the rtt is the shortest ping of the last ``PING_WINDOW`` rounds (the
+ping runs beside compute); the formula is also inverted on the slowest site's measured wait
+(:func:`~geotrain.plan.strategies.streaming_effective_bps`) and the choice takes the slower of
+the two bandwidths; and the fragment count is chosen too (the fewest that reach the target after
+codec and H).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import torch
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config import CODEC_BITS, AdaptConfig
-from geotrain.plan.strategies import achieved_bps, choose_round
+from geotrain.plan.strategies import achieved_bps, choose_round, streaming_effective_bps, utilization
 
 PING_WINDOW = 4  # Streaming DiLoCo: the rtt is the shortest ping of the last 4 cycles
 
@@ -145,9 +154,26 @@ class NetworkAdapter:
         rtt = min(self._pings)
         # per exchange, the most bytes a site sent and the shortest time (a site that arrived late
         # did not wait for the others: its time is the transfer alone), summed over the exchanges
-        nbytes, secs = float(sent_s.max(0).values.sum()) if m else 0.0, float(secs_s.min(0).values.sum()) if m else 0.0
-        bps = achieved_bps(nbytes, secs, n, rtt, m) if m else None
+        # that carried at least half as much as the largest: a small fragment's time is nearly all
+        # latency, which the formula models only roughly (a codec's direct exchange pays one round
+        # trip where the ring's model counts n-1), so it would say more about the model than the link
+        most, least = (sent_s.max(0).values, secs_s.min(0).values) if m else (torch.zeros(0), torch.zeros(0))
+        kept = most >= 0.5 * most.max() if m else most > 0
+        k = int(kept.sum()) if m and float(most.max()) > 0 else 0  # 0: nothing crossed sites
+        nbytes, secs = float(most[kept].sum()), float(least[kept].sum())
+        link = achieved_bps(nbytes, secs, n, rtt, k) if k else None
         step_s = [(w - x) / max(1, steps) for w, x in zip(walls, waits, strict=True)]
+        bps, exposed, u_link = link, None, None
+        if self.counts and link is not None:
+            # Streaming: the formula inverted on the slowest site's measured wait per cycle of H
+            # steps too (site skew, uneven fragments and CPU contention lengthen the exchanges a
+            # merge waits for beyond the link's transfer time); the choice takes the slower link
+            j = step_s.index(max(step_s))
+            exposed = waits[j] / max(1, steps) * self.H
+            bits = float(CODEC_BITS[self.codec])
+            args = (self.params, max(step_s), n, rtt, self.H, self.F, self.tau)
+            bps = min(link, streaming_effective_bps(exposed, self.params, bits, *args[1:]))
+            u_link = utilization("streaming", link, *args, {"streaming": bits})
         now: dict[str, Any] = {"H": self.H, "codec": self.codec, **({"fragments": self.F} if self.counts else {})}
         choice: dict[str, Any] = (
             choose_round(
@@ -177,6 +203,7 @@ class NetworkAdapter:
                 # exact: the choice can be recomputed from these (tests do)
                 "allreduce_s": secs_s.sum(1).tolist(),
                 "exchanges": m,
+                "link_exchanges": k,
                 # the agreed sums over exchanges: per exchange the most bytes a site sent, the shortest time
                 "link_bytes": nbytes,
                 "link_seconds": secs,
@@ -184,23 +211,26 @@ class NetworkAdapter:
                 "ping_s": pings,
                 "ping_window": self.ping_window,
                 "step_s": step_s,
+                "waited_s": waits,
                 "utilization": [round((w - x) / w, 4) if w > 0 else 0.0 for w, x in zip(walls, waits, strict=True)],
                 "params": self.params,
-                "link_bps": bps,
+                "link_bps": link,
+                **({"exposed_s": exposed, "effective_bps": bps, "predicted_on_link": u_link} if self.counts else {}),
                 "rtt_s": rtt,
                 "next": choice,
                 "changed": changed,
                 "why": "no exchange crossed sites in this round: nothing measured, nothing changed"
-                if bps is None
-                else _reason(choice, bps, rtt, max(step_s), self.cfg),
+                if bps is None or link is None
+                else _reason(choice, link, bps, rtt, max(step_s), self.cfg),
             }
         )
         self.H, self.codec, self.F = int(choice["H"]), str(choice["codec"]), int(choice.get("fragments", self.F))
         return changed
 
 
-def _reason(choice: dict[str, Any], bps: float, rtt: float, step_s: float, cfg: AdaptConfig) -> str:
-    seen = f"link {bps / 1e6:.2f} Mbit/s, rtt {rtt * 1e3:.0f} ms, {step_s * 1e3:.0f} ms/step"
+def _reason(choice: dict[str, Any], link: float, bps: float, rtt: float, step_s: float, cfg: AdaptConfig) -> str:
+    eff = f" (as exposed: {bps / 1e6:.2f})" if bps < link else ""
+    seen = f"link {link / 1e6:.2f} Mbit/s{eff}, rtt {rtt * 1e3:.0f} ms, {step_s * 1e3:.0f} ms/step"
     frags = f" with {choice['fragments']} fragment(s)" if "fragments" in choice else ""
     if choice["meets_target"]:
         return (
