@@ -11,7 +11,7 @@ import pytest
 from geotrain.bench.adapt import adapt_record, held_record, plot_adapt
 from geotrain.comm.emulate.inprocess import SharedLinks
 from geotrain.comm.topology import Topology
-from geotrain.config import CODEC_BITS, TopologyConfig, load_config
+from geotrain.config import CODEC_BITS, Config, TopologyConfig, load_config
 from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
 from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, streaming_effective_bps, utilization
@@ -201,6 +201,30 @@ def test_bad_adaptation_configs_are_refused_in_one_line(overrides: list[str], me
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+CODECS = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}  # sync.adapt.codecs' default
+
+
+def _slowdown_run(tmp_path: Path, after_s: float, steps: int, overrides: list[str]) -> tuple[Config, dict, list[dict]]:
+    """Two one-worker sites whose link becomes 10x slower ``after_s`` seconds in: the config, the
+    run's summary and its adaptation log (the run committed every round and ended on one model)."""
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
+            *overrides,
+            f"topology.links.changes=[{{after_s: {after_s}, bandwidth_scale: 0.1}}]",
+            f"train.steps={steps}",
+            "train.eval_every=1000000",
+            "run.baseline=none",
+            "train.save_final=false",
+        ],
+    )
+    s = launch_local(cfg, tmp_path / "run", console_print=None)
+    assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
+    return cfg, s, s["adapt"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_measures_the_link_and_follows_a_10x_slowdown_with_the_planners_choice(tmp_path: Path) -> None:
@@ -208,32 +232,23 @@ def test_a_run_measures_the_link_and_follows_a_10x_slowdown_with_the_planners_ch
     choice is the planner formula's answer for the link measured in that round, the measurement is
     the configured link, and the slowdown is followed within 2 rounds."""
     after_s, lo, hi, target = 6.0, 2, 400, 0.5
-    cfg = load_config(
-        None,
+    cfg, s, log = _slowdown_run(
+        tmp_path,
+        after_s,
+        3000,
         [
-            *TINY,
-            "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
             "topology.links.inter.bandwidth_bps=1e6",
             "topology.links.inter.latency_s=0.02",
             "sync.H=5",
             f"sync.adapt={{target: {target}, H_min: {lo}, H_max: {hi}}}",
-            f"topology.links.changes=[{{after_s: {after_s}, bandwidth_scale: 0.1}}]",
-            "train.steps=3000",
-            "train.eval_every=1000000",
-            "run.baseline=none",
-            "train.save_final=false",
         ],
     )
-    s = launch_local(cfg, tmp_path / "run", console_print=None)
-    log = s["adapt"]
-    assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
     assert [a["round"] for a in log] == list(range(1, s["rounds"] + 1))
-    codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
     for prev, a in zip([None, *log], log, strict=False):
         # the agreed link from every site's measurements, and the planner's choice for it
         assert a["rtt_s"] == min(a["ping_s"])
         assert a["link_bps"] == achieved_bps(max(a["bytes"]), min(a["allreduce_s"]), 2, a["rtt_s"])
-        assert a["next"] == choose_round(a["link_bps"], s["params"], max(a["step_s"]), 2, a["rtt_s"], lo, hi, codecs, target)
+        assert a["next"] == choose_round(a["link_bps"], s["params"], max(a["step_s"]), 2, a["rtt_s"], lo, hi, CODECS, target)
         assert a["H"] == (5 if prev is None else prev["next"]["H"]) and a["codec"] == (
             "none" if prev is None else prev["next"]["codec"]
         )
@@ -263,12 +278,12 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
     answer for the link measured in the exchange thread, the run follows it (fragments rebuilt,
     momentum carried), the slowdown is followed within 2 cycles, and the sites end on one model."""
     after_s, lo, hi, target, tau, counts = 3.0, 11, 100, 0.5, 10, [1, 2, 4, 8]
-    cfg = load_config(
-        None,
+    cfg, s, log = _slowdown_run(
+        tmp_path,
+        after_s,
+        450,
         [
-            *TINY,
             "model.n_layer=4",
-            "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
             "topology.links.inter.bandwidth_bps=2e6",
             "topology.links.inter.latency_s=0.005",
             "sync.algorithm=streaming",
@@ -276,18 +291,9 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
             f"sync.tau={tau}",
             "sync.fragments=4",
             f"sync.adapt={{target: {target}, H_min: {lo}, H_max: {hi}, fragments: {counts}}}",
-            f"topology.links.changes=[{{after_s: {after_s}, bandwidth_scale: 0.1}}]",
-            "train.steps=450",
-            "train.eval_every=1000000",
-            "run.baseline=none",
-            "train.save_final=false",
         ],
     )
-    s = launch_local(cfg, tmp_path / "run", console_print=None)
-    log = s["adapt"]
-    assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
     assert [a["round"] for a in log] == list(range(1, len(log) + 1)) and len(log) >= 3
-    codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
     for i, (prev, a) in enumerate(zip([None, *log], log, strict=False)):
         assert a["fragment_choices"] == counts and a["tau"] == tau and a["exchanges"] >= 1
         # the rtt: the shortest ping of the last ping_window cycles (pinged from the exchange thread)
@@ -297,12 +303,12 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
         # the formula inverted on the slowest site's wait per H steps too; the slower of the two links
         T = max(a["step_s"])
         assert a["exposed_s"] == a["waited_s"][a["step_s"].index(T)] / a["steps"] * a["H"]
-        bits, args = codecs[a["codec"]], (T, 2, a["rtt_s"], a["H"], a["fragments"], tau)
+        bits, args = CODECS[a["codec"]], (T, 2, a["rtt_s"], a["H"], a["fragments"], tau)
         assert a["effective_bps"] == min(a["link_bps"], streaming_effective_bps(a["exposed_s"], s["params"], bits, *args))
-        want = choose_round(a["effective_bps"], s["params"], T, 2, a["rtt_s"], lo, hi, codecs, target, counts, tau)
+        want = choose_round(a["effective_bps"], s["params"], T, 2, a["rtt_s"], lo, hi, CODECS, target, counts, tau)
         assert a["next"] == want
-        first = {"H": 30, "codec": "none", "fragments": 4}
-        assert {k: a[k] for k in first} == (first if prev is None else {k: prev["next"][k] for k in first})
+        start = {"H": 30, "codec": "none", "fragments": 4}
+        assert {k: a[k] for k in start} == (start if prev is None else {k: prev["next"][k] for k in start})
     # the fragment count was rebuilt at least once (per fragment, tau steps of compute hide more
     # than the 10 ms round trip here, so more fragments pay)
     assert len({a["fragments"] for a in log}) > 1, [a["fragments"] for a in log]
