@@ -12,7 +12,9 @@ a link of bandwidth ``B`` (bit/s) and round-trip time ``rtt``. An all-reduce acr
   ``u = H T / (H T + t_ar)``;
 - ``streaming`` (Streaming DiLoCo, Douillard et al. 2025): the model in ``F`` fragments (3 layers
   each), one fragment synced every ``H/F`` steps, its all-reduce overlapped with ``τ`` inner
-  steps: ``u = H T / (H T + F max(0, t_frag - τ T))``;
+  steps, the F all-reduces of a cycle sharing one link:
+  ``u = H T / (H T + max(F max(0, t_frag - τ T), F t_frag - H T))`` (the second term binds when
+  F τ > H: overlap windows that overlap cannot hide more than the cycle's compute);
 - ``streaming_fp4``: the same with 4-bit pseudo-gradients (E3M0 as in the paper).
 
 Required bandwidth for a target ``u`` inverts these: the allowed communication time minus the
@@ -20,8 +22,10 @@ latency, divided into ``V``. Their Table 4 simulated a DAG of per-layer compute 
 on a discrete bandwidth grid; this closed form is printed beside it.
 
 The same formula steers a running job (``sync.adapt``, :mod:`geotrain.sync.adapt`):
-:func:`achieved_bps` turns a measured all-reduce (bytes, seconds, latency) into the link's
-bandwidth in this model, and :func:`choose_round` picks DiLoCo's H and codec for it.
+:func:`achieved_bps` turns measured all-reduces (bytes, seconds, latency) into the link's
+bandwidth in this model, :func:`streaming_effective_bps` turns Streaming DiLoCo's measured wait
+into the bandwidth that explains it, and :func:`choose_round` picks H, codec and (streaming) the
+fragment count for a link.
 """
 
 from __future__ import annotations
