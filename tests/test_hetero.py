@@ -129,8 +129,8 @@ def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Pa
     assert b["step_seconds"] > 2.0 * a["step_seconds"]  # the pacing: 4x in theory, noisy on a loaded machine
     ad, _ = _run(tmp_path, "adaptive", [*common, "sync.pace=adaptive"])
     a, b = ad["per_site"]
-    # a 1-step calibration round, then rounds budgeted for H steps of the fastest site (at most H)
-    assert ad["rounds"] == 6 and 1 + 5 * 5 <= a["steps"] <= 41, a
+    # a 1-step calibration round, then rounds budgeted for H steps of the fastest site (at most 1.5 H)
+    assert ad["rounds"] == 6 and 1 + 5 * 5 <= a["steps"] <= 1 + 5 * 12, a  # at most ceil(1.5 H) per round
     assert 1 + 5 <= b["steps"] <= 1 + 5 * 4, b  # about H/4 per round (1 to 4 here)
     # the pace log has every boundary: each site's steps (they add up) and the next budget, with the reason
     assert [sum(p["steps"][i] for p in ad["pace"]) for i in range(2)] == [a["steps"], b["steps"]]

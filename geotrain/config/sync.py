@@ -140,7 +140,7 @@ class SyncConfig(Section):
         description="How many inner steps each site runs per outer round: 'lockstep' (H everywhere: a fast site waits for the "
         "slowest at every round) or 'adaptive' (site s runs about H * rate_s / rate_max steps, from the step rates measured "
         "in the run and exchanged at each round boundary, so every site reaches the boundary at about the same time; "
-        "after a lock-step calibration round of max(1, H/10) steps the run lasts ceil(train.steps / H) rounds; docs/HETERO.md).",
+        "after a lock-step calibration round of max(1, H/20) steps the run lasts ceil(train.steps / H) rounds; docs/HETERO.md).",
     )
     region_every: int = Field(
         default=0,

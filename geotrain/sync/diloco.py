@@ -24,7 +24,7 @@ from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed, RoundPostponed
 from geotrain.sync.adapt import NetworkAdapter
 from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
-from geotrain.sync.pace import RoundClock
+from geotrain.sync.pace import RoundClock, round_limit
 from geotrain.sync.reducer import SiteReducer
 
 
@@ -82,7 +82,7 @@ class DiLoCo(OuterSync):
         return self.clock.done
 
     def step_limit(self, steps: int) -> int:
-        return self.clock.first + (self.clock.max_rounds - 1) * self.H if self.clock.adaptive else steps
+        return self.clock.first + (self.clock.max_rounds - 1) * round_limit(self.H) if self.clock.adaptive else steps
 
     def eval_due(self, step: int, every: int) -> bool:
         if not self.clock.adaptive:

@@ -4,15 +4,18 @@ Sites with slower hardware take longer per inner step. In lock-step DiLoCo every
 steps, so at each round boundary a fast site waits, idle, for the slowest. With
 ``sync.pace=adaptive`` (Async Local-SGD's "dynamic local updates", Liu et al. 2024,
 arXiv:2401.09135, §4) each round gets a **time budget**: the time the fastest site needs for H
-steps at its measured rate. Every site steps until its next step would overrun the budget
-(ending when less than half a step is left), so site s runs about
+steps at its measured rate. Every site steps until its next step would overrun the budget by
+more than half a step of the fastest site (ending when less than its own step less half the
+fastest's is left: a slow site ends early rather than late, since the round ends when the last
+site does and the fastest sites, the least busy, would wait for it), so site s runs about
 
     H_s = H · rate_s / rate_max
 
 inner steps, but decided step by step against the clock rather than fixed at the round's
 start: on a shared machine one round's rate swings by a third with the load of its
 neighbours, and a fixed count would let the unluckiest site hold up everyone. A site never runs
-more than H. Rates are steps per second of compute (forward and backward; waits on the
+more than 1.5 H (``OVERRUN``): the fastest site, stepping faster than its smoothed rate, would
+otherwise stop at H and wait out the rest of the budget. Rates are steps per second of compute (forward and backward; waits on the
 network excluded), averaged exponentially over rounds (``SMOOTHING`` on the newest).
 
 Agreement: the ranks of one site vote on ending the round after each step (a one-float sum in
@@ -23,13 +26,15 @@ average by tokens (workers × steps; :meth:`OuterSync.site_weights`), the rates 
 budget, and the elapsed time ends the run for ``train.max_seconds`` on every site at once.
 
 Nothing is measured before the first round, so the run opens with a short lock-step
-calibration round of ``max(1, H // 10)`` steps. The rates come from the run, never from
+calibration round of ``max(1, H // 20)`` steps (``CALIBRATION``: the fast sites wait for the
+slowest in it). The rates come from the run, never from
 ``topology.sites[].compute_speed`` (which only emulates slower hardware by pacing;
 :func:`geotrain.run.loop.train_loop`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -38,6 +43,13 @@ import torch
 from geotrain.comm.collectives import Collectives
 
 SMOOTHING = 0.5  # weight of the newest round in the moving average of seconds per step
+CALIBRATION = 20  # the calibration round runs max(1, H // CALIBRATION) lock-step steps
+OVERRUN = 1.5  # a site runs at most ceil(OVERRUN x H) steps in a budgeted round (the budget ends it first, as a rule)
+
+
+def round_limit(H: int) -> int:
+    """The most steps any site runs in a budgeted round."""
+    return math.ceil(OVERRUN * H)
 
 
 def expected_steps(H: int, seconds_per_step: list[float]) -> list[int]:
@@ -63,7 +75,7 @@ class RoundClock:
         self.max_rounds = 0  # stop after this many rounds (0: no limit)
         self.max_seconds = 0.0  # stop at the first boundary after this much training (0: no limit)
         n = comm.groups.topology.num_sites
-        self.first = max(1, H // 10) if adaptive else H  # the calibration round
+        self.first = max(1, H // CALIBRATION) if adaptive else H  # the calibration round
         self.limit = self.first  # the most steps this round
         self.budget_s = 0.0  # adaptive: this round's time budget (0: the step limit only)
         self.steps_run = [self.first] * n  # every site's steps in the round being averaged
@@ -98,7 +110,9 @@ class RoundClock:
             return
         me = self.comm.groups.me.site_index
         left = self.budget_s - (time.perf_counter() - (self._round_t0 or time.perf_counter()))
-        want = torch.tensor([1.0 if left < 0.5 * self.seconds_per_step[me] else 0.0], dtype=torch.float64)
+        # end when the next step would overrun by more than half a step of the fastest site
+        last = left < self.seconds_per_step[me] - 0.5 * min(self.seconds_per_step)
+        want = torch.tensor([1.0 if last else 0.0], dtype=torch.float64)
         if len(self.comm.groups.intra_ranks) > 1:  # the site ends together when any of its ranks is out of time
             self.comm.sum_in_site(want)
         self._ending = bool(want.item() > 0)
@@ -137,7 +151,7 @@ class RoundClock:
             if self.max_seconds and self._elapsed >= self.max_seconds:
                 self.done = True
             if self.adaptive:
-                self.limit = self.H
+                self.limit = round_limit(self.H)
                 self.budget_s = self.H * min(self.seconds_per_step)
             self.log.append(
                 {
