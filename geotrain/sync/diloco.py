@@ -55,9 +55,8 @@ class DiLoCo(OuterSync):
         self.adapter: NetworkAdapter | None = None  # sync.adapt: H and codec follow the measured network
         if cfg.adapt is not None:
             self.adapter = NetworkAdapter(cfg.adapt, comm, sum(s.numel() for s in shapes), self.H, cfg.codec)
-            self._reducers: dict[str, SiteReducer] = {
-                cfg.codec: self.reducer
-            }  # one per codec chosen (fixed width: no state to carry)
+            # one reducer per codec chosen (fixed-width codecs: no state to carry between them)
+            self._reducers: dict[str, SiteReducer] = {cfg.codec: self.reducer}
 
     def after_step(self) -> None:
         super().after_step()
