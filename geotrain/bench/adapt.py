@@ -22,15 +22,37 @@ STREAMING_TAU = 10  # streaming: steps a fragment's exchange hides behind (more 
 STREAMING_FRAGMENTS = [1, 2, 4, 8]
 
 
-def adapt_overrides(slowdown_s: float, target: float, H_min: int, H_max: int, algorithm: str = "diloco") -> list[str]:
-    """``algorithm`` streaming: Streaming DiLoCo with tau=10, the fragment count chosen too (1, 2, 4 or 8)."""
-    frags = f", fragments: {STREAMING_FRAGMENTS}" if algorithm == "streaming" else ""
+def _algorithm(algorithm: str, adapt: str) -> list[str]:
+    """The algorithm (streaming: tau=10, 4 fragments to start), ``sync.adapt={adapt}``, and no
+    evaluation inside rounds (it would count as compute in the measurement)."""
     return [
         f"sync.algorithm={algorithm}",
         *([f"sync.tau={STREAMING_TAU}", "sync.fragments=4"] if algorithm == "streaming" else []),
-        f"sync.adapt={{target: {target}, H_min: {max(H_min, STREAMING_TAU + 1) if frags else H_min}, H_max: {H_max}{frags}}}",
+        f"sync.adapt={{{adapt}}}",
+        "train.eval_every=1000000",
+    ]
+
+
+def _slowest(a: dict[str, Any]) -> dict[str, Any]:
+    """Of one adaptation log entry: the busy fraction of the slowest site (the formula's T is its
+    step time; faster sites also wait for it), of the least busy, and the link in Mbit/s (None:
+    nothing crossed sites)."""
+    return {
+        "utilization": a["utilization"][a["step_s"].index(max(a["step_s"]))],
+        "utilization_min": min(a["utilization"]),
+        "link_mbps": None if a["link_bps"] is None else a["link_bps"] / 1e6,
+    }
+
+
+def adapt_overrides(slowdown_s: float, target: float, H_min: int, H_max: int, algorithm: str = "diloco") -> list[str]:
+    """``algorithm`` streaming: Streaming DiLoCo with tau=10, the fragment count chosen too (1, 2, 4 or 8)."""
+    if algorithm == "streaming":
+        H_min, frags = max(H_min, STREAMING_TAU + 1), f", fragments: {STREAMING_FRAGMENTS}"
+    else:
+        frags = ""
+    return [
+        *_algorithm(algorithm, f"target: {target}, H_min: {H_min}, H_max: {H_max}{frags}"),
         f"topology.links.changes=[{{after_s: {slowdown_s}, bandwidth_scale: 0.1}}]",
-        "train.eval_every=1000000",  # no evaluation inside rounds: it would count as compute in the measurement
     ]
 
 
@@ -39,12 +61,7 @@ def held_overrides(algorithm: str, H: int) -> list[str]:
     every round measures and predicts the utilisation of the settings it ran, so the formula's
     accuracy shows without any change of settings."""
     frags = ", fragments: [4]" if algorithm == "streaming" else ""
-    return [
-        f"sync.algorithm={algorithm}",
-        *([f"sync.tau={STREAMING_TAU}", "sync.fragments=4"] if algorithm == "streaming" else []),
-        f"sync.adapt={{target: 0.8, H_min: {H}, H_max: {H}, codecs: [none]{frags}}}",
-        "train.eval_every=1000000",
-    ]
+    return _algorithm(algorithm, f"target: 0.8, H_min: {H}, H_max: {H}, codecs: [none]{frags}")
 
 
 def held_record(summary: dict[str, Any]) -> dict[str, Any]:
@@ -56,12 +73,10 @@ def held_record(summary: dict[str, Any]) -> dict[str, Any]:
             "round": a["round"],
             "H": a["H"],
             "fragments": a.get("fragments", 1),
-            "utilization": a["utilization"][a["step_s"].index(max(a["step_s"]))],
-            "utilization_min": min(a["utilization"]),
+            **_slowest(a),
             "predicted_utilization": a["next"]["predicted_utilization"],
             # streaming: the formula on the link's transfer-time bandwidth alone, without the exposure
             "predicted_on_link": a.get("predicted_on_link"),
-            "link_mbps": None if a["link_bps"] is None else a["link_bps"] / 1e6,
             "step_ms": 1e3 * max(a["step_s"]),
         }
         for a in summary["adapt"]
@@ -90,10 +105,7 @@ def adapt_record(summary: dict[str, Any], cfg: Config, slowdown_s: float) -> dic
             "H": a["H"],
             "codec": a["codec"],
             "bits": CODEC_BITS[a["codec"]],
-            # the slowest site's (the formula's T is its step time); faster sites also wait for it
-            "utilization": a["utilization"][a["step_s"].index(max(a["step_s"]))],
-            "utilization_min": min(a["utilization"]),
-            "link_mbps": None if a["link_bps"] is None else a["link_bps"] / 1e6,  # None: nothing crossed sites
+            **_slowest(a),
             "rtt_ms": 1e3 * a["rtt_s"],
             "next_H": a["next"]["H"],
             "next_codec": a["next"]["codec"],

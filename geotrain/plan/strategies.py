@@ -74,8 +74,14 @@ def _comm_allowed(alg: str, u: float, step_s: float, H: int, F: int, tau: int) -
         return 2 * step_s / 3 + slack
     if alg == "diloco":
         return H * slack
-    # each exchange hides behind tau steps, and the F exchanges of a cycle share one link
-    return min(tau * step_s + H * slack / F, H * (step_s + slack) / F)
+    return _streaming_exchange_time(H * slack, H, F, tau, step_s)
+
+
+def _streaming_exchange_time(exposed: float, H: int, F: int, tau: int, step_s: float) -> float:
+    """The longest exchange time t for which :func:`_streaming_exposed` stays within ``exposed``
+    (both of its terms grow with t: the smaller of their inverses). Each exchange hides behind
+    tau steps, and the F exchanges of a cycle share one link."""
+    return min(tau * step_s + exposed / F, (exposed + H * step_s) / F)
 
 
 def required_bps(
@@ -192,11 +198,10 @@ def streaming_effective_bps(
     """The bandwidth (bit/s) at which :func:`utilization`'s streaming formula predicts that a cycle
     of H steps at these settings leaves compute waiting ``exposed_s`` seconds: the formula inverted
     on a measured wait, as :func:`achieved_bps` inverts DiLoCo's on a measured all-reduce (inf when
-    nothing was exposed). The exposure is increasing in each exchange's time t, through both of its
-    terms, so t is the smaller of the two terms' inverses."""
+    nothing was exposed)."""
     if exposed_s <= 0:
         return math.inf
-    t = min(exposed_s / F + tau * step_s, (exposed_s + H * step_s) / F)
+    t = _streaming_exchange_time(exposed_s, H, F, tau, step_s)
     vol, lat = _volume_latency(params, bits, sites, rtt_s, F)
     return vol / max(t - lat, t / 20, 1e-9)
 
@@ -222,9 +227,9 @@ def choose_round(
     DiLoCo with these fragment counts to choose from and ``tau`` steps of overlap. Returns
     {codec, H, fragments (streaming only), predicted_utilization, meets_target}."""
     counts = sorted(fragments) or [1]
+    alg = "streaming" if fragments else "diloco"
 
     def u(bits: float, H: int, F: int) -> float:
-        alg = "streaming" if fragments else "diloco"
         return utilization(alg, bps, params, step_s, sites, rtt_s, H, F, tau, {alg: bits})
 
     def best_F(bits: float, H: int) -> int:

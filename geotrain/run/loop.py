@@ -201,9 +201,7 @@ def train_loop(
         for a in adapted[seen_adapt:n] if me.rank == 0 else ():  # sync.adapt: print each change, and why
             if a["changed"]:
                 moved = ", ".join(
-                    f"{k} {a[k]} -> {a['next'][k]}"
-                    for k in ("H", "codec", "fragments")
-                    if a.get(k, a["next"].get(k)) != a["next"].get(k)
+                    f"{k} {a[k]} -> {a['next'][k]}" for k in ("H", "codec", "fragments") if k in a and a[k] != a["next"][k]
                 )
                 log(me, step, f"adapt: {moved}: {a['why']}")
         seen_adapt = n

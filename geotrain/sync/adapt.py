@@ -150,36 +150,36 @@ class NetworkAdapter:
         n = topo.num_sites
         # Streaming pings from its exchange thread, beside the training thread's compute, and a
         # scheduling delay only ever adds: the shortest of the last few rounds' pings
-        self._pings = [*self._pings[-(self.ping_window - 1) :], min(pings)] if self.ping_window > 1 else [min(pings)]
+        self._pings = [*self._pings, min(pings)][-self.ping_window :]
         rtt = min(self._pings)
         # per exchange, the most bytes a site sent and the shortest time (a site that arrived late
         # did not wait for the others: its time is the transfer alone), summed over the exchanges
         # that carried at least half as much as the largest: a small fragment's time is nearly all
         # latency, which the formula models only roughly (a codec's direct exchange pays one round
         # trip where the ring's model counts n-1), so it would say more about the model than the link
-        most, least = (sent_s.max(0).values, secs_s.min(0).values) if m else (torch.zeros(0), torch.zeros(0))
-        kept = most >= 0.5 * most.max() if m else most > 0
-        k = int(kept.sum()) if m and float(most.max()) > 0 else 0  # 0: nothing crossed sites
+        most, least = sent_s.amax(0), secs_s.amin(0)  # per exchange (none: empty)
+        top = float(most.max()) if m else 0.0
+        kept = most >= 0.5 * top
+        k = int(kept.sum()) if top > 0 else 0  # 0: nothing crossed sites
         nbytes, secs = float(most[kept].sum()), float(least[kept].sum())
         link = achieved_bps(nbytes, secs, n, rtt, k) if k else None
         step_s = [(w - x) / max(1, steps) for w, x in zip(walls, waits, strict=True)]
+        T = max(step_s)  # the slowest site's: lock-step exchanges wait for it
         bps, exposed, u_link = link, None, None
         if self.counts and link is not None:
             # Streaming: the formula inverted on the slowest site's measured wait per cycle of H
             # steps too (site skew, uneven fragments and CPU contention lengthen the exchanges a
             # merge waits for beyond the link's transfer time); the choice takes the slower link
-            j = step_s.index(max(step_s))
-            exposed = waits[j] / max(1, steps) * self.H
+            exposed = waits[step_s.index(T)] / max(1, steps) * self.H
             bits = float(CODEC_BITS[self.codec])
-            args = (self.params, max(step_s), n, rtt, self.H, self.F, self.tau)
-            bps = min(link, streaming_effective_bps(exposed, self.params, bits, *args[1:]))
-            u_link = utilization("streaming", link, *args, {"streaming": bits})
+            bps = min(link, streaming_effective_bps(exposed, self.params, bits, T, n, rtt, self.H, self.F, self.tau))
+            u_link = utilization("streaming", link, self.params, T, n, rtt, self.H, self.F, self.tau, {"streaming": bits})
         now: dict[str, Any] = {"H": self.H, "codec": self.codec, **({"fragments": self.F} if self.counts else {})}
         choice: dict[str, Any] = (
             choose_round(
                 bps,
                 self.params,
-                max(step_s),
+                T,
                 n,
                 rtt,
                 self.cfg.H_min,
@@ -221,7 +221,7 @@ class NetworkAdapter:
                 "changed": changed,
                 "why": "no exchange crossed sites in this round: nothing measured, nothing changed"
                 if bps is None or link is None
-                else _reason(choice, link, bps, rtt, max(step_s), self.cfg),
+                else _reason(choice, link, bps, rtt, T, self.cfg),
             }
         )
         self.H, self.codec, self.F = int(choice["H"]), str(choice["codec"]), int(choice.get("fragments", self.F))

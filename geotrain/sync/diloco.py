@@ -50,7 +50,7 @@ class DiLoCo(OuterSync):
         self.outer_optimizer = self._outer_optimizer(self.global_params)
         self._steps_in_round = 0
         shapes = [p.shape for p in self.local_params()]
-        self.reducer = SiteReducer(cfg, comm, shapes, sharded=self.sharded)
+        self.reducer = self._make_reducer(cfg.codec, shapes)
         self.clock = RoundClock(comm, self.H, cfg.pace == "adaptive")
         self.adapter: NetworkAdapter | None = None  # sync.adapt: H and codec follow the measured network
         if cfg.adapt is not None:
@@ -151,10 +151,7 @@ class DiLoCo(OuterSync):
             self.H = self.clock.H = self.clock.limit = self.adapter.H
             codec = self.adapter.codec
             if codec not in self._reducers:
-                shapes = [p.shape for p in self.local_params()]
-                self._reducers[codec] = SiteReducer(
-                    self.cfg.model_copy(update={"codec": codec}), self.comm, shapes, sharded=self.sharded
-                )
+                self._reducers[codec] = self._make_reducer(codec, [p.shape for p in self.local_params()])
             self.reducer = self._reducers[codec]
         self._steps_in_round = 0
         self.rounds += 1

@@ -60,7 +60,16 @@ class OuterSync(SyncAlgorithm):
         self.rollback_reasons: list[str] = []
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
-        self.guard_per_step = cfg.adapt is not None  # the guard judges norms per inner step (H varies)
+
+    # a pseudo-gradient's norm grows with the inner steps it spans (not so for Streaming DiLoCo,
+    # whose merge keeps alpha of the local drift)
+    norms_grow_with_steps = True
+
+    def _make_reducer(self, codec: str, shapes: Sequence[torch.Size], seed: int = 0) -> SiteReducer:
+        """A reducer over tensors of ``shapes`` for ``codec`` (the configured one, or one that
+        sync.adapt chose; its other settings as configured)."""
+        cfg = self.cfg if codec == self.cfg.codec else self.cfg.model_copy(update={"codec": codec})
+        return SiteReducer(cfg, self.comm, shapes, seed=seed, sharded=self.sharded)
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         c = self.cfg
@@ -92,8 +101,9 @@ class OuterSync(SyncAlgorithm):
             return
         included = [True] * self.num_sites
         if self.guard is not None:
-            # DiLoCo with sync.adapt: H varies between rounds, so the guard compares norms per inner step
-            included = self.guard.include(delta, key, round_id, per=max(1, steps) if self.guard_per_step else 1)
+            # sync.adapt varies H between rounds: where norms grow with the steps, compare them per inner step
+            per_step = self.cfg.adapt is not None and self.norms_grow_with_steps
+            included = self.guard.include(delta, key, round_id, per=max(1, steps) if per_step else 1)
             if not any(included):
                 raise RoundFailed(f"round {round_id}: every site's update was rejected by the guard")
             if not included[self.comm.groups.me.site_index]:

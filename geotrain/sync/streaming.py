@@ -78,6 +78,7 @@ class StreamingDiLoCo(OuterSync):
     """
 
     name = "streaming"
+    norms_grow_with_steps = False  # a merge keeps alpha of the local drift
 
     def __init__(
         self,
@@ -103,7 +104,6 @@ class StreamingDiLoCo(OuterSync):
         self.pending: dict[int, tuple[int, Future[None], torch.Tensor]] = {}
         self.previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (local Δ, its exchange result)
         self._network = ThreadPoolExecutor(1, thread_name_prefix="wan-exchange")
-        self.guard_per_step = False
         self.adapter: NetworkAdapter | None = None  # sync.adapt: H, codec and F follow the measured network
         self._exchanges: list[tuple[int, float]] = []  # exchange thread: (bytes, seconds) of each since the last measurement
         self._decision: tuple[int, Future[bool]] | None = None  # (applied at step, the agreement in flight)
@@ -136,11 +136,9 @@ class StreamingDiLoCo(OuterSync):
         codecs are fixed-width, without state to carry)."""
         key = (codec, self.F)
         if key not in self._reducer_sets:
-            cfg = self.cfg if codec == self.cfg.codec else self.cfg.model_copy(update={"codec": codec})
             shapes = [p.shape for p in self.local_params()]
             self._reducer_sets[key] = [
-                SiteReducer(cfg, self.comm, [shapes[i] for i in frag], seed=f, sharded=self.sharded)
-                for f, frag in enumerate(self.fragments)
+                self._make_reducer(codec, [shapes[i] for i in frag], seed=f) for f, frag in enumerate(self.fragments)
             ]
         return self._reducer_sets[key]
 
