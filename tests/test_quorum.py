@@ -6,20 +6,26 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from geotrain.comm.mailbox import Message, StoreChannel, channel_keys, down_key, join_key
+from geotrain.comm.procs import listening_store
 from geotrain.config import load_config
 from geotrain.errors import ConfigError, LaunchError
 from geotrain.launch.local import launch_local
 from geotrain.sync.outer import outer_step_
-from geotrain.sync.syncer import DelayedNesterov, Update, dynamic_steps, merge_weights, weighted_mean
+from geotrain.sync.syncer import DelayedNesterov, Rejoins, Update, dynamic_steps, merge_weights, weighted_mean
 from tests.helpers import TINY
 
 TWO = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
@@ -167,6 +173,49 @@ def test_a_site_killed_mid_round_is_late_forever_and_the_others_finish_on_one_mo
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_site_comes_back_heals_from_the_syncer_and_ends_on_the_same_model(tmp_path: Path) -> None:
+    """Site B (two workers) is SIGKILLed at step 40 and started again 1 s later
+    (``fault.restart_after``): its new ranks form a world of their own, rejoin through the run's
+    store, and go on from the syncer's model and from step 32 (its two delivered rounds). Killed
+    again at step 72, it is lost at once (the launcher tells the syncer: a store channel does not
+    close), comes back from step 64, and the final round leaves all three sites on one model."""
+    overrides = [
+        *SLOW_C[1:],
+        "train.max_seconds=8",
+        THREE,
+        "sync.H=16",
+        "sync.quorum={sites: 1, grace_s: 0}",
+        "fault.kill=[B@40, B@72]",
+        "fault.restart_after=1",
+    ]
+    s, _ = _run(tmp_path, "rejoin", overrides)
+    assert s["lost_sites"] == []
+    assert [p["site"] for p in s["per_site"]] == ["A", "B", "C"]
+    merges = s["pace"]
+    events = [(i, m) for i, m in enumerate(merges) if m["kind"] in ("lost", "rejoined")]
+    assert [m["kind"] for _, m in events] == ["lost", "rejoined", "lost", "rejoined"]
+    assert all(m["sites"] == [1] for _, m in events)
+    assert "connection closed" in events[0][1]["why"] and "the launcher saw them go" in events[2][1]["why"]
+    assert "incarnation 1" in events[1][1]["why"] and "its step 32" in events[1][1]["why"]
+    assert "incarnation 2" in events[3][1]["why"] and "its step 64" in events[3][1]["why"]
+    for (lost, _), (back, _) in (events[0:2], events[2:4]):  # nothing of B while it was away
+        assert all(1 not in m["sites"] for m in merges[lost + 1 : back])
+    b_steps = [m["steps"][m["sites"].index(1)] for m in merges if 1 in m["sites"] and m["kind"] in ("quorum", "final")]
+    after = [m for m in merges[events[3][0] + 1 :] if 1 in m["sites"]]
+    assert len(after) >= 2  # the last incarnation delivered, and its updates were merged
+    assert sum(b_steps) == 32 + 32 + (s["per_site"][1]["steps"] - 64)  # rounds 3-4 of incarnation 1, then from 64 on
+    assert merges[-1]["kind"] == "final" and 1 in merges[-1]["sites"]
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    assert len(s["per_rank"]) == 4
+    for rank in (1, 2):  # both of B's ranks were started twice more, each time as their own world
+        for k in (1, 2):
+            assert (tmp_path / "rejoin" / "logs" / f"rank{rank}.{k}.log").exists()
+    assert "rejoined the asynchronous rounds" in (tmp_path / "rejoin" / "logs" / "rank1.2.log").read_text()
+    assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
 def _start_three_sites(out: Path, quorum: str) -> tuple[threading.Thread, dict[str, Any], list[int]]:
     """Sites of 1, 2 and 1 workers (C slow) launched in a thread, once B is a few rounds in: the
     thread, the summary it will fill, and the ranks' PIDs (B's are 1 and 2)."""
@@ -292,6 +341,55 @@ def test_bad_quorum_configs_are_refused_in_one_line(overrides: list[str], messag
 
 
 @pytest.mark.timeout(60)
+def _store_pair() -> tuple[Any, Callable[[], Any], StoreChannel, StoreChannel]:
+    """A real TCPStore on 127.0.0.1 and the two ends of a channel through it (site 1, incarnation 2)."""
+    server = listening_store("127.0.0.1", 10.0)
+
+    def connect() -> Any:
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+
+    up, down = channel_keys(1, 2)
+    site = StoreChannel(connect, send=up, recv=down, fields=3, src=0)
+    syncer = StoreChannel(connect, send=down, recv=up, fields=3, src=5)
+    return server, connect, site, syncer
+
+
+@pytest.mark.timeout(60)
+def test_a_store_channel_carries_messages_in_order_and_leaves_nothing_behind() -> None:
+    server, _, site, syncer = _store_pair()
+    site.send([1.0, 2.0, 3.5], torch.arange(5, dtype=torch.float32))
+    site.send([4.0, 0.0, 0.0], torch.empty(0))  # a final delivery of no steps
+    first, second = syncer.receive(5.0), syncer.receive(5.0)
+    assert first is not None and second is not None
+    assert first.src == 5 and first.fields == [1.0, 2.0, 3.5] and torch.equal(first.payload, torch.arange(5.0))
+    assert second.fields == [4.0, 0.0, 0.0] and second.payload.numel() == 0
+    assert server.num_keys() <= 1  # received keys are deleted (the count may include the store's own)
+    t = time.monotonic()
+    assert syncer.receive(0.3) is None and time.monotonic() - t < 2  # a bounded wait
+    got: queue.Queue[Message] = queue.Queue()
+    thread = syncer.listen(got, lambda m: m.fields[0] == 9.0)
+    for i in range(3):
+        site.send([float(i), 0.0, 0.0], torch.full((2,), float(i)))
+    site.send([9.0, 0.0, 0.0], torch.empty(0))
+    thread.join(5.0)
+    assert not thread.is_alive() and [got.get_nowait().fields[0] for _ in range(4)] == [0.0, 1.0, 2.0, 9.0]
+
+
+@pytest.mark.timeout(60)
+def test_rejoins_see_a_new_incarnation_once_and_its_death_from_the_launcher() -> None:
+    server, connect, _, _ = _store_pair()
+    made: list[tuple[int, int]] = []
+    rejoins = Rejoins(connect, lambda s, k: made.append((s, k)) or StoreChannel(connect, "a", "b", 1, s))
+    assert rejoins.poll({1, 2}) == []
+    connect().add(join_key(2), 1)  # site 2's leader, its first restart
+    assert rejoins.poll({1, 2}) == [(2, 1)] and rejoins.poll({1, 2}) == []
+    assert rejoins.down([2]) == []
+    server.set(down_key(2), "1")  # the launcher saw incarnation 1 exit
+    assert rejoins.down([2]) == [2]
+    connect().add(join_key(2), 1)
+    assert rejoins.poll({2}) == [(2, 2)] and rejoins.down([2]) == []  # the new incarnation is not down
+
+
 def test_the_watch_names_a_rank_that_stopped_beating(monkeypatch: pytest.MonkeyPatch) -> None:
     """comm/alive.py against a real store: rank 0 beats, rank 1 never does; once rank 0 stops it
     goes silent too. Silence is measured on the watcher's clock, from its first look."""

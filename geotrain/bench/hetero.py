@@ -18,7 +18,10 @@ at the same round boundary), then evaluates the global model:
   so every site delivers about as often;
 * ``async-kill``: ``async`` where the launcher SIGKILLs fast site B at its step 1,100 (about a
   third of the way, mid-round): B is late forever, the other three train on (not in the default
-  modes: ``--modes async,async-kill``).
+  modes: ``--modes async,async-kill``);
+* ``async-rejoin``: ``async-kill`` where the launcher starts B again 10 s after the kill
+  (``fault.restart_after``): B rejoins through the run's store, heals from the syncer's model and
+  trains on from its last delivered round.
 
 It writes ``runs: [{mode, seed, site, utilization, steps, step_seconds}]`` and
 ``eval_loss: {mode: mean over seeds}``, with the targets evaluated on them.
@@ -42,6 +45,7 @@ MODES = {
     "async-q2": ["sync.pace=lockstep", "sync.quorum={sites: 2, grace_s: 1.0}"],
     "async-dyn": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}"],
     "async-kill": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@1100]"],
+    "async-rejoin": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@1100]", "fault.restart_after=10"],
 }
 DEFAULT_MODES = ("sync", "adaptive", "async", "async-q2", "async-dyn")
 
@@ -101,6 +105,12 @@ def bench_hetero(
                         "staleness_mean": sum(stale) / max(1, len(stale)),
                         "staleness_max": max(stale, default=0),
                         "lost_sites": s["lost_sites"],
+                        # sites lost and taken back, with the syncer's clock (s) and reason
+                        "events": [
+                            {k: m[k] for k in ("kind", "t", "sites", "why")}
+                            for m in s["pace"]
+                            if m["kind"] in ("lost", "rejoined")
+                        ],
                     }
                 )
             for site in s["per_site"]:  # a lost site (async-kill) has no row
@@ -179,6 +189,7 @@ def print_hetero(result: dict[str, Any], console: Any) -> None:
             f"{m['mode']} seed {m['seed']}: {m['merges']} merges of {m['updates']} updates, staleness mean "
             f"{m['staleness_mean']:.2f}, max {m['staleness_max']}"
             + (f"; lost {', '.join(m['lost_sites'])} (late forever)" if m.get("lost_sites") else "")
+            + "".join(f"; {e['kind']} site {e['sites'][0]} at {e['t']:.1f} s" for e in m.get("events", []))
         )
     console.print(f"bench took {result['bench_seconds'] / 60:.1f} min")
 

@@ -202,7 +202,10 @@ def bench_hetero_cmd(
     H: Annotated[int, typer.Option("--H", min=1, max=10000, help="Inner steps per round (the fastest site's).")] = 200,
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated.")] = "0,1",
     modes: Annotated[
-        str, typer.Option(help="Modes, comma-separated: sync, adaptive, async, async-q2, async-dyn, async-kill (site B killed).")
+        str,
+        typer.Option(
+            help="Modes, comma-separated: sync, adaptive, async, async-q2, async-dyn, async-kill (site B killed), async-rejoin (killed, back 10 s later)."
+        ),
     ] = "sync,adaptive,async,async-q2,async-dyn",
     set_: SetOpt = None,
 ) -> None:

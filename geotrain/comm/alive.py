@@ -8,7 +8,8 @@ be long. So every rank runs a thread that adds 1 to its own key in the store eve
 ``heartbeat_s``. A stopped process stops beating, whatever it was doing; a slow one goes on.
 
 The store is the one torch.distributed rendezvoused on (``MASTER_ADDR``/``MASTER_PORT``, under
-geotrain's launchers or torchrun). Each beat is one small request to it; the watcher reads every
+geotrain's launchers or torchrun; a site that came back rendezvouses its own ranks elsewhere and
+finds the run's store at ``GEOTRAIN_RUN_PORT``). Each beat is one small request to it; the watcher reads every
 rank's counter once per ``heartbeat_s``. Keys are ``geotrain/alive/<rank>``. The watcher measures
 silence on its own clock, so clocks of different machines never need to agree.
 """
@@ -28,17 +29,23 @@ def _key(rank: int) -> str:
     return f"geotrain/alive/{rank}"
 
 
-def _client(period_s: float) -> Any:
-    """A client of the run's store, whose requests give up after a few beats (at least 10 s)."""
+def run_store(timeout_s: float) -> Any:
+    """A client of the run's rendezvous store (``MASTER_ADDR``, and ``GEOTRAIN_RUN_PORT`` or else
+    ``MASTER_PORT``) whose requests give up after ``timeout_s``."""
     import torch.distributed as dist
 
     return dist.TCPStore(
         os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        int(os.environ.get("GEOTRAIN_RUN_PORT") or os.environ["MASTER_PORT"]),
         is_master=False,
-        timeout=timedelta(seconds=max(10.0, 5 * period_s)),
+        timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+
+
+def _client(period_s: float) -> Any:
+    """A client of the run's store, whose requests give up after a few beats (at least 10 s)."""
+    return run_store(max(10.0, 5 * period_s))
 
 
 class Heartbeat:
@@ -97,3 +104,9 @@ class SilenceWatch:
                 if count != self._count[r]:
                     self._count[r], self._since[r] = count, now
         return {r: now - self._since[r] for r in ranks if now - self._since[r] >= self.limit_s}
+
+    def restart(self, ranks: Sequence[int]) -> None:
+        """``ranks`` started again (a site that came back): each has ``limit_s`` from now to beat."""
+        now = time.monotonic()
+        for r in ranks:
+            self._since[r] = now

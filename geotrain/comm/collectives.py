@@ -117,15 +117,21 @@ class Collectives:
 
     def _count(self, dst: int, nbytes: int, raw: int | None = None) -> None:
         topo = self.groups.topology
-        with self._lock:
-            dst_site = topo.site_of(dst)
-            if dst_site == self._my_site:
+        dst_site = topo.site_of(dst)
+        if dst_site == self._my_site:
+            with self._lock:
                 self.stats.intra_bytes += nbytes
-            else:
-                self.stats.inter_bytes += nbytes
-                self.stats.inter_raw_bytes += nbytes if raw is None else raw
-                if not topo.same_region(dst_site, self._my_site):
-                    self.stats.inter_region_bytes += nbytes
+        else:
+            self.count_far(nbytes, raw, other_region=not topo.same_region(dst_site, self._my_site))
+
+    def count_far(self, nbytes: int, raw: int | None = None, other_region: bool = False) -> None:
+        """Count ``nbytes`` sent to another site (``raw``: the fp32 bytes they stand for) across
+        regions or not; for sends outside this rank's groups (a site that came back: the run's store)."""
+        with self._lock:
+            self.stats.inter_bytes += nbytes
+            self.stats.inter_raw_bytes += nbytes if raw is None else raw
+            if other_region:
+                self.stats.inter_region_bytes += nbytes
 
     def _p2p(
         self, sends: list[tuple[int, torch.Tensor, int | None]], recvs: list[tuple[int, torch.Tensor]], group: dist.ProcessGroup

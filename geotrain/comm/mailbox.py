@@ -13,6 +13,11 @@ receiver treats the message as delivered only at that time (:meth:`Mailbox.arriv
 A peer that dies is noticed, not waited for: its connection closes, so a receive from it ends
 with a **lost** message (:attr:`Message.lost`) and a send to it is reported by :meth:`flush`.
 
+A site that **comes back** after it died cannot join the torch.distributed world its first
+incarnation was part of (a world does not grow). It talks to the syncer through the run's
+rendezvous store instead: :class:`StoreChannel` carries the same messages as keys of that store,
+one key per message, paced and counted like the mailbox's.
+
 Plain mode runs every site in one torch.distributed world, one trust domain
 (docs/SECURITY.md): these messages travel on that world's Gloo connections, like the ring
 collectives, so they are exactly as authenticated as the rest of the run.
@@ -25,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +40,16 @@ from geotrain.comm.collectives import Collectives
 
 HEADER_TAG = 11
 PAYLOAD_TAG = 12
+
+
+def link_arrival(wan: Any, site: int, nbytes: int) -> float:
+    """When ``nbytes`` sent now on the emulated link to ``site`` arrive (CLOCK_MONOTONIC; 0 without
+    emulation): the link is reserved for them when it paces bandwidth."""
+    if wan is None:
+        return 0.0
+    if wan.paces_bandwidth:
+        return float(wan.pace([(site, nbytes)])[0])
+    return time.monotonic() + float(wan.latency(site))
 
 
 @dataclass
@@ -66,13 +83,10 @@ class Mailbox:
         self._sending: list[tuple[int, dist.Work, torch.Tensor]] = []
         self._failed: set[int] = set()  # destinations a send to failed since the last flush
 
-    def _arrival(self, dst: int, nbytes: int) -> float:
-        wan, site = self.comm.wan, self.comm.groups.topology.site_of(dst)
-        if wan is None or site == self.comm.groups.me.site_index:
-            return 0.0
-        if wan.paces_bandwidth:
-            return wan.pace([(site, nbytes)])[0]
-        return time.monotonic() + wan.latency(site)
+    def arrival(self, dst: int, nbytes: int) -> float:
+        """When ``nbytes`` sent now to global rank ``dst`` arrive (:func:`link_arrival`; 0 inside the site)."""
+        site = self.comm.groups.topology.site_of(dst)
+        return 0.0 if site == self.comm.groups.me.site_index else link_arrival(self.comm.wan, site, nbytes)
 
     def send(self, dst: int, fields: list[float], payload: torch.Tensor) -> None:
         """Start sending ``fields`` and ``payload`` (flat fp32, possibly empty) to ``dst``; returns at
@@ -80,7 +94,7 @@ class Mailbox:
         assert len(fields) == self.header_len - 2
         payload = payload.to(torch.float32).contiguous()
         nbytes = self.header_len * 8 + payload.numel() * 4
-        header = torch.tensor([self._arrival(dst, nbytes), payload.numel(), *fields], dtype=torch.float64)
+        header = torch.tensor([self.arrival(dst, nbytes), payload.numel(), *fields], dtype=torch.float64)
         self.comm._count(dst, nbytes, nbytes)
         for t, tag in ((header, HEADER_TAG), (payload, PAYLOAD_TAG)):
             if t.numel() and dst not in self._failed:
@@ -175,3 +189,116 @@ class Mailbox:
         delay = msg.arrival - time.monotonic()
         if delay > 0:
             time.sleep(delay)
+
+
+def join_key(site: int) -> str:
+    """The run store's counter a lost site's leader adds 1 to when it comes back (its incarnation)."""
+    return f"geotrain/quorum/join/{site}"
+
+
+def down_key(site: int) -> str:
+    """The run store's counter the launcher sets to a site's incarnation when that incarnation's
+    processes exit (the store, unlike the mailbox's connections, does not tell)."""
+    return f"geotrain/quorum/down/{site}"
+
+
+def channel_keys(site: int, incarnation: int) -> tuple[str, str]:
+    """The store key prefixes (site → syncer, syncer → site) of a site's incarnation that came back."""
+    base = f"geotrain/quorum/{site}.{incarnation}"
+    return f"{base}/up", f"{base}/down"
+
+
+class StoreChannel:
+    """Messages to and from one peer through keys of the run's rendezvous store (a site that came
+    back talks to the syncer this way; see the module docstring).
+
+    Message ``i`` sent by this end is the key ``<send>/<i>``: the float64 header (arrival time,
+    payload length, the caller's fields) then the fp32 payload, as bytes. The receiver waits for
+    ``<recv>/<i>`` (bounded), reads it and deletes it, so the store holds only messages in flight.
+
+    Args:
+        connect: makes a client of the store (each thread of this channel has its own, so a blocked
+            wait never holds up a send).
+        send, recv: the key prefixes this end writes and reads.
+        fields: float64 fields in every header, besides the arrival time and the payload's length.
+        src: the peer's global rank (:attr:`Message.src` of what is received).
+        arrival: the emulated arrival time of ``nbytes`` sent now (0: at once).
+        count: counts ``nbytes`` sent on the link to the peer.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Any],
+        send: str,
+        recv: str,
+        fields: int,
+        src: int,
+        arrival: Callable[[int], float] = lambda nbytes: 0.0,
+        count: Callable[[int], None] = lambda nbytes: None,
+    ) -> None:
+        self.connect, self.send_prefix, self.recv_prefix = connect, send, recv
+        self.header_len, self.src = 2 + fields, src
+        self.arrival, self.count = arrival, count
+        self._sent = self._received = 0
+        self._store: Any = None
+        self._stop = threading.Event()
+
+    def send(self, fields: list[float], payload: torch.Tensor) -> None:
+        """Write ``fields`` and ``payload`` (flat fp32, possibly empty) as the next message."""
+        assert len(fields) == self.header_len - 2
+        payload = payload.to(torch.float32).contiguous()
+        nbytes = self.header_len * 8 + payload.numel() * 4
+        header = torch.tensor([self.arrival(nbytes), payload.numel(), *fields], dtype=torch.float64)
+        self.count(nbytes)
+        if self._store is None:
+            self._store = self.connect()
+        data = header.numpy().tobytes() + payload.numpy().tobytes()
+        self._store.set(f"{self.send_prefix}/{self._sent}", data)
+        self._sent += 1
+
+    def _next(self, store: Any, timeout_s: float) -> Message | None:
+        """The next message once it is in the store (not held to its arrival); None after ``timeout_s``."""
+        key = f"{self.recv_prefix}/{self._received}"
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - torch raises DistStoreError (or a timeout RuntimeError) on a wait that ran out
+            return None
+        data = store.get(key)
+        store.delete_key(key)
+        self._received += 1
+        h = torch.frombuffer(bytearray(data[: self.header_len * 8]), dtype=torch.float64).tolist()
+        body = data[self.header_len * 8 :]
+        payload = torch.frombuffer(bytearray(body), dtype=torch.float32) if body else torch.empty(0)
+        if payload.numel() != int(h[1]):
+            raise RuntimeError(f"store message {key}: {payload.numel()} payload values, its header says {int(h[1])}")
+        return Message(self.src, h[0], h[2:], payload)
+
+    def receive(self, timeout_s: float) -> Message | None:
+        """The next message, held until its emulated arrival; None after ``timeout_s``."""
+        if self._store is None:
+            self._store = self.connect()
+        msg = self._next(self._store, timeout_s)
+        if msg is not None:
+            Mailbox.arrived(msg)
+        return msg
+
+    def listen(self, into: queue.Queue[Message], last: Callable[[Message], bool]) -> threading.Thread:
+        """Put every message into ``into`` as it comes in, from a thread of its own (with its own
+        client) that stops after the message ``last`` says is the last, or at :meth:`close`."""
+
+        def run() -> None:
+            store = self.connect()
+            while not self._stop.is_set():
+                msg = self._next(store, 0.5)
+                if msg is not None:
+                    into.put(msg)
+                    if last(msg):
+                        return
+
+        thread = threading.Thread(target=run, name=f"store-channel-{self.src}", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        """Stop listening (within half a second)."""
+        self._stop.set()

@@ -37,7 +37,8 @@ class FaultConfig(Section):
         default=0.0,
         ge=0,
         le=3600,
-        description="Seconds after a kill or hang when the launcher starts the site again (it heals from a live peer); 0: never.",
+        description="Seconds after a kill or hang when the launcher starts the site again (it heals from a live peer; with "
+        "sync.quorum, after a kill only, from the syncer's model); 0: never.",
     )
 
     @field_validator("nan", "kill", "hang", "tamper")

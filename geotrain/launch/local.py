@@ -10,7 +10,9 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 :class:`LaunchError` names the site and rank that failed. With asynchronous quorum rounds
 (``sync.quorum``) a site other than the first that fails once training has started (or that
 ``fault.kill`` names) is lost instead: its ranks are killed and the others go on
-(:mod:`geotrain.sync.quorum`). Children also get
+(:mod:`geotrain.sync.quorum`). With ``fault.restart_after``, a site that ``fault.kill`` killed is
+started again that many seconds later, as a torch.distributed world of its own (its rendezvous
+store hosted here too), and rejoins the asynchronous rounds through the run's store. Children also get
 ``PR_SET_PDEATHSIG`` so they die if the launcher itself is killed: no orphans either way.
 """
 
@@ -30,11 +32,14 @@ import yaml
 from geotrain.comm.emulate import kernel as netns
 from geotrain.comm.emulate.inprocess import state_path
 from geotrain.comm.emulate.kernel import IFNAME, KernelLinks
+from geotrain.comm.mailbox import down_key
 from geotrain.comm.procs import free_port, host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.errors import LaunchError
 from geotrain.launch.spawn import Rank, describe_exit, forks_ranks, rank_env, spawn_rank, stop_all, worker_args, zygote_pid
+
+REJOIN_ENV = "GEOTRAIN_REJOIN"  # a quorum-rounds site started again: its world is its own ranks
 
 
 def launch_local(
@@ -72,7 +77,7 @@ def launch_local(
     state_path(str(port)).unlink(missing_ok=True)
     try:
         fork = forks_ranks(cfg.run.backend) if fork is None else fork
-        return _launch(cfg, topo, out, cfg_path, summary_path, port, agent, kernel, console_print, on_poll, fork)
+        return _launch(cfg, topo, out, cfg_path, summary_path, port, agent, kernel, console_print, on_poll, fork, store)
     finally:
         if kernel is not None:
             kernel.down()
@@ -103,6 +108,7 @@ def _launch(
     console_print: Callable[[str], None] | None,
     on_poll: Callable[[], None] | None,
     fork: bool,
+    store: Any = None,
 ) -> dict[str, Any]:
     tolerant = cfg.sync.quorum is not None
     first_step = out / "metrics" / "rank0.jsonl"  # rank 0 logged a step: every rank is past the start's collectives
@@ -131,14 +137,43 @@ def _launch(
     # every live site's ranks have. A failure at the start (a missing corpus, say) still stops the
     # run, since the others would wait for it in the start's collectives.
     lost: set[int] = set()
+    restart_at: dict[int, float] = {}  # sites fault.kill killed, and when they start again (fault.restart_after)
+    incarnation = [0] * topo.num_sites
+    stores: list[Any] = []  # the rendezvous stores of sites started again (kept alive while they run)
 
     def lose(site: int, why: str) -> None:
         lost.add(site)
+        if incarnation[site] and store is not None:  # the syncer reaches a site started again through the store only
+            store.set(down_key(site), str(incarnation[site]))
         for r in topo.site_ranks(site):
             if procs[r].poll() is None:
                 procs[r].kill()
         if console_print is not None:
             console_print(f"[launcher] site {topo.site_names[site]} {why}; the asynchronous rounds go on without it")
+
+    def restart(site: int) -> None:
+        """Start ``site`` again: its ranks' world is the site alone; they find the run's store (and
+        its link state) at the run's port, and rejoin the rounds through it."""
+        incarnation[site] += 1
+        site_store, site_agent = host_store(timeout_s=cfg.run.timeout_s, attempt=incarnation[site])
+        stores.append(site_store)
+        for local, rank in enumerate(topo.site_ranks(site)):
+            env = {**rank_env(local, topo.workers[site], topo.world_size, site_store.port, wan_mode), **site_agent}
+            env.update(
+                GEOTRAIN_RUN_PORT=str(port),
+                GEOTRAIN_WAN_KEY=str(port),
+                GEOTRAIN_SITE_INDEX=str(site),
+                GEOTRAIN_INCARNATION=str(incarnation[site]),
+                **{REJOIN_ENV: "1"},
+            )
+            log = out / "logs" / f"rank{rank}.{incarnation[site]}.log"
+            procs[rank], t = spawn_rank(worker_args(cfg_path, out), env, log, console_print if local == 0 else None, None, fork)
+            pumps.append(t)
+        lost.discard(site)
+        pids["ranks"] = [p.pid for p in procs]
+        (out / "pids.json").write_text(json.dumps(pids))
+        if console_print is not None:
+            console_print(f"[launcher] restarting site {topo.site_names[site]} (incarnation {incarnation[site]})")
 
     try:
         while True:
@@ -146,7 +181,15 @@ def _launch(
                 for f in sorted((out / "faults").glob("fault-*.json")):  # fault.kill: a site asked to be killed
                     request = json.loads(f.read_text())
                     f.unlink()
-                    lose(topo.site_names.index(request["site"]), f"killed (fault injection at step {request['step']})")
+                    site = topo.site_names.index(request["site"])
+                    lose(site, f"killed (fault injection at step {request['step']})")
+                    if cfg.fault.restart_after:
+                        restart_at[site] = time.monotonic() + cfg.fault.restart_after
+                for site, at in sorted(restart_at.items()):
+                    if time.monotonic() >= at:
+                        del restart_at[site]
+                        if procs[0].poll() is None:  # else the run is over: nothing to rejoin
+                            restart(site)
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and topo.info(r).site_index not in lost]
             started = tolerant and bad and first_step.exists() and first_step.stat().st_size > 0

@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,9 +45,10 @@ class Evaluator:
         model: a copy of the model to load the global parameters into.
         batches: the fixed evaluation batches (identical on every rank).
         tokens_per_rank_step: tokens one rank processes per step (the curve's x axis counts all ranks').
-        lost_sites: the sites that died (asynchronous quorum rounds go on without them). Once there
-            are any, the world group cannot be used: the first site's ranks evaluate alone, on
-            their site's group, and the other ranks get NaN.
+        world_broken: whether a site was lost (asynchronous quorum rounds go on without it). From
+            then on the world group cannot be used: the first site's ranks evaluate alone, on
+            their site's group, and the other ranks get NaN (a site that came back, whose world is
+            its own ranks, evaluates on it).
     """
 
     def __init__(
@@ -56,9 +57,9 @@ class Evaluator:
         batches: list[tuple[torch.Tensor, torch.Tensor]],
         groups: ProcessGroups,
         tokens_per_rank_step: int,
-        lost_sites: Callable[[], Sequence[int]] = lambda: (),
+        world_broken: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.model, self.batches, self.groups, self.lost_sites = model, batches, groups, lost_sites
+        self.model, self.batches, self.groups, self.world_broken = model, batches, groups, world_broken
         self.tokens_per_rank_step = tokens_per_rank_step
         self.sharded = any(is_dtensor(p) for p in model.parameters())
         self.curve: list[dict[str, float]] = []
@@ -68,7 +69,7 @@ class Evaluator:
     def loss(self, params: list[torch.Tensor]) -> float:
         g = self.groups
         ranks, group = list(range(g.topology.world_size)), g.world
-        if self.lost_sites():
+        if self.world_broken():
             if g.me.site_index != 0:
                 return float("nan")
             ranks, group = list(g.intra_ranks), g.intra

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ from geotrain.run.fsdp import copy_on, shard_model
 from geotrain.run.loop import Evaluator, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
 from geotrain.run.state import RankObjects, check_same_start
-from geotrain.sync import UpdateGuard, build_sync, fragment_count
+from geotrain.sync import AsyncDiLoCo, Rejoin, UpdateGuard, build_sync, fragment_count
 
 
 def rank_threads(requested: int) -> int:
@@ -87,7 +88,9 @@ class Placement:
 
     Plain mode: the whole run is one torch.distributed world. Elastic mode: this process's world
     is its own site (``GEOTRAIN_SITE_INDEX``; ``GEOTRAIN_INCARNATION`` > 0 for a restarted site),
-    and sites meet once per round through :mod:`geotrain.elastic`.
+    and sites meet once per round through :mod:`geotrain.elastic`. A site of asynchronous quorum
+    rounds that the launcher started again after it was lost (``GEOTRAIN_REJOIN=1``, with the same
+    two variables) is its own world too, and talks to the syncer through the run's store.
     """
 
     full: Topology  # every site of the run
@@ -95,27 +98,37 @@ class Placement:
     elastic: bool
     site_index: int = 0
     incarnation: int = 0
+    rejoined: bool = False  # a quorum-rounds site that came back
 
     @classmethod
     def from_env(cls, cfg: Config) -> Placement:
         full = Topology.from_config(cfg.topology)
-        if not cfg.elastic.enabled:
+        rejoined = cfg.sync.quorum is not None and os.environ.get("GEOTRAIN_REJOIN") == "1"
+        if not cfg.elastic.enabled and not rejoined:
             return cls(full, full, False)
         site, incarnation = elastic_env(full)
         one = dataclasses.replace(
             full, site_names=(full.site_names[site],), workers=(full.workers[site],), pair_links=(), region_of=(), region_names=()
         )
-        return cls(full, one, True, site, incarnation)
+        return cls(full, one, cfg.elastic.enabled, site, incarnation, rejoined)
+
+    @property
+    def own_world(self) -> bool:
+        """This process's world is its site alone (elastic mode, or a site that came back)."""
+        return self.elastic or self.rejoined
 
     def where(self, me: RankInfo) -> RankInfo:
         """This rank's place in the whole run (``me``: its place in its own world)."""
-        return self.full.info(self.full.first_rank(self.site_index) + me.local_rank) if self.elastic else me
+        return self.full.info(self.full.first_rank(self.site_index) + me.local_rank) if self.own_world else me
 
 
-def quorum_kill(cfg: Config, out: Path, where: RankInfo) -> Callable[[int], None] | None:
+def quorum_kill(cfg: Config, out: Path, where: RankInfo, incarnation: int = 0) -> Callable[[int], None] | None:
     """``fault.kill`` with asynchronous quorum rounds: at the step, this site asks the launcher to
-    SIGKILL every process of it (:func:`request_fault`, in ``OUT/faults``)."""
-    steps = {step for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and kind == "kill"}
+    SIGKILL every process of it (:func:`request_fault`, in ``OUT/faults``). The site's
+    ``incarnation``-th start skips its first ``incarnation`` kills: they happened to its predecessors
+    (a site that came back goes on from its last delivered round, before the step it was killed at)."""
+    kills = sorted(step for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and kind == "kill")
+    steps = set(kills[incarnation:])
     if not steps:
         return None
 
@@ -139,9 +152,9 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         lanes=cfg.sync.lanes,
         chunk_bytes=cfg.sync.chunk_bytes,
         emulate=mode,
-        run_key=os.environ.get("GEOTRAIN_WAN_KEY") or None,  # elastic: one key for all sites (else MASTER_PORT)
+        run_key=os.environ.get("GEOTRAIN_WAN_KEY") or None,  # elastic, rejoined: one key for all sites (else MASTER_PORT)
         links=place.full,
-        site_index=place.site_index if place.elastic else None,
+        site_index=place.site_index if place.own_world else None,
         site_mesh=cfg.sync.within_site == "fsdp",
     )
     groups = comm.groups
@@ -206,13 +219,23 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             private=privacy.aggregation,
             guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
             nan_at=cfg.fault.nan_at() if outer else None,
+            rejoin=Rejoin(place.full, place.site_index, place.incarnation) if place.rejoined else None,
         )
         objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
         ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
         if place.elastic:  # every site is its own world with its own checkpoints
             ckpt_root = ckpt_root / where.site
         start = objs.resume(cfg.checkpoint.resume, ckpt_root) if cfg.checkpoint.resume else 0
-        inject = quorum_kill(cfg, out, where) if cfg.sync.quorum is not None else None
+        if place.rejoined:  # heal from the syncer's model; data and schedule go on from the steps delivered
+            assert isinstance(sync, AsyncDiLoCo)
+            start = sync.rejoin_run()
+            data.train.skip(start * data.micro_batches)
+            with warnings.catch_warnings():  # no optimizer step yet: torch warns about the order
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(start):
+                    scheduler.step()
+            log(where, start, f"incarnation {place.incarnation}: rejoined the asynchronous rounds at version {sync.version}")
+        inject = quorum_kill(cfg, out, where, place.incarnation) if cfg.sync.quorum is not None else None
         if place.elastic:
             faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
             member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
@@ -230,7 +253,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             if inject is not None:
                 inject(step)
 
-        evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step, lost_sites=lambda: sync.lost_sites)
+        evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step, world_broken=lambda: sync.world_broken)
         result = train_loop(
             model,
             data,
@@ -255,9 +278,10 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         final_params = None
         if cfg.train.save_final:  # whole tensors (sharded: gathered in each site, every rank takes part)
             final_params = sync.full_tensors(sync.global_parameters())
-        gathered = sync.gather_records(rank_record(me, comm.stats, result, sync.global_hash()))
+        # a site that came back reports its ranks' places in the whole run
+        gathered = sync.gather_records(rank_record(where if place.rejoined else me, comm.stats, result, sync.global_hash()))
         summary = None
-        if me.rank == 0:
+        if me.rank == 0 and not place.rejoined:
             run = {
                 "algorithm": cfg.sync.algorithm,
                 "H": cfg.sync.H if cfg.sync.algorithm != "ddp" else 1,
@@ -298,7 +322,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
                 export_model(whole, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
         if cfg.train.timeline:
             write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
-        if not sync.lost_sites:  # with a site gone, the world group cannot be used
+        if not sync.world_broken:  # with a site gone, the world group cannot be used
             dist.barrier(group=groups.world)
         sync.close()
         return summary
@@ -306,7 +330,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         if member is not None:
             member.close()  # on every path: its heartbeat thread must not outlive the interpreter
         # the launcher of an elastic run removes its shared link state; a plain run's rank 0 does
-        close_collectives(comm, unlink_links=me.rank == 0 and not place.elastic)
+        close_collectives(comm, unlink_links=me.rank == 0 and not place.own_world)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from geotrain.sync.ddp import DDP
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.guard import UpdateGuard
 from geotrain.sync.outer import OuterSync
-from geotrain.sync.quorum import AsyncDiLoCo
+from geotrain.sync.quorum import AsyncDiLoCo, Rejoin
 from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
 from geotrain.sync.tiers import TieredDiLoCo
@@ -33,6 +33,7 @@ __all__ = [
     "DDP",
     "DiLoCo",
     "OuterSync",
+    "Rejoin",
     "SiteReducer",
     "StreamingDiLoCo",
     "SyncAlgorithm",
@@ -55,6 +56,7 @@ def build_sync(
     private: PrivateAverage | None = None,
     guard: UpdateGuard | None = None,
     nan_at: set[tuple[str, int]] | None = None,
+    rejoin: Rejoin | None = None,
 ) -> SyncAlgorithm:
     """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section, hooked
     onto ``optimizer``.
@@ -64,21 +66,21 @@ def build_sync(
         example_dp: DP-SGD on the inner steps (any algorithm).
         private, guard, nan_at: for the pseudo-gradients of DiLoCo and Streaming DiLoCo: private
             aggregation, the update guard, and failure injection ({(site, round)} sent as NaN).
+        rejoin: asynchronous quorum rounds, a site that came back (its world is its own ranks).
     """
     alg: SyncAlgorithm
     if cfg.algorithm == "ddp":
         alg = DDP(model, optimizer, comm, grad_clip, cfg.allreduce, cfg)
     else:
-        cls = (
-            StreamingDiLoCo
-            if cfg.algorithm == "streaming"
-            else TieredDiLoCo
-            if cfg.region_every
-            else AsyncDiLoCo
-            if cfg.quorum is not None
-            else DiLoCo
-        )
-        outer = cls(model, optimizer, comm, grad_clip, cfg)
+        outer: OuterSync
+        if cfg.algorithm == "streaming":
+            outer = StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg)
+        elif cfg.region_every:
+            outer = TieredDiLoCo(model, optimizer, comm, grad_clip, cfg)
+        elif cfg.quorum is not None:
+            outer = AsyncDiLoCo(model, optimizer, comm, grad_clip, cfg, rejoin)
+        else:
+            outer = DiLoCo(model, optimizer, comm, grad_clip, cfg)
         if cfg.quorum is not None:  # the guard's outlier test is collective; the syncer leaves non-finite updates out
             guard = None
         outer.private, outer.guard, outer.nan_at = private, guard, set(nan_at or ())

@@ -137,6 +137,11 @@ class SyncAlgorithm:
     F = 1  # fragments synced separately (Streaming DiLoCo: its F)
     lost_sites: Sequence[int] = ()  # sites that died and the run went on without (asynchronous quorum rounds)
 
+    @property
+    def world_broken(self) -> bool:
+        """A site died since the start, so the world group holds dead ranks and must not be used."""
+        return bool(self.lost_sites)
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float) -> None:
         self.model = model
         self.optimizer = optimizer

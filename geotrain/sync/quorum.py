@@ -40,9 +40,17 @@ model.
 
 A site that dies (any but the first, which holds the syncer) is **late forever**: the syncer
 learns it from the closed connection (:mod:`geotrain.comm.mailbox`), keeps the updates already in,
-and from then on counts a world round over the live sites only. The final answer names the live
-sites, so the end of the run (evaluation, rank records) avoids the world group, which holds the
+and from then on counts a world round over the live sites only. Every answer names the sites ever
+lost, so the end of the run (evaluation, rank records) avoids the world group, which holds the
 dead ranks (:meth:`AsyncDiLoCo.gather_records`, :class:`geotrain.run.loop.Evaluator`).
+
+A lost site **comes back** when the launcher starts it again (``fault.restart_after``). Its new
+ranks form a torch.distributed world of their own (:class:`Rejoin`), since the run's world cannot
+grow; its leader adds 1 to the site's join counter in the run's store and talks to the syncer
+through store keys (:class:`geotrain.comm.mailbox.StoreChannel`). The syncer answers with the
+global model (the site's new base), the steps the site had delivered (its data stream and
+schedule go on from there: the round it died in is lost) and the run's elapsed time (so it stops
+with the others), and counts it in the world round again (:meth:`QuorumSyncer._rejoin`).
 
 Non-finite updates are left out by the syncer (the update guard's cross-site outlier test is a
 collective and is not applied here). Every wait is bounded by ``quorum.timeout_s``.
@@ -50,29 +58,56 @@ collective and is not applied here). Every wait is bounded by ``quorum.timeout_s
 
 from __future__ import annotations
 
+import json
 import queue
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from geotrain.comm.alive import Heartbeat
+from geotrain.comm.alive import Heartbeat, run_store
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.groups import leaders_group
-from geotrain.comm.mailbox import Mailbox
+from geotrain.comm.mailbox import Mailbox, StoreChannel, channel_keys, join_key, link_arrival
+from geotrain.comm.topology import Topology
 from geotrain.config import SyncConfig
 from geotrain.errors import SyncerTimeout
 from geotrain.sync.base import views_like
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import pseudo_gradient
-from geotrain.sync.syncer import FIELDS, FINAL, UPDATE, QuorumSyncer, Update, first_round_steps, mask_sites
+from geotrain.sync.syncer import (
+    FIELDS,
+    FINAL,
+    UPDATE,
+    QuorumSyncer,
+    Rejoins,
+    Update,
+    first_round_steps,
+    mask_sites,
+)
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """A site that came back: its ranks' world is the site alone. ``full``: the whole run's
+    topology; ``site``: its index in it; ``incarnation``: how many times it was started before."""
+
+    full: Topology
+    site: int
+    incarnation: int
+
+
+def records_key(site: int) -> str:
+    """The run store's key of a site's rank records at the end of a run that lost a site."""
+    return f"geotrain/quorum/records/{site}"
 
 
 class AsyncDiLoCo(DiLoCo):
-    """DiLoCo with asynchronous quorum rounds (``sync.quorum``; see the module docstring)."""
+    """DiLoCo with asynchronous quorum rounds (``sync.quorum``; see the module docstring).
+    ``rejoin``: this site came back after it was lost (its world is its own ranks)."""
 
     def __init__(
         self,
@@ -81,31 +116,40 @@ class AsyncDiLoCo(DiLoCo):
         comm: Collectives,
         grad_clip: float,
         cfg: SyncConfig,
+        rejoin: Rejoin | None = None,
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip, cfg)
         assert cfg.quorum is not None
         self.quorum = cfg.quorum
         g = comm.groups
-        topo = g.topology
-        self.leaders = topo.inter_ranks(0)
-        group = leaders_group(topo)  # collective: every rank
+        self.rejoin = rejoin
+        self.full = g.topology if rejoin is None else rejoin.full  # the whole run
+        self.site_index = g.me.site_index if rejoin is None else rejoin.site
+        self.leaders = self.full.inter_ranks(0)
         self.leader = g.me.local_rank == 0
-        self.mailbox = Mailbox(comm, group, FIELDS) if self.leader else None
+        self.mailbox: Mailbox | None = None
+        self.channel: StoreChannel | None = None  # a site that came back: to the syncer through the run's store
+        if rejoin is None:
+            group = leaders_group(g.topology)  # collective: every rank
+            self.mailbox = Mailbox(comm, group, FIELDS) if self.leader else None
         self.syncer: QuorumSyncer | None = None
-        if g.me.rank == self.leaders[0]:
+        if rejoin is None and g.me.rank == self.leaders[0]:
             assert self.mailbox is not None
             self.syncer = QuorumSyncer(
                 cfg.quorum,
                 cfg.weight_by_tokens,
-                topo.workers,
+                self.full.workers,
                 self.global_params,
                 self._outer_optimizer,
                 cfg,
                 self.mailbox,
                 self.leaders,
-                [topo.site_ranks(i) for i in range(topo.num_sites)],
+                [self.full.site_ranks(i) for i in range(self.full.num_sites)],
+                rejoins=Rejoins(self._run_store, self._syncer_channel),
             )
-        self.heartbeat = Heartbeat(g.me.rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
+        rank = self.full.first_rank(self.site_index) + g.me.local_rank
+        self.heartbeat = Heartbeat(rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
+        self.ever_lost: list[int] = []  # sites lost at some point (the syncer's last answer)
         self.version = 0
         self.world_total = 0
         self.clock.limit = first_round_steps(cfg)  # the syncer sets each later round's (dynamic local updates)
@@ -113,6 +157,7 @@ class AsyncDiLoCo(DiLoCo):
         self.waits: list[float] = []  # seconds this site waited at each of its boundaries
         self._max_seconds = 0.0
         self._t0: float | None = None
+        self._site_steps, self._elapsed = 0, 0.0  # the syncer's last answer: this site's steps delivered, its seconds
         self._done = False
         self._finished = False
 
@@ -137,26 +182,81 @@ class AsyncDiLoCo(DiLoCo):
     def pace_log(self) -> list[dict[str, Any]]:
         return [] if self.syncer is None else list(self.syncer.log)
 
+    @property
+    def world_broken(self) -> bool:
+        return bool(self.ever_lost) or self.rejoin is not None
+
+    def _run_store(self) -> Any:
+        return run_store(self.quorum.timeout_s)
+
+    def _syncer_channel(self, site: int, incarnation: int) -> StoreChannel:
+        """The syncer's end of the channel to ``site``'s ``incarnation`` that came back."""
+        up, down = channel_keys(site, incarnation)
+        dst, mailbox = self.leaders[site], self.mailbox
+        assert mailbox is not None
+        return StoreChannel(
+            self._run_store,
+            send=down,
+            recv=up,
+            fields=FIELDS,
+            src=dst,
+            arrival=lambda n: mailbox.arrival(dst, n),
+            count=lambda n: self.comm._count(dst, n, n),
+        )
+
+    @torch.no_grad()
+    def rejoin_run(self) -> int:
+        """This site came back: ask the syncer to take it back and go on from the global model it
+        sends; returns the step its data stream and schedule go on from (the steps it had delivered).
+
+        Raises:
+            SyncerTimeout: no answer within ``sync.quorum.timeout_s``.
+        """
+        assert self.rejoin is not None
+        answer = None
+        if self.leader:
+            store = self._run_store()
+            incarnation = int(store.add(join_key(self.site_index), 1))
+            up, down = channel_keys(self.site_index, incarnation)
+            wan, other_region = self.comm.wan, not self.full.same_region(0, self.site_index)
+            self.channel = StoreChannel(
+                self._run_store,
+                send=up,
+                recv=down,
+                fields=FIELDS,
+                src=self.leaders[0],
+                arrival=lambda n: link_arrival(wan, 0, n),
+                count=lambda n: self.comm.count_far(n, other_region=other_region),
+            )
+            msg = self.channel.receive(self.quorum.timeout_s)
+            if msg is None:
+                raise SyncerTimeout(
+                    f"no answer from {self._syncer_name()} to this site's rejoin within "
+                    f"sync.quorum.timeout_s={self.quorum.timeout_s:g} s"
+                )
+            answer = (msg.fields, msg.payload)
+        self._take(answer)
+        self._t0 = time.perf_counter() - self._elapsed  # stop with the others (train.max_seconds)
+        return self._site_steps
+
     def gather_records(self, record: Any) -> list[Any]:
         """Every live rank's ``record`` (on global rank 0; the others get their site's). Once a site
-        has died the world group cannot be used: each site gathers on its own group, and the other
-        live sites' leaders send theirs to rank 0 on the leaders' group."""
-        if not self.lost_sites:
+        has been lost the world group cannot be used: each site gathers on its own group, and the
+        other live sites' leaders put theirs in the run's store for rank 0 (JSON)."""
+        if not self.world_broken:
             return super().gather_records(record)
         g = self.comm.groups
         mine: list[Any] = [None] * len(g.intra_ranks)
         dist.gather_object(record, mine if self.leader else None, dst=g.intra_ranks[0], group=g.intra)
         if not self.leader:
             return []
-        assert self.mailbox is not None
-        if g.me.rank != self.leaders[0]:
-            dist.send_object_list([mine], dst=self.leaders[0], group=self.mailbox.group)
+        store = self._run_store()  # a get waits for its key up to sync.quorum.timeout_s
+        if self.site_index:
+            store.set(records_key(self.site_index), json.dumps(mine))
             return mine
-        for s, r in enumerate(self.leaders):
-            if s and s not in self.lost_sites:
-                box: list[Any] = [None]
-                dist.recv_object_list(box, src=r, group=self.mailbox.group)
-                mine += box[0]
+        for s in range(1, self.full.num_sites):
+            if s not in self.lost_sites:
+                mine += json.loads(store.get(records_key(s)))
         return mine
 
     def finish(self) -> None:
@@ -183,26 +283,41 @@ class AsyncDiLoCo(DiLoCo):
         g = self.comm.groups
         steps = self._steps_in_round
         delta = pseudo_gradient(self.global_params, self.local_params())
-        site = g.topology.site_names[g.me.site_index]
-        if (site, self.rounds) in self.nan_at:  # failure injection
+        if (g.topology.site_names[g.me.site_index], self.rounds) in self.nan_at:  # failure injection
             delta.fill_(float("nan"))
         t0 = time.perf_counter()
-        control = torch.zeros(5, dtype=torch.float64)  # version, world steps, stop, next round's H, live sites
-        theta = torch.empty(delta.numel(), dtype=torch.float32)
+        answer = None
         if self.leader:
             payload = delta if steps else delta[:0]
-            update = Update(g.me.site_index, self.version, steps, self.site_workers, payload, final, self._round_compute)
-            fields, theta = self._deliver(update)
+            answer = self._deliver(
+                Update(self.site_index, self.version, steps, self.site_workers, payload, final, self._round_compute)
+            )
+        self._take(answer)
+        self.comm.add_wait(time.perf_counter() - t0)
+        self.waits.append(time.perf_counter() - t0)
+        self._round_compute = 0.0
+        if steps:
+            self.rounds += 1
+        self._steps_in_round = 0
+        self.clock.next_round(self.rounds)
+
+    def _take(self, answer: tuple[list[float], torch.Tensor] | None) -> None:
+        """Go on from the syncer's ``answer`` (the leader's; None on the site's other ranks, which
+        get it from the leader): the global model, version, next H, live and lost sites."""
+        g = self.comm.groups
+        # version, world steps, stop, next round's H, live sites, sites ever lost, this site's steps, the syncer's seconds
+        control = torch.zeros(8, dtype=torch.float64)
+        theta = torch.empty(sum(p.numel() for p in self.global_params), dtype=torch.float32)
+        if answer is not None:
+            fields, theta = answer
             time_up = bool(self._max_seconds) and self._t0 is not None and time.perf_counter() - self._t0 >= self._max_seconds
-            control[:] = torch.tensor([fields[0], fields[1], float(time_up), fields[2], fields[3]])
+            control[:] = torch.tensor([fields[0], fields[1], float(time_up), *fields[2:7]])
         if len(g.intra_ranks) > 1:  # the site's other ranks get the leader's answer
             for t in (control, theta):
                 dist.broadcast(t, g.intra_ranks[0], group=g.intra)
                 if self.leader:
                     for r in g.intra_ranks[1:]:
                         self.comm._count(r, t.numel() * t.element_size())
-        self.comm.add_wait(time.perf_counter() - t0)
-        self.waits.append(time.perf_counter() - t0)
         for gp, v in zip(self.global_params, views_like(theta, self.global_params), strict=True):
             gp.copy_(v)
         for p, gp in zip(self.local_params(), self.global_params, strict=True):
@@ -210,18 +325,18 @@ class AsyncDiLoCo(DiLoCo):
         self.version, self.world_total = int(control[0]), int(control[1])
         self._done = bool(control[2])
         self.clock.limit = max(1, int(control[3]))
-        n = g.topology.num_sites
+        n = self.full.num_sites
         self.lost_sites = [s for s in range(n) if s not in mask_sites(float(control[4]), n)]
-        self._round_compute = 0.0
-        if steps:
-            self.rounds += 1
-        self._steps_in_round = 0
-        self.clock.next_round(self.rounds)
+        self.ever_lost = mask_sites(float(control[5]), n)
+        self._site_steps, self._elapsed = int(control[6]), float(control[7])
+
+    def _syncer_name(self) -> str:
+        return f"the syncer (site {self.full.site_names[0]}'s local rank 0)"
 
     def _deliver(self, update: Update) -> tuple[list[float], torch.Tensor]:
         """Hand ``update`` to the syncer; its answer (version, world steps, ...; flat global model)."""
         timeout = self.quorum.timeout_s
-        who = f"the syncer (site {self.comm.groups.topology.site_names[0]}'s local rank 0)"
+        who = self._syncer_name()
         if self.syncer is not None:
             self.syncer.inbox.put(replace(update, delta=update.delta.clone()))
             deadline = time.monotonic() + timeout
@@ -233,14 +348,22 @@ class AsyncDiLoCo(DiLoCo):
                 except queue.Empty:
                     if time.monotonic() > deadline:
                         raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
-        assert self.mailbox is not None
         fields = [
             FINAL if update.final else UPDATE,
             float(update.base),
             float(update.steps),
             float(update.workers),
             update.compute_s,
+            0.0,
+            0.0,
         ]
+        if self.channel is not None:  # a site that came back
+            self.channel.send(fields, update.delta)
+            msg = self.channel.receive(timeout)
+            if msg is None:
+                raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
+            return msg.fields, msg.payload
+        assert self.mailbox is not None
         self.mailbox.send(self.leaders[0], fields, update.delta)
         msg = self.mailbox.receive(self.leaders[0], timeout)
         if msg is None:

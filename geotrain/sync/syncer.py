@@ -5,7 +5,9 @@ rule, in a thread beside the first site's local rank 0 (what it does and why:
 It takes each site's update as it comes (site 0's from a queue in memory, the others' through
 :mod:`geotrain.comm.mailbox`), merges a round once a quorum is in (plus the grace window),
 discounts late updates by staleness, applies delayed Nesterov, answers each site with the global
-model, and treats a site whose connection closed as late forever.
+model, and treats a site whose connection closed as late forever. A lost site that comes back
+(started again by the launcher) asks to rejoin through the run's store; the syncer answers it with
+the global model and where to go on from, and takes it back into the world round.
 """
 
 from __future__ import annotations
@@ -13,20 +15,22 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from geotrain.comm.alive import SilenceWatch
-from geotrain.comm.mailbox import Mailbox, Message
+from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join_key
 from geotrain.config import QuorumConfig, SyncConfig
 from geotrain.sync.base import views_like
 from geotrain.sync.outer import outer_step_
 
 UPDATE, FINAL = 1.0, 2.0
-FIELDS = 5  # site → syncer: [kind, base, steps, workers, compute s]; syncer → site: [version, world steps, next H, live sites, 0]
+# site → syncer: [kind, base, steps, workers, compute s, 0, 0]
+# syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's seconds]
+FIELDS = 7
 
 
 @dataclass
@@ -56,7 +60,37 @@ def dynamic_steps(rates: Sequence[float], current: Sequence[int], H: int) -> lis
     return [max(1, min(H, round(H * r / fastest))) if r > 0 else c for r, c in zip(rates, current, strict=True)]
 
 
-def site_mask(sites: Sequence[int]) -> float:
+class Rejoins:
+    """Lost sites that came back, read from the run's store (:func:`join_key`), the channel to
+    each (``channel(site, incarnation)``), and which of them the launcher saw go down again
+    (:func:`down_key`: the store does not close a connection when a site dies)."""
+
+    def __init__(self, connect: Callable[[], Any], channel: Callable[[int, int], StoreChannel]) -> None:
+        self.connect, self.channel = connect, channel
+        self.seen: dict[int, int] = {}  # the last incarnation of each site taken back
+        self._store: Any = None
+
+    def _read(self, key: str) -> int:
+        if self._store is None:
+            self._store = self.connect()
+        return int(self._store.add(key, 0))  # a read that never blocks on a missing key
+
+    def poll(self, lost: Iterable[int]) -> list[tuple[int, int]]:
+        """(site, incarnation) of each of the ``lost`` sites whose new incarnation asked to rejoin."""
+        back = []
+        for s in sorted(lost):
+            k = self._read(join_key(s))
+            if k > self.seen.get(s, 0):
+                self.seen[s] = k
+                back.append((s, k))
+        return back
+
+    def down(self, sites: Iterable[int]) -> list[int]:
+        """Of ``sites`` (that came back), those whose current incarnation the launcher saw exit."""
+        return [s for s in sorted(sites) if self._read(down_key(s)) >= self.seen.get(s, 0)]
+
+
+def site_mask(sites: Iterable[int]) -> float:
     """A set of site indices as one float64 field (exact for up to 53 sites)."""
     return float(sum(1 << s for s in set(sites)))
 
@@ -152,6 +186,7 @@ class QuorumSyncer:
         mailbox: Mailbox,
         leaders: Sequence[int],
         site_ranks: Sequence[Sequence[int]] = (),
+        rejoins: Rejoins | None = None,
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
         # the other sites' ranks, watched for silence (a hung site is lost like a dead one); none: not watched
@@ -168,6 +203,9 @@ class QuorumSyncer:
         self.version = 0
         self.world_steps = 0  # rank-steps merged so far
         self.lost: set[int] = set()  # sites that died: late forever, left out of the world round from then on
+        self.ever_lost: set[int] = set()  # sites lost at some point (the world group has their dead ranks)
+        self.site_steps = [0] * len(self.workers)  # steps each site has delivered (a site that comes back goes on from there)
+        self.rejoins, self.channels = rejoins, dict[int, StoreChannel]()  # lost sites that came back, and how to reach them
         self.inbox: queue.Queue[Update] = queue.Queue()  # from site 0 (same process)
         self.outbox: queue.Queue[tuple[list[float], torch.Tensor]] = queue.Queue()  # to site 0
         self.log: list[dict[str, Any]] = []  # one entry per merge
@@ -188,7 +226,7 @@ class QuorumSyncer:
             self.error = exc
 
     def _decode(self, msg: Message) -> Update:
-        kind, base, steps, workers, compute_s = msg.fields
+        kind, base, steps, workers, compute_s = msg.fields[:5]
         site = self.leaders.index(msg.src)
         return Update(site, int(base), int(steps), int(workers), msg.payload, final=kind == FINAL, compute_s=compute_s)
 
@@ -212,7 +250,16 @@ class QuorumSyncer:
         finals: set[int] = set()
         gone: set[int] = set()  # sites whose connection closed, lost once their messages in flight are in
         quorum_at: float | None = None
+        poll_joins_at = 0.0
         while not self._stop.is_set():
+            if self.rejoins is not None and (self.lost or self.channels) and time.monotonic() >= poll_joins_at:
+                poll_joins_at = time.monotonic() + 0.1
+                for s in self.rejoins.down(self.channels):
+                    self._lose(s, "its processes exited (the launcher saw them go)")
+                for s, k in self.rejoins.poll(self.lost):
+                    pending = [p for p in pending if p[1].site != s]  # its dead incarnation's: late forever
+                    finals.discard(s)
+                    self._rejoin(s, k, incoming)
             while not incoming.empty():
                 m = incoming.get_nowait()
                 if m.lost:
@@ -233,6 +280,7 @@ class QuorumSyncer:
             for _, u in due:
                 if u.site in self.lost:  # sent before it went silent, arrived after it was lost: late forever
                     continue
+                self.site_steps[u.site] += u.steps
                 self._measure(u)
                 if u.final:
                     finals.add(u.site)
@@ -314,16 +362,46 @@ class QuorumSyncer:
         if site in self.lost:
             return
         self.lost.add(site)
+        self.ever_lost.add(site)
         self.outer.sites = len(self.workers) - len(self.lost)
+        channel = self.channels.pop(site, None)
+        if channel is not None:
+            channel.close()
         self._note("lost", [], [], f"site {site}: {why}; late forever", sites=[site])
+
+    def _rejoin(self, site: int, incarnation: int, incoming: queue.Queue[Message]) -> None:
+        """Lost ``site`` came back as ``incarnation``: from now on it counts in the world round
+        again, its messages come through the run's store, and it is answered at once with the
+        global model (its new base) and the steps it had delivered (where its data goes on)."""
+        self.lost.discard(site)
+        self.outer.sites = len(self.workers) - len(self.lost)
+        assert self.rejoins is not None
+        channel = self.channels[site] = self.rejoins.channel(site, incarnation)
+        channel.listen(incoming, lambda m: m.fields[0] == FINAL)
+        if self.site_ranks:
+            self.watch.restart(self.site_ranks[site])
+        why = f"site {site}: incarnation {incarnation} came back; it goes on from version {self.version}, its step {self.site_steps[site]}"
+        self._note("rejoined", [], [], why, sites=[site])
+        self._reply([site])
 
     def _reply(self, sites: Sequence[int]) -> None:
         theta = torch.cat([t.reshape(-1) for t in self.theta])
         live = site_mask([s for s in range(len(self.workers)) if s not in self.lost])
+        elapsed = time.monotonic() - self._t0
         for s in sites:
-            fields = [float(self.version), float(self.world_steps), float(self.H[s]), live, 0.0]
+            fields = [
+                float(self.version),
+                float(self.world_steps),
+                float(self.H[s]),
+                live,
+                site_mask(self.ever_lost),
+                float(self.site_steps[s]),
+                elapsed,
+            ]
             if s == 0:
                 self.outbox.put((fields, theta.clone()))
+            elif s in self.channels:
+                self.channels[s].send(fields, theta)
             elif s not in self.lost:
                 self.mailbox.send(self.leaders[s], fields, theta)
         self._check_sends()
@@ -332,4 +410,6 @@ class QuorumSyncer:
         """Lose the sites an answer could not be sent to (they are gone). Never waits: a site that
         hangs may never take its answer, and the others must not wait for it."""
         for r in self.mailbox.poll():
-            self._lose(self.leaders.index(r), "the answer to it could not be sent")
+            site = self.leaders.index(r)
+            if site not in self.channels:  # not a send to the dead incarnation of a site that came back
+                self._lose(site, "the answer to it could not be sent")
