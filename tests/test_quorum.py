@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from geotrain.codecs import build_codec
 from geotrain.comm.mailbox import Message, StoreChannel, channel_keys, down_key, join_key
 from geotrain.comm.procs import listening_store
 from geotrain.config import load_config
@@ -206,7 +207,7 @@ def test_a_killed_site_comes_back_heals_from_the_syncer_and_ends_on_the_same_mod
     after = [m for m in merges[events[3][0] + 1 :] if 1 in m["sites"]]
     assert len(after) >= 2  # the last incarnation delivered, and its updates were merged
     assert sum(b_steps) == 32 + 32 + (s["per_site"][1]["steps"] - 64)  # rounds 3-4 of incarnation 1, then from 64 on
-    assert merges[-1]["kind"] == "final" and 1 in merges[-1]["sites"]
+    assert merges[-1]["kind"] == "final"  # (it may hold nothing: every last update may be merged already)
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
     assert len(s["per_rank"]) == 4
     for rank in (1, 2):  # both of B's ranks were started twice more, each time as their own world
@@ -214,6 +215,31 @@ def test_a_killed_site_comes_back_heals_from_the_syncer_and_ends_on_the_same_mod
             assert (tmp_path / "rejoin" / "logs" / f"rank{rank}.{k}.log").exists()
     assert "rejoined the asynchronous rounds" in (tmp_path / "rejoin" / "logs" / "rank1.2.log").read_text()
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_codec_sends_both_ways_encoded_and_the_final_round_is_exact(tmp_path: Path) -> None:
+    """int8 on sites of 2 and 1 workers and a quorum of both: the update and the answer cross
+    encoded (about 4x fewer bytes than the fp32 run of the same rounds), the sites hold the
+    syncer's encoded changes in between, the last answer is fp32, so every rank ends on one
+    model, and the loss is close to fp32's. A NaN update crosses in fp32 and is left out."""
+    common = [TWO, "train.steps=40", "sync.H=8", "topology.links.emulate=off", "sync.quorum={sites: 2, grace_s: .inf}"]
+    fp32, _ = _run(tmp_path, "fp32", common)
+    int8, _ = _run(tmp_path, "int8", [*common, "sync.codec=int8", "fault.nan=[B@2]"])
+    # only B's leader and the syncer talk across sites: 5 rounds, then a final delivery of no steps.
+    # B sends 4 int8 updates, the NaN one in fp32 and an empty final; the syncer 5 int8 answers
+    # and the final one in fp32. Every message has a header of 10 float64 fields.
+    n, head = fp32["params"], 10 * 8
+    enc = build_codec("int8").encoded_nbytes(n)
+    assert fp32["inter_site_bytes"] == 11 * (head + 4 * n) + head and fp32["compression_ratio"] == 1.0
+    assert int8["inter_site_bytes"] == 9 * (head + enc) + 2 * (head + 4 * n) + head
+    assert int8["compression_ratio"] == pytest.approx((11 * (head + 4 * n) + head) / int8["inter_site_bytes"])
+    assert len(set(int8["global_param_hash"].values())) == 1 and int8["hashes_agree_within_sites"]
+    rejected = [m for m in int8["pace"] if m["kind"] == "rejected"]
+    assert len(rejected) == 1 and rejected[0]["sites"] == [1]
+    assert abs(int8["final_eval_loss"] / fp32["final_eval_loss"] - 1) < 0.05
+    assert int8["final_eval_loss"] < int8["eval_curve"][0]["eval_loss"]
 
 
 def _start_three_sites(out: Path, quorum: str) -> tuple[threading.Thread, dict[str, Any], list[int]]:
@@ -315,7 +341,7 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
         (["sync.quorum={sites: 5}"], "sync.quorum.sites: 5 is more than the 2 sites in topology.sites (allowed: 1..2)"),
         (["sync.quorum={sites: 1}", "sync.algorithm=streaming"], "sync.algorithm: not combined with sync.quorum yet"),
         (["sync.quorum={sites: 1}", "sync.pace=adaptive"], "sync.pace: not combined with sync.quorum yet"),
-        (["sync.quorum={sites: 1}", "sync.codec=int8"], "sync.codec: not combined with sync.quorum yet"),
+        (["sync.quorum={sites: 1}", "sync.codec=powersgd"], "sync.codec: not combined with sync.quorum yet"),
         (["sync.quorum={sites: 1}", "elastic.enabled=true"], "elastic.enabled: not combined with sync.quorum yet"),
         (
             ["sync.quorum={sites: 1}", "fault.kill=[A@5]"],
@@ -361,7 +387,7 @@ def test_a_store_channel_carries_messages_in_order_and_leaves_nothing_behind() -
     site.send([4.0, 0.0, 0.0], torch.empty(0))  # a final delivery of no steps
     first, second = syncer.receive(5.0), syncer.receive(5.0)
     assert first is not None and second is not None
-    assert first.src == 5 and first.fields == [1.0, 2.0, 3.5] and torch.equal(first.payload, torch.arange(5.0))
+    assert first.src == 5 and first.fields == [1.0, 2.0, 3.5] and torch.equal(first.floats(), torch.arange(5.0))
     assert second.fields == [4.0, 0.0, 0.0] and second.payload.numel() == 0
     assert server.num_keys() <= 1  # received keys are deleted (the count may include the store's own)
     t = time.monotonic()

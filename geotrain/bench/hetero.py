@@ -21,7 +21,9 @@ at the same round boundary), then evaluates the global model:
   modes: ``--modes async,async-kill``);
 * ``async-rejoin``: ``async-kill`` where the launcher starts B again 10 s after the kill
   (``fault.restart_after``): B rejoins through the run's store, heals from the syncer's model and
-  trains on from its last delivered round.
+  trains on from its last delivered round;
+* ``async-int8``: ``async`` with ``sync.codec=int8``: updates and answers cross encoded (for slow
+  links: ``--set topology.links.inter.bandwidth_bps=2e7``).
 
 It writes ``runs: [{mode, seed, site, utilization, steps, step_seconds}]`` and
 ``eval_loss: {mode: mean over seeds}``, with the targets evaluated on them.
@@ -46,6 +48,7 @@ MODES = {
     "async-dyn": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}"],
     "async-kill": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@1100]"],
     "async-rejoin": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@1100]", "fault.restart_after=10"],
+    "async-int8": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "sync.codec=int8"],
 }
 DEFAULT_MODES = ("sync", "adaptive", "async", "async-q2", "async-dyn")
 
@@ -105,6 +108,8 @@ def bench_hetero(
                         "staleness_mean": sum(stale) / max(1, len(stale)),
                         "staleness_max": max(stale, default=0),
                         "lost_sites": s["lost_sites"],
+                        "inter_site_bytes": s["inter_site_bytes"],
+                        "compression_ratio": s["compression_ratio"],
                         # sites lost and taken back, with the syncer's clock (s) and reason
                         "events": [
                             {k: m[k] for k in ("kind", "t", "sites", "why")}
@@ -125,7 +130,7 @@ def bench_hetero(
         "modes": list(modes),
         "seeds": list(seeds),
         "speeds": list(SPEEDS),
-        "link": {"bandwidth_bps": 1e9, "latency_s": 0.02},
+        "link": _link(hetero_config(modes[0], seconds, H, seeds[0], extra)),  # after any --set
         "runs": runs,
         "merges": merges,
         "eval_loss": eval_loss,
@@ -134,6 +139,11 @@ def bench_hetero(
         "targets": hetero_targets(runs, eval_loss),
         "bench_seconds": time.perf_counter() - t_start,
     }
+
+
+def _link(cfg: Config) -> dict[str, float]:
+    inter = cfg.topology.links.inter
+    return {"bandwidth_bps": inter.bandwidth_bps, "latency_s": inter.latency_s}
 
 
 def hetero_targets(runs: list[dict[str, Any]], eval_loss: dict[str, float]) -> dict[str, Any]:
@@ -157,7 +167,8 @@ def hetero_targets(runs: list[dict[str, Any]], eval_loss: dict[str, float]) -> d
 
 def print_hetero(result: dict[str, Any], console: Any) -> None:
     t = table(
-        f"bench hetero: 4 sites x 1 worker, speeds {result['speeds']}, 1 Gbit/s 20 ms, {result['seconds']:g} s each, H={result['H']}",
+        f"bench hetero: 4 sites x 1 worker, speeds {result['speeds']}, {result['link']['bandwidth_bps'] / 1e6:g} Mbit/s "
+        f"{result['link']['latency_s'] * 1e3:g} ms, {result['seconds']:g} s each, H={result['H']}",
         ["mode", "seed", "site", "speed", "steps", "s/step", "utilisation"],
     )
     for r in result["runs"]:
@@ -188,6 +199,11 @@ def print_hetero(result: dict[str, Any], console: Any) -> None:
         console.print(
             f"{m['mode']} seed {m['seed']}: {m['merges']} merges of {m['updates']} updates, staleness mean "
             f"{m['staleness_mean']:.2f}, max {m['staleness_max']}"
+            + (
+                f"; {m['inter_site_bytes'] / 1e6:.1f} MB across sites (compression {m['compression_ratio']:.2f}x)"
+                if "inter_site_bytes" in m
+                else ""
+            )
             + (f"; lost {', '.join(m['lost_sites'])} (late forever)" if m.get("lost_sites") else "")
             + "".join(f"; {e['kind']} site {e['sites'][0]} at {e['t']:.1f} s" for e in m.get("events", []))
         )

@@ -204,7 +204,7 @@ def bench_hetero_cmd(
     modes: Annotated[
         str,
         typer.Option(
-            help="Modes, comma-separated: sync, adaptive, async, async-q2, async-dyn, async-kill (site B killed), async-rejoin (killed, back 10 s later)."
+            help="Modes, comma-separated: sync, adaptive, async, async-q2, async-dyn, async-kill (site B killed), async-rejoin (killed, back 10 s later), async-int8."
         ),
     ] = "sync,adaptive,async,async-q2,async-dyn",
     set_: SetOpt = None,

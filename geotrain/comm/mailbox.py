@@ -5,7 +5,8 @@ The asynchronous quorum rounds (:mod:`geotrain.sync.quorum`) need a site to hand
 the syncer and go on, whatever the other sites are doing; a ring collective would make every
 site wait for the slowest. A message is two point-to-point sends on the sites' leaders' group
 (:func:`geotrain.comm.groups.leaders_group`): a float64 header (the emulated arrival time, the
-payload's length, then the caller's fields), then the fp32 payload. Like every other send, it is
+payload's length in bytes, then the caller's fields), then the payload: bytes, an fp32 vector's
+or a codec's (:mod:`geotrain.codecs`). Like every other send, it is
 counted on the link it crosses (:meth:`Collectives._count`) and, with the in-process link
 emulation, paced on that link: the sender reserves the link and stamps the arrival time, the
 receiver treats the message as delivered only at that time (:meth:`Mailbox.arrived`).
@@ -52,6 +53,11 @@ def link_arrival(wan: Any, site: int, nbytes: int) -> float:
     return time.monotonic() + float(wan.latency(site))
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (a view when it is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 @dataclass
 class Message:
     """One received message: who sent it, when it arrives (emulated), the sender's header fields, the payload."""
@@ -59,8 +65,12 @@ class Message:
     src: int  # global rank of the sender
     arrival: float  # CLOCK_MONOTONIC seconds (0: at once)
     fields: list[float]
-    payload: torch.Tensor
+    payload: torch.Tensor  # uint8: the bytes sent (:meth:`floats` for an fp32 vector)
     lost: bool = False  # the sender is gone: its connection closed before a whole message came in
+
+    def floats(self) -> torch.Tensor:
+        """The payload as the fp32 vector it was sent as."""
+        return self.payload.view(torch.float32)
 
 
 class Mailbox:
@@ -88,14 +98,15 @@ class Mailbox:
         site = self.comm.groups.topology.site_of(dst)
         return 0.0 if site == self.comm.groups.me.site_index else link_arrival(self.comm.wan, site, nbytes)
 
-    def send(self, dst: int, fields: list[float], payload: torch.Tensor) -> None:
-        """Start sending ``fields`` and ``payload`` (flat fp32, possibly empty) to ``dst``; returns at
-        once (the buffers are kept until :meth:`flush`)."""
+    def send(self, dst: int, fields: list[float], payload: torch.Tensor, raw: int | None = None) -> None:
+        """Start sending ``fields`` and ``payload`` (any dtype, sent as its bytes; possibly empty) to
+        ``dst``; returns at once (the buffers are kept until :meth:`flush`). ``raw``: the fp32 bytes
+        the payload stands for (a codec's), for the compression ratio."""
         assert len(fields) == self.header_len - 2
-        payload = payload.to(torch.float32).contiguous()
-        nbytes = self.header_len * 8 + payload.numel() * 4
+        payload = as_bytes(payload)
+        nbytes = self.header_len * 8 + payload.numel()
         header = torch.tensor([self.arrival(dst, nbytes), payload.numel(), *fields], dtype=torch.float64)
-        self.comm._count(dst, nbytes, nbytes)
+        self.comm._count(dst, nbytes, nbytes if raw is None else self.header_len * 8 + raw)
         for t, tag in ((header, HEADER_TAG), (payload, PAYLOAD_TAG)):
             if t.numel() and dst not in self._failed:
                 try:
@@ -140,7 +151,7 @@ class Mailbox:
         assert work is not None
         work.wait()
         h = header.tolist()
-        payload = torch.empty(int(h[1]), dtype=torch.float32)
+        payload = torch.empty(int(h[1]), dtype=torch.uint8)
         if payload.numel():
             work = dist.irecv(payload, src, group=self.group, tag=PAYLOAD_TAG)
             assert work is not None
@@ -152,7 +163,7 @@ class Mailbox:
         try:
             return self._receive(src)
         except RuntimeError:
-            return Message(src, 0.0, [], torch.empty(0), lost=True)
+            return Message(src, 0.0, [], torch.empty(0, dtype=torch.uint8), lost=True)
 
     def listen(self, src: int, into: queue.Queue[Message], last: Callable[[Message], bool]) -> threading.Thread:
         """Put every message from ``src`` into ``into`` (as it comes in, not at its arrival time),
@@ -223,7 +234,7 @@ class StoreChannel:
         fields: float64 fields in every header, besides the arrival time and the payload's length.
         src: the peer's global rank (:attr:`Message.src` of what is received).
         arrival: the emulated arrival time of ``nbytes`` sent now (0: at once).
-        count: counts ``nbytes`` sent on the link to the peer.
+        count: counts ``nbytes`` sent on the link to the peer (standing for ``raw`` fp32 bytes).
     """
 
     def __init__(
@@ -234,7 +245,7 @@ class StoreChannel:
         fields: int,
         src: int,
         arrival: Callable[[int], float] = lambda nbytes: 0.0,
-        count: Callable[[int], None] = lambda nbytes: None,
+        count: Callable[[int, int], None] = lambda nbytes, raw: None,
     ) -> None:
         self.connect, self.send_prefix, self.recv_prefix = connect, send, recv
         self.header_len, self.src = 2 + fields, src
@@ -243,13 +254,14 @@ class StoreChannel:
         self._store: Any = None
         self._stop = threading.Event()
 
-    def send(self, fields: list[float], payload: torch.Tensor) -> None:
-        """Write ``fields`` and ``payload`` (flat fp32, possibly empty) as the next message."""
+    def send(self, fields: list[float], payload: torch.Tensor, raw: int | None = None) -> None:
+        """Write ``fields`` and ``payload`` (any dtype, as its bytes; possibly empty) as the next
+        message (``raw``: as for :meth:`Mailbox.send`)."""
         assert len(fields) == self.header_len - 2
-        payload = payload.to(torch.float32).contiguous()
-        nbytes = self.header_len * 8 + payload.numel() * 4
+        payload = as_bytes(payload)
+        nbytes = self.header_len * 8 + payload.numel()
         header = torch.tensor([self.arrival(nbytes), payload.numel(), *fields], dtype=torch.float64)
-        self.count(nbytes)
+        self.count(nbytes, nbytes if raw is None else self.header_len * 8 + raw)
         if self._store is None:
             self._store = self.connect()
         data = header.numpy().tobytes() + payload.numpy().tobytes()
@@ -268,9 +280,9 @@ class StoreChannel:
         self._received += 1
         h = torch.frombuffer(bytearray(data[: self.header_len * 8]), dtype=torch.float64).tolist()
         body = data[self.header_len * 8 :]
-        payload = torch.frombuffer(bytearray(body), dtype=torch.float32) if body else torch.empty(0)
+        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
         if payload.numel() != int(h[1]):
-            raise RuntimeError(f"store message {key}: {payload.numel()} payload values, its header says {int(h[1])}")
+            raise RuntimeError(f"store message {key}: {payload.numel()} payload bytes, its header says {int(h[1])}")
         return Message(self.src, h[0], h[2:], payload)
 
     def receive(self, timeout_s: float) -> Message | None:

@@ -157,7 +157,11 @@ class Config(Section):
         refused = [
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
             (self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
-            (self.sync.codec != "none", "sync.codec", "set sync.codec=none (the syncer merges fp32 pseudo-gradients)"),
+            (
+                self.sync.codec == "powersgd",
+                "sync.codec",
+                "use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none",
+            ),
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),

@@ -68,16 +68,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from geotrain.codecs import Residual
 from geotrain.comm.alive import Heartbeat, run_store
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.groups import leaders_group
-from geotrain.comm.mailbox import Mailbox, StoreChannel, channel_keys, join_key, link_arrival
+from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, channel_keys, join_key, link_arrival
 from geotrain.comm.topology import Topology
 from geotrain.config import SyncConfig
 from geotrain.errors import SyncerTimeout
 from geotrain.sync.base import views_like
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import pseudo_gradient
+from geotrain.sync.reducer import make_codec
 from geotrain.sync.syncer import (
     FIELDS,
     FINAL,
@@ -132,6 +134,14 @@ class AsyncDiLoCo(DiLoCo):
         if rejoin is None:
             group = leaders_group(g.topology)  # collective: every rank
             self.mailbox = Mailbox(comm, group, FIELDS) if self.leader else None
+        # sync.codec: the update is sent encoded (with error feedback where the codec uses it), and
+        # the syncer's answers as encoded changes from the model the site holds
+        self.codec = make_codec(cfg)
+        if self.codec is not None and g.device.type != "cpu":
+            raise ValueError(
+                f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {g.backend} backend use sync.codec=none"
+            )
+        self.residual = Residual() if self.codec is not None and cfg.uses_error_feedback else None
         self.syncer: QuorumSyncer | None = None
         if rejoin is None and g.me.rank == self.leaders[0]:
             assert self.mailbox is not None
@@ -146,6 +156,7 @@ class AsyncDiLoCo(DiLoCo):
                 self.leaders,
                 [self.full.site_ranks(i) for i in range(self.full.num_sites)],
                 rejoins=Rejoins(self._run_store, self._syncer_channel),
+                codec=self.codec,
             )
         rank = self.full.first_rank(self.site_index) + g.me.local_rank
         self.heartbeat = Heartbeat(rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
@@ -201,7 +212,7 @@ class AsyncDiLoCo(DiLoCo):
             fields=FIELDS,
             src=dst,
             arrival=lambda n: mailbox.arrival(dst, n),
-            count=lambda n: self.comm._count(dst, n, n),
+            count=lambda n, raw: self.comm._count(dst, n, raw),
         )
 
     @torch.no_grad()
@@ -226,7 +237,7 @@ class AsyncDiLoCo(DiLoCo):
                 fields=FIELDS,
                 src=self.leaders[0],
                 arrival=lambda n: link_arrival(wan, 0, n),
-                count=lambda n: self.comm.count_far(n, other_region=other_region),
+                count=lambda n, raw: self.comm.count_far(n, raw, other_region=other_region),
             )
             msg = self.channel.receive(self.quorum.timeout_s)
             if msg is None:
@@ -234,7 +245,7 @@ class AsyncDiLoCo(DiLoCo):
                     f"no answer from {self._syncer_name()} to this site's rejoin within "
                     f"sync.quorum.timeout_s={self.quorum.timeout_s:g} s"
                 )
-            answer = (msg.fields, msg.payload)
+            answer = self._model_from(msg)
         self._take(answer)
         self._t0 = time.perf_counter() - self._elapsed  # stop with the others (train.max_seconds)
         return self._site_steps
@@ -330,6 +341,28 @@ class AsyncDiLoCo(DiLoCo):
         self.ever_lost = mask_sites(float(control[5]), n)
         self._site_steps, self._elapsed = int(control[6]), float(control[7])
 
+    def _encode(self, delta: torch.Tensor) -> tuple[torch.Tensor, int | None, float]:
+        """The update's payload, the fp32 bytes it stands for, and the header's encoded flag:
+        ``sync.codec``'s bytes, or fp32 without a codec, for an empty delta, and for a non-finite
+        one (the syncer leaves it out; codecs refuse to encode it)."""
+        if self.codec is None or not delta.numel() or not bool(torch.isfinite(delta).all()):
+            return delta, None, 0.0
+        if self.residual is not None:
+            self.residual.add_to(delta)
+        buf = self.codec.encode(delta)
+        if self.residual is not None:
+            self.residual.tensor = delta - self.codec.decode(buf, delta.numel())
+        return buf, 4 * delta.numel(), 1.0
+
+    def _model_from(self, msg: Message) -> tuple[list[float], torch.Tensor]:
+        """A syncer's answer: its fields, and the global model (fp32, or the model this site holds
+        plus the encoded change)."""
+        if not msg.fields[7]:
+            return msg.fields, msg.floats()
+        assert self.codec is not None
+        held = torch.cat([p.detach().reshape(-1) for p in self.global_params])
+        return msg.fields, held + self.codec.decode(msg.payload, held.numel())
+
     def _syncer_name(self) -> str:
         return f"the syncer (site {self.full.site_names[0]}'s local rank 0)"
 
@@ -348,27 +381,29 @@ class AsyncDiLoCo(DiLoCo):
                 except queue.Empty:
                     if time.monotonic() > deadline:
                         raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
+        payload, raw, encoded = self._encode(update.delta)
         fields = [
             FINAL if update.final else UPDATE,
             float(update.base),
             float(update.steps),
             float(update.workers),
             update.compute_s,
+            encoded,
             0.0,
             0.0,
         ]
         if self.channel is not None:  # a site that came back
-            self.channel.send(fields, update.delta)
+            self.channel.send(fields, payload, raw)
             msg = self.channel.receive(timeout)
             if msg is None:
                 raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
-            return msg.fields, msg.payload
+            return self._model_from(msg)
         assert self.mailbox is not None
-        self.mailbox.send(self.leaders[0], fields, update.delta)
+        self.mailbox.send(self.leaders[0], fields, payload, raw)
         msg = self.mailbox.receive(self.leaders[0], timeout)
         if msg is None:
             raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
         if msg.lost:
             raise SyncerTimeout(f"lost {who}: its connection closed (the run cannot go on without the first site)")
         self.mailbox.flush()
-        return msg.fields, msg.payload
+        return self._model_from(msg)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from geotrain.codecs import Codec
 from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join_key
 from geotrain.config import QuorumConfig, SyncConfig
@@ -28,9 +29,12 @@ from geotrain.sync.base import views_like
 from geotrain.sync.outer import outer_step_
 
 UPDATE, FINAL = 1.0, 2.0
-# site → syncer: [kind, base, steps, workers, compute s, 0, 0]
-# syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's seconds]
-FIELDS = 7
+# site → syncer: [kind, base, steps, workers, compute s, encoded, 0, 0]
+# syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's seconds,
+#                 encoded]
+# encoded: the payload is sync.codec's bytes (site → syncer: the pseudo-gradient; syncer → site: the
+# change since the model the site holds); 0: fp32 (a pseudo-gradient, or the whole model)
+FIELDS = 8
 
 
 @dataclass
@@ -187,6 +191,7 @@ class QuorumSyncer:
         leaders: Sequence[int],
         site_ranks: Sequence[Sequence[int]] = (),
         rejoins: Rejoins | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
         # the other sites' ranks, watched for silence (a hung site is lost like a dead one); none: not watched
@@ -206,6 +211,9 @@ class QuorumSyncer:
         self.ever_lost: set[int] = set()  # sites lost at some point (the world group has their dead ranks)
         self.site_steps = [0] * len(self.workers)  # steps each site has delivered (a site that comes back goes on from there)
         self.rejoins, self.channels = rejoins, dict[int, StoreChannel]()  # lost sites that came back, and how to reach them
+        # sync.codec: what each other site holds (it got the model in fp32 at the start, then encoded changes)
+        self.codec = codec
+        self.held = [torch.cat([t.reshape(-1) for t in self.theta]) for _ in self.workers] if codec is not None else []
         self.inbox: queue.Queue[Update] = queue.Queue()  # from site 0 (same process)
         self.outbox: queue.Queue[tuple[list[float], torch.Tensor]] = queue.Queue()  # to site 0
         self.log: list[dict[str, Any]] = []  # one entry per merge
@@ -226,9 +234,14 @@ class QuorumSyncer:
             self.error = exc
 
     def _decode(self, msg: Message) -> Update:
-        kind, base, steps, workers, compute_s = msg.fields[:5]
+        kind, base, steps, workers, compute_s, encoded = msg.fields[:6]
         site = self.leaders.index(msg.src)
-        return Update(site, int(base), int(steps), int(workers), msg.payload, final=kind == FINAL, compute_s=compute_s)
+        if encoded and msg.payload.numel():
+            assert self.codec is not None
+            delta = self.codec.decode(msg.payload, sum(t.numel() for t in self.theta))
+        else:
+            delta = msg.floats()
+        return Update(site, int(base), int(steps), int(workers), delta, final=kind == FINAL, compute_s=compute_s)
 
     def _measure(self, u: Update) -> None:
         """Dynamic local updates: smooth the site's rate (half weight on the newest round) and give
@@ -299,7 +312,7 @@ class QuorumSyncer:
                 self._merge(open_, "final")
                 if not open_:  # nothing was left: logged all the same
                     self._note("final", [], [], "nothing left to merge")
-                self._reply(sorted(finals - self.lost))
+                self._reply(sorted(finals - self.lost), exact=True)
                 return
             delivered = {u.site for u in open_} | set(waiting)
             if waiting and len(delivered) >= min(self.cfg.sites, len(running)):
@@ -382,9 +395,13 @@ class QuorumSyncer:
             self.watch.restart(self.site_ranks[site])
         why = f"site {site}: incarnation {incarnation} came back; it goes on from version {self.version}, its step {self.site_steps[site]}"
         self._note("rejoined", [], [], why, sites=[site])
-        self._reply([site])
+        self._reply([site], exact=True)
 
-    def _reply(self, sites: Sequence[int]) -> None:
+    def _reply(self, sites: Sequence[int], exact: bool = False) -> None:
+        """Answer ``sites`` with the global model: in fp32 to site 0 (in memory), with ``exact`` (the
+        final round, a site that came back) and without a codec; else encoded, as the change from
+        what the site holds, which this syncer then updates exactly as the site will (so the next
+        answer carries what this one's encoding left out)."""
         theta = torch.cat([t.reshape(-1) for t in self.theta])
         live = site_mask([s for s in range(len(self.workers)) if s not in self.lost])
         elapsed = time.monotonic() - self._t0
@@ -397,13 +414,23 @@ class QuorumSyncer:
                 site_mask(self.ever_lost),
                 float(self.site_steps[s]),
                 elapsed,
+                0.0,
             ]
             if s == 0:
                 self.outbox.put((fields, theta.clone()))
-            elif s in self.channels:
-                self.channels[s].send(fields, theta)
-            elif s not in self.lost:
-                self.mailbox.send(self.leaders[s], fields, theta)
+                continue
+            if s in self.lost and s not in self.channels:
+                continue
+            payload, raw = theta, None
+            if self.codec is not None and exact:
+                self.held[s] = theta.clone()
+            elif self.codec is not None:
+                payload, raw, fields[-1] = self.codec.encode(theta - self.held[s]), 4 * theta.numel(), 1.0
+                self.held[s] += self.codec.decode(payload, theta.numel())
+            if s in self.channels:
+                self.channels[s].send(fields, payload, raw)
+            else:
+                self.mailbox.send(self.leaders[s], fields, payload, raw)
         self._check_sends()
 
     def _check_sends(self) -> None:
