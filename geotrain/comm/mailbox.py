@@ -224,7 +224,7 @@ class StoreChannel:
     back talks to the syncer this way; see the module docstring).
 
     Message ``i`` sent by this end is the key ``<send>/<i>``: the float64 header (arrival time,
-    payload length, the caller's fields) then the fp32 payload, as bytes. The receiver waits for
+    payload length in bytes, the caller's fields), then the payload's bytes. The receiver waits for
     ``<recv>/<i>`` (bounded), reads it and deletes it, so the store holds only messages in flight.
 
     Args:
