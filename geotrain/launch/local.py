@@ -37,7 +37,17 @@ from geotrain.comm.procs import free_port, host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.errors import LaunchError
-from geotrain.launch.spawn import Rank, describe_exit, forks_ranks, rank_env, spawn_rank, stop_all, worker_args, zygote_pid
+from geotrain.launch.spawn import (
+    Rank,
+    describe_exit,
+    forks_ranks,
+    own_world_env,
+    rank_env,
+    spawn_rank,
+    stop_all,
+    worker_args,
+    zygote_pid,
+)
 
 REJOIN_ENV = "GEOTRAIN_REJOIN"  # a quorum-rounds site started again: its world is its own ranks
 
@@ -141,6 +151,11 @@ def _launch(
     incarnation = [0] * topo.num_sites
     stores: list[Any] = []  # the rendezvous stores of sites started again (kept alive while they run)
 
+    def log_of(rank: int) -> Path:
+        """``rank``'s log: ``rank<r>.log``, or ``rank<r>.<k>.log`` for its site's k-th restart."""
+        k = incarnation[topo.info(rank).site_index]
+        return out / "logs" / (f"rank{rank}.{k}.log" if k else f"rank{rank}.log")
+
     def lose(site: int, why: str) -> None:
         lost.add(site)
         if incarnation[site] and store is not None:  # the syncer reaches a site started again through the store only
@@ -158,16 +173,11 @@ def _launch(
         site_store, site_agent = host_store(timeout_s=cfg.run.timeout_s, attempt=incarnation[site])
         stores.append(site_store)
         for local, rank in enumerate(topo.site_ranks(site)):
-            env = {**rank_env(local, topo.workers[site], topo.world_size, site_store.port, wan_mode), **site_agent}
-            env.update(
-                GEOTRAIN_RUN_PORT=str(port),
-                GEOTRAIN_WAN_KEY=str(port),
-                GEOTRAIN_SITE_INDEX=str(site),
-                GEOTRAIN_INCARNATION=str(incarnation[site]),
-                **{REJOIN_ENV: "1"},
+            env = own_world_env(topo, wan_mode, site, incarnation[site], local, site_store.port, wan_key=str(port))
+            env.update(site_agent, GEOTRAIN_RUN_PORT=str(port), **{REJOIN_ENV: "1"})
+            procs[rank], t = spawn_rank(
+                worker_args(cfg_path, out), env, log_of(rank), console_print if local == 0 else None, None, fork
             )
-            log = out / "logs" / f"rank{rank}.{incarnation[site]}.log"
-            procs[rank], t = spawn_rank(worker_args(cfg_path, out), env, log, console_print if local == 0 else None, None, fork)
             pumps.append(t)
         lost.discard(site)
         pids["ranks"] = [p.pid for p in procs]
@@ -196,7 +206,7 @@ def _launch(
             for r, c in sorted(bad, key=lambda rc: (rc[1] > 0, rc[0])) if started else []:
                 site = topo.info(r).site_index
                 if site and site not in lost:
-                    lose(site, f"lost: rank {r} {describe_exit(c)} (log: {out / 'logs' / f'rank{r}.log'})")
+                    lose(site, f"lost: rank {r} {describe_exit(c)} (log: {log_of(r)})")
             if tolerant and codes[0] == 0 and summary_path.exists():  # the run is over: stop the sites it lost
                 for name in json.loads(summary_path.read_text()).get("lost_sites", []):  # hung ones still run
                     if topo.site_names.index(name) not in lost:

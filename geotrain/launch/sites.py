@@ -43,7 +43,7 @@ from geotrain.launch.spawn import (
     Rank,
     describe_exit,
     forks_ranks,
-    rank_env,
+    own_world_env,
     spawn_rank,
     stop_all,
     worker_args,
@@ -67,16 +67,9 @@ class _Site:
 def site_env(
     topo: Topology, wan_mode: str, site: int, incarnation: int, local: int, port: int, lighthouse: str, wan_key: str
 ) -> dict[str, str]:
-    """A worker's environment in elastic mode: its site is its torch.distributed world (local
-    rank = rank); every site on this machine shares its cores."""
-    env = rank_env(local, topo.workers[site], topo.world_size, port, wan_mode)
-    env.update(
-        GEOTRAIN_WAN_KEY=wan_key,
-        GEOTRAIN_SITE_INDEX=str(site),
-        GEOTRAIN_INCARNATION=str(incarnation),
-        GEOTRAIN_LIGHTHOUSE=lighthouse,
-        GEOTRAIN_BIND_ADDR="127.0.0.1",
-    )
+    """A worker's environment in elastic mode (:func:`own_world_env`, and the Lighthouse)."""
+    env = own_world_env(topo, wan_mode, site, incarnation, local, port, wan_key)
+    env.update(GEOTRAIN_LIGHTHOUSE=lighthouse, GEOTRAIN_BIND_ADDR="127.0.0.1")
     return env
 
 

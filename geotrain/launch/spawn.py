@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from geotrain.comm.topology import Topology
 from geotrain.errors import LaunchError
 from geotrain.launch.zygote import MAX_MESSAGE, WORKER, send
 
@@ -69,6 +70,18 @@ def rank_env(rank: int, world: int, local_world: int, port: int, wan_mode: str) 
         "GEOTRAIN_PARENT_PID": str(os.getpid()),
         "GEOTRAIN_WAN_MODE": wan_mode,
     }
+
+
+def own_world_env(
+    topo: Topology, wan_mode: str, site: int, incarnation: int, local: int, port: int, wan_key: str
+) -> dict[str, str]:
+    """A worker's environment when its site is its own torch.distributed world (local rank =
+    rank; elastic mode, or a quorum-rounds site started again): the rendezvous at ``port``, the
+    run's link state under ``wan_key``, and the site and incarnation the worker reads back
+    (:func:`geotrain.run.worker.elastic_env`). Every site on this machine shares its cores."""
+    env = rank_env(local, topo.workers[site], topo.world_size, port, wan_mode)
+    env.update(GEOTRAIN_WAN_KEY=wan_key, GEOTRAIN_SITE_INDEX=str(site), GEOTRAIN_INCARNATION=str(incarnation))
+    return env
 
 
 class Rank(Protocol):

@@ -219,7 +219,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
             private=privacy.aggregation,
             guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
             nan_at=cfg.fault.nan_at() if outer else None,
-            rejoin=Rejoin(place.full, place.site_index, place.incarnation) if place.rejoined else None,
+            rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
         )
         objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
         ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"

@@ -95,11 +95,10 @@ from geotrain.sync.syncer import (
 @dataclass(frozen=True)
 class Rejoin:
     """A site that came back: its ranks' world is the site alone. ``full``: the whole run's
-    topology; ``site``: its index in it; ``incarnation``: how many times it was started before."""
+    topology; ``site``: its index in it. (Its incarnation is its join count in the run's store.)"""
 
     full: Topology
     site: int
-    incarnation: int
 
 
 def records_key(site: int) -> str:
@@ -291,10 +290,9 @@ class AsyncDiLoCo(DiLoCo):
     def _exchange(self, final: bool) -> None:
         """Deliver this round's update (final: the last one, possibly of no steps), take the global
         model the syncer sends back, and go on from it."""
-        g = self.comm.groups
         steps = self._steps_in_round
         delta = pseudo_gradient(self.global_params, self.local_params())
-        if (g.topology.site_names[g.me.site_index], self.rounds) in self.nan_at:  # failure injection
+        if (self.full.site_names[self.site_index], self.rounds) in self.nan_at:  # failure injection
             delta.fill_(float("nan"))
         t0 = time.perf_counter()
         answer = None

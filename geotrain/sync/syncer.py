@@ -419,7 +419,7 @@ class QuorumSyncer:
             if s == 0:
                 self.outbox.put((fields, theta.clone()))
                 continue
-            if s in self.lost and s not in self.channels:
+            if s in self.lost:  # (a site that came back is reached through its channel until it is lost again)
                 continue
             payload, raw = theta, None
             if self.codec is not None and exact:
