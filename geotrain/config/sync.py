@@ -150,10 +150,12 @@ class SyncConfig(Section):
         "run the outer step together every region_every region rounds (H2 = region_every x H); 0 = one tier (every round "
         "across all sites).",
     )
-    region_outer: Literal["average", "nesterov"] = Field(
-        default="average",
-        description="Multi-tier: the region tier's outer step: 'average' (plain averaging; only the world tier has the outer "
-        "optimizer) or 'nesterov' (the outer optimizer at both tiers, HALoS-like; measured in docs/HETERO.md).",
+    tier_outer: Literal["region", "world", "both"] = Field(
+        default="region",
+        description="Multi-tier: where the outer optimizer (sync.outer_lr, outer_momentum, nesterov) steps: 'region' (every "
+        "H steps inside each region, with momentum per region; the world tier averages the regions' models), 'world' "
+        "(regions average plainly every H steps; the outer step every region_every rounds across regions) or 'both' "
+        "(HALoS-like); measured in docs/HETERO.md.",
     )
     adapt: AdaptConfig | None = Field(
         default=None,

@@ -1,4 +1,4 @@
-"""Multi-tier DiLoCo: sites average inside their region often, regions take the outer step together rarely.
+"""Multi-tier DiLoCo: sites sync inside their region often, regions sync together rarely.
 
 Sites are grouped in ``topology.regions`` (two datacenters in one metro region on 100 Gbit/s,
 a third across an ocean). Every H inner steps the sites of a region run a DiLoCo round among
@@ -6,18 +6,30 @@ themselves, over the region's fast links; every ``sync.region_every`` region rou
 region_every · H) the regions run one across the slow links:
 
 1. every H steps, inside the region: Δ₁ = θ_region − θ_local, averaged over the region's sites
-   (token-weighted), then the region step: θ_region ← θ_region − Δ̄₁ (``region_outer=average``,
-   plain averaging, as in hierarchical Local SGD: Lin et al. 2020, arXiv:1808.07217) or the outer
-   optimizer's step (``nesterov``: an outer optimizer at both tiers, like HALoS's local parameter
-   servers, Kim et al. 2025, arXiv:2506.04531); θ_local ← θ_region;
+   (token-weighted), then the region step θ_region ← step(θ_region, Δ̄₁); θ_local ← θ_region;
 2. every region_every region rounds, across regions: Δ₂ = θ_world − θ_region, averaged over every
    site (each site holds its region's Δ₂, so with token weights a region counts by its tokens),
-   the outer optimizer (SGD with Nesterov momentum) steps θ_world; θ_region, θ_local ← θ_world.
+   then the world step θ_world ← step(θ_world, Δ̄₂); θ_region, θ_local ← θ_world.
 
-With ``average`` and region_every = 1 this is flat DiLoCo up to rounding (tests/test_hetero.py):
-the outer optimizer sees the token-weighted mean of every site's pseudo-gradient. Why the
-plain average inside a region is the default, and the measured alternative: docs/HETERO.md.
-Only step 2 crosses regions, so bytes on the slow tier fall by region_every.
+``sync.tier_outer`` says which step is the outer optimizer (SGD with Nesterov momentum) and
+which is plain averaging (SGD, lr 1, no momentum):
+
+* ``region`` (the default): the outer optimizer in each region, with momentum of its own; the
+  world tier averages the regions' models. Every region runs DiLoCo at H1 and takes as many outer
+  steps as flat DiLoCo; the rare world round only pulls the regions together (a Local SGD step
+  over the regions' DiLoCo, as in hierarchical Local SGD, Lin et al. 2020, arXiv:1808.07217,
+  with DiLoCo as the lower tier).
+* ``world``: plain averaging in the region, the outer optimizer only across regions (one set of
+  momentum, which takes region_every times fewer steps).
+* ``both``: an outer optimizer at both tiers, like HALoS's local and global parameter servers
+  (Kim et al. 2025, arXiv:2506.04531).
+
+With region_every = 1, ``region`` and ``world`` are flat DiLoCo up to rounding
+(tests/test_hetero.py): the world tier then sees the token-weighted mean of every site's
+pseudo-gradient, and in ``region`` the regions start every round from one model, so their
+momentum buffers, which are linear in the pseudo-gradients, average to flat DiLoCo's. The
+measured choice: docs/HETERO.md. Only step 2 crosses regions, so bytes on the slow tier fall by
+region_every.
 """
 
 from __future__ import annotations
@@ -30,6 +42,11 @@ from geotrain.config import SyncConfig
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import outer_step_, pseudo_gradient
 from geotrain.sync.reducer import SiteReducer
+
+
+def _averaging(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The plain-averaging step: θ ← θ − Δ̄ is the (token-weighted) mean of the models."""
+    return torch.optim.SGD(params, lr=1.0)
 
 
 class TieredDiLoCo(DiLoCo):
@@ -46,11 +63,10 @@ class TieredDiLoCo(DiLoCo):
         self.region_sites = [s for s in range(topo.num_sites) if topo.same_region(s, me)]
         self.region_params = [g.clone() for g in self.global_params]
         self.region_reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], region=True)
-        self.region_optimizer = (
-            torch.optim.SGD(self.region_params, lr=1.0)
-            if cfg.region_outer == "average"
-            else self._outer_optimizer(self.region_params)
-        )
+        outer = cfg.tier_outer
+        self.region_optimizer = _averaging(self.region_params) if outer == "world" else self._outer_optimizer(self.region_params)
+        if outer == "region":
+            self.outer_optimizer = _averaging(self.global_params)
         self._finishing = False
 
     def finish(self) -> None:
