@@ -11,7 +11,7 @@ import pytest
 from geotrain.bench.adapt import adapt_record, held_record, plot_adapt
 from geotrain.comm.emulate.inprocess import SharedLinks
 from geotrain.comm.topology import Topology
-from geotrain.config import CODEC_BITS, Config, TopologyConfig, load_config
+from geotrain.config import CODEC_BITS, STREAMING_HOLD, Config, TopologyConfig, load_config
 from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
 from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, streaming_effective_bps, utilization
@@ -70,6 +70,33 @@ def test_choose_round_for_streaming_is_the_planner_formulas_answer(bps: float, t
     got = choose_round(bps, params, step_s, sites, rtt, lo, hi, BITS, target, counts, tau)
     assert (got["codec"], got["H"], got["fragments"]) == want
     assert got["predicted_utilization"] == u(*want) and got["meets_target"] == (u(*want) >= target)
+
+
+def test_a_hold_keeps_settings_predicted_just_above_the_target() -> None:
+    """With hold > 0 the current settings are kept while the formula predicts them in target ..
+    target + hold on the measured link; below the target or above the band, the choice is afresh."""
+    bps, params, step_s, sites, rtt, lo, hi, target, counts, tau = 3e7, 1e6, 0.01, 2, 0.01, 21, 200, 0.6, [1, 2, 4, 8], 5
+    fresh = choose_round(bps, params, step_s, sites, rtt, lo, hi, BITS, target, counts, tau)
+    assert fresh["meets_target"] and "held" not in fresh
+
+    def u(H: int) -> float:
+        return utilization("streaming", bps, params, step_s, sites, rtt, H, 4, tau, {"streaming": BITS["none"]})
+
+    above = next(h for h in range(lo, hi + 1) if target + 0.01 <= u(h) <= target + 0.04)  # in the band
+    got = choose_round(bps, params, step_s, sites, rtt, lo, hi, BITS, target, counts, tau, ("none", above, 4), 0.05)
+    assert got == {
+        "codec": "none",
+        "H": above,
+        "fragments": 4,
+        "predicted_utilization": u(above),
+        "meets_target": True,
+        "held": True,
+    }
+    assert got != {**fresh, "held": True}  # the fresh choice differs: holding changed something
+    far = next(h for h in range(above, hi + 1) if u(h) > target + 0.05)  # above the band, or below the target
+    for H in (far, lo):
+        assert choose_round(bps, params, step_s, sites, rtt, lo, hi, BITS, target, counts, tau, ("none", H, 4), 0.05) == fresh
+    assert choose_round(bps, params, step_s, sites, rtt, lo, hi, BITS, target, counts, tau, ("none", above, 4), 0.0) == fresh
 
 
 def test_streaming_formula_cannot_hide_more_than_a_cycle() -> None:
@@ -178,6 +205,8 @@ def test_link_state_left_by_a_killed_launcher_does_not_reach_the_next_run(tmp_pa
     [
         (["sync.adapt={}", "sync.algorithm=ddp"], "sync.algorithm: not combined with sync.adapt yet"),
         (["sync.adapt={fragments: [2]}"], "sync.adapt.fragments: Streaming DiLoCo only"),
+        (["sync.adapt={hold: 0.05}"], "sync.adapt.hold: Streaming DiLoCo only"),
+        (["sync.adapt={hold: 1.5}", "sync.algorithm=streaming"], "sync.adapt.hold"),
         (["sync.adapt={}", "sync.algorithm=streaming", "sync.eager=true"], "sync.eager: not combined with sync.adapt yet"),
         (["sync.adapt={fragments: [1, 2]}", "sync.algorithm=streaming"], "sync.fragments: the first fragment count"),
         (["sync.adapt={fragments: [4, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count once"),
@@ -305,7 +334,11 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
         assert a["exposed_s"] == a["waited_s"][a["step_s"].index(T)] / a["steps"] * a["H"]
         bits, args = CODECS[a["codec"]], (T, 2, a["rtt_s"], a["H"], a["fragments"], tau)
         assert a["effective_bps"] == min(a["link_bps"], streaming_effective_bps(a["exposed_s"], s["params"], bits, *args))
-        want = choose_round(a["effective_bps"], s["params"], T, 2, a["rtt_s"], lo, hi, CODECS, target, counts, tau)
+        now = (a["codec"], a["H"], a["fragments"])  # held while predicted in target .. target + hold
+        assert a["hold"] == STREAMING_HOLD
+        want = choose_round(
+            a["effective_bps"], s["params"], T, 2, a["rtt_s"], lo, hi, CODECS, target, counts, tau, now, a["hold"]
+        )
         assert a["next"] == want
         start = {"H": 30, "codec": "none", "fragments": 4}
         assert {k: a[k] for k in start} == (start if prev is None else {k: prev["next"][k] for k in start})

@@ -18,13 +18,14 @@ from geotrain.config.privacy import DPConfig, PrivacyConfig
 from geotrain.config.reference import markdown_reference
 from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig
 from geotrain.config.root import Config
-from geotrain.config.sync import CODEC_BITS, AdaptConfig, QuorumConfig, SyncConfig
+from geotrain.config.sync import CODEC_BITS, STREAMING_HOLD, AdaptConfig, QuorumConfig, SyncConfig
 from geotrain.config.topology import LinkChangeConfig, LinkConfig, LinksConfig, PairLinkConfig, SiteConfig, TopologyConfig
 from geotrain.config.training import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from geotrain.errors import ConfigError
 
 __all__ = [
     "CODEC_BITS",
+    "STREAMING_HOLD",
     "CheckpointConfig",
     "Config",
     "ConfigError",

@@ -11,6 +11,7 @@ from geotrain.config.base import Section
 CODEC_BITS = {"none": 32, "bf16": 16, "fp16": 16, "int8": 8, "fp4": 4, "int4": 4}
 FixedCodec = Literal["none", "bf16", "fp16", "int8", "fp4", "int4"]
 ADAPT_CODECS: tuple[FixedCodec, ...] = ("none", "bf16", "int8", "fp4")  # sync.adapt.codecs' default
+STREAMING_HOLD = 0.05  # sync.adapt.hold's default with Streaming DiLoCo
 
 
 class AdaptConfig(Section):
@@ -36,6 +37,14 @@ class AdaptConfig(Section):
         min_length=1,
         description="Streaming DiLoCo: the fragment counts adaptation may choose from (after the codec and H, the fewest "
         "that reach the target); default: 1, 2, 4, ... up to sync.fragments, and sync.fragments.",
+    )
+    hold: float | None = Field(
+        default=None,
+        ge=0,
+        lt=1,
+        description="Streaming DiLoCo: keep the current H, codec and fragment count while the formula predicts them "
+        "between target and target + hold on the cycle's measured link (a change of H or of the fragment count merges "
+        f"early and rebuilds the fragments); default {STREAMING_HOLD}, 0 = choose afresh every cycle.",
     )
 
     @model_validator(mode="after")
@@ -247,8 +256,9 @@ class SyncConfig(Section):
                 )
             if self.error_feedback:
                 raise ValueError("error_feedback: adaptation switches codecs between rounds; leave error_feedback unset")
-            if self.algorithm != "streaming" and a.fragments is not None:
-                raise ValueError("adapt.fragments: Streaming DiLoCo only (sync.algorithm=streaming); leave it unset")
+            for name, value in (("fragments", a.fragments), ("hold", a.hold)):
+                if self.algorithm != "streaming" and value is not None:
+                    raise ValueError(f"adapt.{name}: Streaming DiLoCo only (sync.algorithm=streaming); leave it unset")
             if self.algorithm == "streaming":
                 if self.eager:
                     raise ValueError("eager: not combined with sync.adapt yet; set sync.eager=false")

@@ -218,19 +218,36 @@ def choose_round(
     target: float,
     fragments: Sequence[int] = (),
     tau: int = 0,
+    current: tuple[str, int, int] | None = None,
+    hold: float = 0.0,
 ) -> dict[str, Any]:
     """H, codec and fragment count for a link of ``bps`` and ``rtt_s``: the least compression
     (most bits) that reaches ``target`` with some H <= ``H_max``, with the smallest such H (the
     least staleness), then the fewest fragments that reach it there; when no codec reaches it, the
     most compressed at ``H_max`` with the fragment count of highest utilisation (the fewest of
     equals). ``fragments`` empty: DiLoCo (one exchange per round, no overlap); else Streaming
-    DiLoCo with these fragment counts to choose from and ``tau`` steps of overlap. Returns
-    {codec, H, fragments (streaming only), predicted_utilization, meets_target}."""
+    DiLoCo with these fragment counts to choose from and ``tau`` steps of overlap. With ``hold``
+    above 0, the ``current`` (codec, H, fragments) are kept, ``held``, while they are predicted
+    between ``target`` and ``target + hold`` (hysteresis: a change has a cost of its own). Returns
+    {codec, H, fragments (streaming only), predicted_utilization, meets_target[, held]}."""
     counts = sorted(fragments) or [1]
     alg = "streaming" if fragments else "diloco"
 
     def u(bits: float, H: int, F: int) -> float:
         return utilization(alg, bps, params, step_s, sites, rtt_s, H, F, tau, {alg: bits})
+
+    if current is not None and hold > 0:
+        name, H, F = current
+        pu = u(codec_bits[name], H, F)
+        if target <= pu <= target + hold:
+            return {
+                "codec": name,
+                "H": H,
+                **({"fragments": F} if fragments else {}),
+                "predicted_utilization": pu,
+                "meets_target": True,
+                "held": True,
+            }
 
     def best_F(bits: float, H: int) -> int:
         return max(counts, key=lambda F: (u(bits, H, F), -F))

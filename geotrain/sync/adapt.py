@@ -31,13 +31,15 @@ link. Switching codecs keeps no state to carry: adaptation uses fixed-width code
 feedback (each codec gets its own reducer, made when first chosen).
 
 **Streaming DiLoCo** (:class:`~geotrain.sync.streaming.StreamingDiLoCo` calls :meth:`decide`
-in its exchange thread once per cycle of H steps) differs in four ways: a round has several
+in its exchange thread once per cycle of H steps) differs in five ways: a round has several
 exchanges, and the link counts those that carried at least half as much as the largest, each
 paying the latency term; the rtt is the shortest ping of the last ``PING_WINDOW`` rounds (the
 ping runs beside compute); the formula is also inverted on the slowest site's measured wait
 (:func:`~geotrain.plan.strategies.streaming_effective_bps`) and the choice takes the slower of
-the two bandwidths; and the fragment count is chosen too (the fewest that reach the target after
-codec and H).
+the two bandwidths; the fragment count is chosen too (the fewest that reach the target after
+codec and H); and the current settings are held while they are predicted between the target and
+the target + ``sync.adapt.hold`` (a change of H or of the fragment count merges early and
+rebuilds the fragments, so a change of a few steps costs more than it gains).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 
 from geotrain.comm.collectives import Collectives
-from geotrain.config import CODEC_BITS, AdaptConfig
+from geotrain.config import CODEC_BITS, STREAMING_HOLD, AdaptConfig
 from geotrain.plan.strategies import achieved_bps, choose_round, streaming_effective_bps, utilization
 
 PING_WINDOW = 4  # Streaming DiLoCo: the rtt is the shortest ping of the last 4 cycles
@@ -84,6 +86,9 @@ class NetworkAdapter:
         self.codec = codec
         self.F, self.counts, self.tau = fragments if fragments is not None else (1, [], 0)
         self.ping_window = PING_WINDOW if fragments is not None else 1  # rounds whose shortest ping is the rtt
+        # Streaming: hold the settings while they are predicted a little above the target (a change
+        # of H or of the fragment count merges early and rebuilds the fragments)
+        self.hold = (STREAMING_HOLD if cfg.hold is None else cfg.hold) if fragments is not None else 0.0
         self._pings: list[float] = []
         self.log: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
@@ -188,6 +193,8 @@ class NetworkAdapter:
                 self.cfg.target,
                 self.counts,
                 self.tau,
+                (self.codec, self.H, self.F),
+                self.hold,
             )
             if bps is not None
             else {**now, "predicted_utilization": None, "meets_target": None}
@@ -207,7 +214,7 @@ class NetworkAdapter:
                 # the agreed sums over exchanges: per exchange the most bytes a site sent, the shortest time
                 "link_bytes": nbytes,
                 "link_seconds": secs,
-                **({"fragment_choices": list(self.counts), "tau": self.tau} if self.counts else {}),
+                **({"fragment_choices": list(self.counts), "tau": self.tau, "hold": self.hold} if self.counts else {}),
                 "ping_s": pings,
                 "ping_window": self.ping_window,
                 "step_s": step_s,
@@ -221,17 +228,22 @@ class NetworkAdapter:
                 "changed": changed,
                 "why": "no exchange crossed sites in this round: nothing measured, nothing changed"
                 if bps is None or link is None
-                else _reason(choice, link, bps, rtt, T, self.cfg),
+                else _reason(choice, link, bps, rtt, T, self.cfg, self.hold),
             }
         )
         self.H, self.codec, self.F = int(choice["H"]), str(choice["codec"]), int(choice.get("fragments", self.F))
         return changed
 
 
-def _reason(choice: dict[str, Any], link: float, bps: float, rtt: float, step_s: float, cfg: AdaptConfig) -> str:
+def _reason(choice: dict[str, Any], link: float, bps: float, rtt: float, step_s: float, cfg: AdaptConfig, hold: float) -> str:
     eff = f" (as exposed: {bps / 1e6:.2f})" if bps < link else ""
     seen = f"link {link / 1e6:.2f} Mbit/s{eff}, rtt {rtt * 1e3:.0f} ms, {step_s * 1e3:.0f} ms/step"
     frags = f" with {choice['fragments']} fragment(s)" if "fragments" in choice else ""
+    if choice.get("held"):
+        return (
+            f"{seen}: {choice['codec']} at H={choice['H']}{frags} is predicted {choice['predicted_utilization']:.1%}, "
+            f"within {cfg.target:.0%}..{cfg.target + hold:.0%}: held"
+        )
     if choice["meets_target"]:
         return (
             f"{seen}: {choice['codec']} is the least compression that reaches {cfg.target:.0%} within H<={cfg.H_max}; "

@@ -211,9 +211,11 @@ class QuorumSyncer:
         self.ever_lost: set[int] = set()  # sites lost at some point (the world group has their dead ranks)
         self.site_steps = [0] * len(self.workers)  # steps each site has delivered (a site that comes back goes on from there)
         self.rejoins, self.channels = rejoins, dict[int, StoreChannel]()  # lost sites that came back, and how to reach them
-        # sync.codec: what each other site holds (it got the model in fp32 at the start, then encoded changes)
+        # sync.codec: what each other site holds (it got the model in fp32 at the start, then encoded
+        # changes); site 0 takes the model in memory, exactly
         self.codec = codec
-        self.held = [torch.cat([t.reshape(-1) for t in self.theta]) for _ in self.workers] if codec is not None else []
+        flat = torch.cat([t.reshape(-1) for t in self.theta])
+        self.held = {s: flat.clone() for s in range(1, len(self.workers))} if codec is not None else {}
         self.inbox: queue.Queue[Update] = queue.Queue()  # from site 0 (same process)
         self.outbox: queue.Queue[tuple[list[float], torch.Tensor]] = queue.Queue()  # to site 0
         self.log: list[dict[str, Any]] = []  # one entry per merge
