@@ -244,10 +244,10 @@ def test_a_codec_sends_both_ways_encoded_and_the_final_round_is_exact(tmp_path: 
     assert int8["final_eval_loss"] < int8["eval_curve"][0]["eval_loss"]
 
 
-def _start_three_sites(out: Path, quorum: str) -> tuple[threading.Thread, dict[str, Any], list[int]]:
+def _start_three_sites(out: Path, quorum: str, *extra: str) -> tuple[threading.Thread, dict[str, Any], list[int]]:
     """Sites of 1, 2 and 1 workers (C slow) launched in a thread, once B is a few rounds in: the
     thread, the summary it will fill, and the ranks' PIDs (B's are 1 and 2)."""
-    cfg = load_config(None, TINY + ["run.baseline=none", *SLOW_C[1:], THREE, "sync.H=16", quorum])
+    cfg = load_config(None, TINY + ["run.baseline=none", *SLOW_C[1:], THREE, "sync.H=16", quorum, *extra])
     got: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: got.update(launch_local(cfg, out, console_print=None)), daemon=True)
     runner.start()
@@ -271,6 +271,27 @@ def test_a_rank_killed_from_outside_loses_its_site_and_the_others_finish(tmp_pat
     assert got["lost_sites"] == ["B"] and [p["site"] for p in got["per_site"]] == ["A", "C"]
     assert sorted(got["global_param_hash"]) == ["A", "C"] and len(set(got["global_param_hash"].values())) == 1
     assert any(m["kind"] == "lost" and m["sites"] == [1] for m in got["pace"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_from_outside_comes_back_with_restart_after(tmp_path: Path) -> None:
+    """Not an injected fault either: one of B's ranks gets a SIGKILL from this test, by PID, and
+    ``fault.restart_after`` is set. The launcher loses B, starts it again 1 s later, and B rejoins
+    the rounds; every site ends on one model. (``fault.kill`` is empty: the restarted site has no
+    injected kill to skip.)"""
+    out = tmp_path / "back"
+    runner, got, pids = _start_three_sites(
+        out, "sync.quorum={sites: 1, grace_s: 0}", "train.max_seconds=8", "fault.restart_after=1"
+    )
+    os.kill(pids[2], signal.SIGKILL)  # B's local rank 1
+    runner.join(timeout=180)
+    assert not runner.is_alive() and got, "the run did not finish"
+    assert got["lost_sites"] == [] and [p["site"] for p in got["per_site"]] == ["A", "B", "C"]
+    kinds = [m["kind"] for m in got["pace"] if m["kind"] in ("lost", "rejoined") and m["sites"] == [1]]
+    assert kinds == ["lost", "rejoined"], kinds
+    assert len(set(got["global_param_hash"].values())) == 1 and got["hashes_agree_within_sites"]
+    assert "rejoined the asynchronous rounds" in (out / "logs" / "rank1.1.log").read_text()
 
 
 @pytest.mark.slow

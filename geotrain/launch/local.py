@@ -10,8 +10,8 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 :class:`LaunchError` names the site and rank that failed. With asynchronous quorum rounds
 (``sync.quorum``) a site other than the first that fails once training has started (or that
 ``fault.kill`` names) is lost instead: its ranks are killed and the others go on
-(:mod:`geotrain.sync.quorum`). With ``fault.restart_after``, a site that ``fault.kill`` killed is
-started again that many seconds later, as a torch.distributed world of its own (its rendezvous
+(:mod:`geotrain.sync.quorum`). With ``fault.restart_after``, a site lost that way (killed by
+``fault.kill`` or dead of anything else) is started again that many seconds later, as a torch.distributed world of its own (its rendezvous
 store hosted here too), and rejoins the asynchronous rounds through the run's store. Children also get
 ``PR_SET_PDEATHSIG`` so they die if the launcher itself is killed: no orphans either way.
 """
@@ -50,6 +50,7 @@ from geotrain.launch.spawn import (
 )
 
 REJOIN_ENV = "GEOTRAIN_REJOIN"  # a quorum-rounds site started again: its world is its own ranks
+KILLS_DONE_ENV = "GEOTRAIN_KILLS_DONE"  # ... and the fault.kill steps of its site already carried out
 
 
 def launch_local(
@@ -147,8 +148,9 @@ def _launch(
     # every live site's ranks have. A failure at the start (a missing corpus, say) still stops the
     # run, since the others would wait for it in the start's collectives.
     lost: set[int] = set()
-    restart_at: dict[int, float] = {}  # sites fault.kill killed, and when they start again (fault.restart_after)
+    restart_at: dict[int, float] = {}  # sites that died, and when they start again (fault.restart_after)
     incarnation = [0] * topo.num_sites
+    kills_done = [0] * topo.num_sites  # fault.kill steps carried out per site (a restarted site skips them)
     stores: list[Any] = []  # the rendezvous stores of sites started again (kept alive while they run)
 
     def log_of(rank: int) -> Path:
@@ -174,7 +176,7 @@ def _launch(
         stores.append(site_store)
         for local, rank in enumerate(topo.site_ranks(site)):
             env = own_world_env(topo, wan_mode, site, incarnation[site], local, site_store.port, wan_key=str(port))
-            env.update(site_agent, GEOTRAIN_RUN_PORT=str(port), **{REJOIN_ENV: "1"})
+            env.update(site_agent, GEOTRAIN_RUN_PORT=str(port), **{REJOIN_ENV: "1", KILLS_DONE_ENV: str(kills_done[site])})
             procs[rank], t = spawn_rank(
                 worker_args(cfg_path, out), env, log_of(rank), console_print if local == 0 else None, None, fork
             )
@@ -192,6 +194,7 @@ def _launch(
                     request = json.loads(f.read_text())
                     f.unlink()
                     site = topo.site_names.index(request["site"])
+                    kills_done[site] += 1
                     lose(site, f"killed (fault injection at step {request['step']})")
                     if cfg.fault.restart_after:
                         restart_at[site] = time.monotonic() + cfg.fault.restart_after
@@ -207,6 +210,8 @@ def _launch(
                 site = topo.info(r).site_index
                 if site and site not in lost:
                     lose(site, f"lost: rank {r} {describe_exit(c)} (log: {log_of(r)})")
+                    if cfg.fault.restart_after:  # any death, not only an injected one
+                        restart_at[site] = time.monotonic() + cfg.fault.restart_after
             if tolerant and codes[0] == 0 and summary_path.exists():  # the run is over: stop the sites it lost
                 for name in json.loads(summary_path.read_text()).get("lost_sites", []):  # hung ones still run
                     if topo.site_names.index(name) not in lost:

@@ -122,13 +122,14 @@ class Placement:
         return self.full.info(self.full.first_rank(self.site_index) + me.local_rank) if self.own_world else me
 
 
-def quorum_kill(cfg: Config, out: Path, where: RankInfo, incarnation: int = 0) -> Callable[[int], None] | None:
+def quorum_kill(cfg: Config, out: Path, where: RankInfo, done: int = 0) -> Callable[[int], None] | None:
     """``fault.kill`` with asynchronous quorum rounds: at the step, this site asks the launcher to
-    SIGKILL every process of it (:func:`request_fault`, in ``OUT/faults``). The site's
-    ``incarnation``-th start skips its first ``incarnation`` kills: they happened to its predecessors
-    (a site that came back goes on from its last delivered round, before the step it was killed at)."""
+    SIGKILL every process of it (:func:`request_fault`, in ``OUT/faults``). A site started again
+    skips its first ``done`` kills (``GEOTRAIN_KILLS_DONE``, set by the launcher): they happened to
+    its predecessors (a site that came back goes on from its last delivered round, before the step
+    it was killed at). A death from outside is not one of them."""
     kills = sorted(step for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and kind == "kill")
-    steps = set(kills[incarnation:])
+    steps = set(kills[done:])
     if not steps:
         return None
 
@@ -235,7 +236,8 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
                 for _ in range(start):
                     scheduler.step()
             log(where, start, f"incarnation {place.incarnation}: rejoined the asynchronous rounds at version {sync.version}")
-        inject = quorum_kill(cfg, out, where, place.incarnation) if cfg.sync.quorum is not None else None
+        done = int(os.environ.get("GEOTRAIN_KILLS_DONE", "0")) if place.rejoined else 0
+        inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None else None
         if place.elastic:
             faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
             member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
