@@ -36,8 +36,16 @@ def _losses(out: Path) -> dict[int, float]:
     [
         ["sync.algorithm=diloco", "sync.H=3"],  # the checkpoint at step 8 falls mid-round
         ["sync.algorithm=streaming", "sync.H=4", "sync.fragments=2", "sync.tau=1"],  # an exchange in flight at 8
+        [  # two tiers: at step 8, 2 region rounds and 1 world round in, mid-round; momentum in each region
+            "sync.algorithm=diloco",
+            "sync.H=3",
+            "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]",
+            "topology.regions=[{name: eu, sites: [A, B]}, {name: us, sites: [C, D]}]",
+            "sync.region_every=2",
+            "guard.enabled=false",
+        ],
     ],
-    ids=["diloco", "streaming"],
+    ids=["diloco", "streaming", "tiers"],
 )
 def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, algo: list[str]) -> None:
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -55,6 +63,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path: Path, algo: l
     sa, sb = read_summary(full), read_summary(resumed)
     assert sa["global_param_hash"] == sb["global_param_hash"]
     assert sa["final_eval_loss"] == sb["final_eval_loss"] and sa["inter_site_bytes"] == sb["inter_site_bytes"]
+    assert sa["inter_region_bytes"] == sb["inter_region_bytes"] and sa["region_rounds"] == sb["region_rounds"]
 
 
 def test_tampered_checkpoint_is_refused_and_auto_resume_uses_the_previous_good_one(tmp_path: Path) -> None:

@@ -211,6 +211,18 @@ def test_tiers_with_h2_equal_to_h1_are_flat_diloco_and_cut_slow_tier_bytes(tmp_p
     assert len(set(losses.values())) == 3, losses  # three different arrangements
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_time_limit_ends_a_tiered_run_at_a_world_round(tmp_path: Path) -> None:
+    """train.max_seconds with two tiers: the sites agree on the time at world rounds (the only
+    exchange every site is in), so every site stops after the same world round, on one model."""
+    s, _ = _tiered(tmp_path, "timed", ["sync.region_every=2", "train.steps=100000", "train.max_seconds=3"])
+    steps = {p["steps"] for p in s["per_site"]}
+    assert len(steps) == 1 and s["steps"] == steps.pop() < 100000
+    assert s["steps"] == 2 * s["region_rounds"] == 4 * s["rounds"] and s["rounds"] >= 1  # H = 2, H2 = 4
+    assert len(set(s["global_param_hash"].values())) == 1
+
+
 @pytest.mark.parametrize(
     ("regions", "overrides", "message"),
     [

@@ -117,12 +117,7 @@ class Config(Section):
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
             (self.privacy.secure_aggregation or self.privacy.dp.unit != "none", "privacy", "turn privacy off"),
-            (
-                self.sync.pace != "lockstep" or bool(self.train.max_seconds),
-                "sync.pace",
-                "use lock-step rounds without train.max_seconds",
-            ),
-            (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
+            (self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
         ]
         _refuse(refused, "sync.region_every")
 

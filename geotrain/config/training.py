@@ -89,7 +89,7 @@ class TrainConfig(Section):
         default=0,
         ge=0,
         description="Stop at the first outer round boundary after this many seconds of training (every site agrees at the "
-        "boundary; evaluations excluded); 0 = no time limit. DiLoCo only.",
+        "boundary; evaluations excluded; with sync.region_every, the first world round); 0 = no time limit. DiLoCo only.",
     )
     eval_every: int = Field(
         default=0, ge=0, description="Evaluate every N steps; 0 = every sync round (H) for diloco, every 25 steps for ddp."

@@ -85,7 +85,7 @@ class RankObjects:
             **self.training_state(step),
             "data": self.data.train.state(),
             "rng": torch.get_rng_state(),
-            "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes],
+            "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes, st.inter_region_bytes],
             "accountant": self.privacy.accountant_state(),
         }
 
@@ -95,7 +95,8 @@ class RankObjects:
         self.load_training(state)
         self.data.train.set_state(state["data"])
         torch.set_rng_state(state["rng"])
-        st.intra_bytes, st.inter_bytes, st.inter_raw_bytes = state["bytes"]
+        st.intra_bytes, st.inter_bytes, st.inter_raw_bytes = state["bytes"][:3]
+        st.inter_region_bytes = state["bytes"][3] if len(state["bytes"]) > 3 else 0  # (absent before regions were counted)
         self.privacy.load_accountant_state(state["accountant"])
         return int(state["step"])
 

@@ -29,10 +29,14 @@ With region_every = 1, ``region`` and ``world`` are flat DiLoCo up to rounding
 pseudo-gradient, and in ``region`` the regions start every round from one model, so their
 momentum buffers, which are linear in the pseudo-gradients, average to flat DiLoCo's. The
 measured choice: docs/HETERO.md. Only step 2 crosses regions, so bytes on the slow tier fall by
-region_every.
+region_every. ``train.max_seconds`` ends the run at the first world round after that much
+training: the sites agree on the time there (one control exchange of every site's elapsed
+seconds), since a region round does not reach the other regions.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -74,6 +78,28 @@ class TieredDiLoCo(DiLoCo):
             self._finishing = True
             self.outer_step()
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "region_reducer": self.reducer_out(self.region_reducer)}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """DiLoCo's, and the region tier's: its model, its optimizer (momentum with ``tier_outer``
+        region or both) and its round count."""
+        return {
+            **super().checkpoint_state(),
+            "region_params": [r.clone() for r in self.region_params],
+            "region_outer": self.region_optimizer.state_dict(),
+            "region_rounds": self.region_rounds,
+        }
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        for r, saved in zip(self.region_params, state["region_params"], strict=True):
+            r.copy_(saved)
+        self.region_optimizer.load_state_dict(state["region_outer"])
+        self.region_rounds = int(state["region_rounds"])
+        self.region_reducer.load_state_dict(self.reducer_in(state["region_reducer"]))
+
     def _tier_weights(self, sites: list[int]) -> list[float]:
         """Each site's weight in a tier's average over ``sites`` (0 for the others): every site runs
         the same steps, so a site's tokens are in proportion to its workers."""
@@ -97,6 +123,9 @@ class TieredDiLoCo(DiLoCo):
                 r.copy_(g)
             self.rounds += 1
             target = self.global_params
+            if self.clock.exchanges:  # train.max_seconds: agreed at world rounds only, the one tier
+                self.clock.exchange(self._steps_in_round)  # every site is in (region rounds are not)
+                self.clock.next_round(self.rounds)
         for g, p in zip(target, self.local_params(), strict=True):
             p.copy_(g)
         self._steps_in_round = 0
