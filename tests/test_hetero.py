@@ -3,6 +3,7 @@ with H=1 against DDP end to end (real processes, Gloo on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,25 @@ def test_a_time_limit_ends_a_tiered_run_at_a_world_round(tmp_path: Path) -> None
     assert len(set(s["global_param_hash"].values())) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_guard_leaves_a_nan_update_out_of_its_region_round(tmp_path: Path) -> None:
+    """guard.enabled with two tiers: B's update of region round 3 is NaN (fault.nan); the norms are
+    exchanged inside region eu, B is left out of that round, A's update alone moves eu's model,
+    and every site ends on one finite model. Without the guard the NaN reaches the model and the
+    run stops on a NaN loss."""
+    s, w = _tiered(tmp_path, "guarded", ["sync.region_every=2", "guard.enabled=true", "fault.nan=[B@3]"])
+    assert s["guard_rejections"] == {"A": 0, "B": 1, "C": 0, "D": 0}
+    assert [(e["site"], e["round"]) for e in s["guard_events"]] == [("B", 3)] and "non-finite" in s["guard_events"][0]["why"]
+    assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
+    assert all(torch.isfinite(t).all() for t in w.values()) and math.isfinite(s["final_eval_loss"])
+    from geotrain.errors import LaunchError
+
+    with pytest.raises(LaunchError):
+        _tiered(tmp_path, "unguarded", ["sync.region_every=2", "fault.nan=[B@3]"])
+    assert "loss is nan" in (tmp_path / "unguarded" / "logs" / "rank0.log").read_text()
+
+
 @pytest.mark.parametrize(
     ("regions", "overrides", "message"),
     [
@@ -231,7 +251,11 @@ def test_a_time_limit_ends_a_tiered_run_at_a_world_round(tmp_path: Path) -> None
         ("[{name: eu, sites: [A]}]", [], "every site must be in a region (B in none)"),
         ("[{name: eu, sites: [A]}, {name: eu, sites: [B]}]", [], "the region 'eu' is given twice"),
         ("[]", ["sync.region_every=2"], "sync.region_every: needs at least two topology.regions"),
-        ("[{name: eu, sites: [A]}, {name: us, sites: [B]}]", ["sync.region_every=2"], "guard.enabled: not combined with"),
+        (
+            "[{name: eu, sites: [A]}, {name: us, sites: [B]}]",
+            ["sync.region_every=2", "sync.pace=adaptive"],
+            "sync.pace: not combined with",
+        ),
     ],
 )
 def test_bad_region_configs_are_refused_in_one_line(regions: str, overrides: list[str], message: str) -> None:

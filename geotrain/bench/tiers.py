@@ -60,7 +60,7 @@ def tiers_config(mode: str, steps: int, H: int, seed: int, extra: list[str] | No
             "sync.algorithm=diloco",
             f"sync.H={REGION_EVERY * H if mode == 'flat-same-bytes' else H}",
             *MODES[mode],
-            "guard.enabled=false",  # not combined with the region tier yet (docs/HETERO.md)
+            "guard.enabled=false",  # in every mode: its norm exchanges would add to the bytes compared
             f"train.steps={steps}",
             f"train.seed={seed}",
             "train.save_final=false",

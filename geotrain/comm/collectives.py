@@ -437,12 +437,13 @@ class Collectives:
         else:
             self._across(x, self.lanes[0], codec, ef)
 
-    def site_values(self, value: float) -> list[float]:
+    def site_values(self, value: float, region: bool = False) -> list[float]:
         """Every site's ``value`` (one float per site, the same on every rank of a site), in site
-        order: a sum across sites of a vector holding each site's value in its own slot."""
+        order: a sum across sites of a vector holding each site's value in its own slot.
+        ``region``: over the sites of this rank's region only (the others' slots stay 0)."""
         slots = torch.zeros(self.groups.topology.num_sites, dtype=torch.float64)
         slots[self._my_site] = value
-        self.all_reduce_across_sites(slots)
+        self.all_reduce_across_sites(slots, region=region)
         return slots.tolist()
 
     def gather_sites(self, mine: torch.Tensor) -> torch.Tensor:

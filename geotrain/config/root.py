@@ -113,7 +113,6 @@ class Config(Section):
         refused = [
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
             (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
-            (self.guard.enabled, "guard.enabled", "set guard.enabled=false"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
             (self.privacy.secure_aggregation or self.privacy.dp.unit != "none", "privacy", "turn privacy off"),

@@ -18,6 +18,11 @@ hardware, a diverging replica), not against a malicious one that lies about its 
 secure aggregation no norm is revealed: a site checks only its own update for non-finite values
 and withdraws it (the protocol then handles it like a dropout).
 
+With multi-tier sync (``sync.region_every``) the rule judges the region rounds, where the
+sites' own updates are averaged: the norms are exchanged inside the region, over its fast links,
+and each region keeps its own history. The world round averages the regions' models, which only
+ever took updates the guard accepted.
+
 In elastic mode the members of a round change from round to round, so there is no fixed site
 order to exchange norms in: each site applies the same rule to its own update against the
 running median of its own accepted norms (:meth:`UpdateGuard.own_update_ok`) and, if it fails,
@@ -29,6 +34,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,21 +74,27 @@ class UpdateGuard:
             return f"norm {v:.4g} > {self.cfg.norm_factor:g} x median {ref:.4g}{whose}"
         return None
 
-    def include(self, delta: torch.Tensor, key: int, round_id: int, per: int = 1) -> list[bool]:
+    def include(
+        self, delta: torch.Tensor, key: int, round_id: int, per: int = 1, region: Sequence[int] | None = None
+    ) -> list[bool]:
         """Exchange norms (each divided by ``per``, the round's steps when H varies); which sites'
-        ``delta`` go into this round's average."""
-        norms = self.comm.site_values(self.site_norm(delta) / per)
+        ``delta`` go into this round's average. ``region``: multi-tier sync's region round, over
+        these sites (this rank's region) only; the others are not judged and come back False."""
+        norms = self.comm.site_values(self.site_norm(delta) / per, region=region is not None)
         with self._lock:
             hist = self.history.setdefault(key, [])
             ok = []
             for i, v in enumerate(norms):
+                if region is not None and i not in region:
+                    ok.append(False)
+                    continue
                 why = self._why_rejected(hist, v)
                 ok.append(why is None)
                 if why is None:
                     continue
                 self.rejected[self.site_names[i]] += 1
                 self.events.append({"round": round_id, "fragment": key, "site": self.site_names[i], "why": why})
-            hist.extend(v for v, good in zip(norms, ok, strict=True) if good)
+            hist.extend(v for v, good in zip(norms, ok, strict=True) if good)  # (a region's own sites only)
             del hist[: -self.cfg.window]
         return ok
 

@@ -106,12 +106,32 @@ class TieredDiLoCo(DiLoCo):
         workers = self.comm.groups.topology.workers
         return [float(workers[s] if self.weight_by_tokens else 1) if s in sites else 0.0 for s in range(self.num_sites)]
 
+    def _region_included(self, delta: torch.Tensor) -> list[int]:
+        """The sites of this region whose update goes into the region round: the guard's rule over
+        the region's norms (``guard.enabled``), after the failure injection (``fault.nan``, by
+        region round); a site left out contributes zeros."""
+        g = self.comm.groups
+        if (g.topology.site_names[g.me.site_index], self.region_rounds) in self.nan_at:
+            delta.fill_(float("nan"))
+        if self.guard is None:
+            return self.region_sites
+        ok = self.guard.include(delta, 0, self.region_rounds, region=self.region_sites)
+        if not ok[g.me.site_index]:
+            delta.zero_()
+            self.region_reducer.forget_residual()  # else its old error feedback would still be sent
+        return [s for s in self.region_sites if ok[s]]
+
     @torch.no_grad()
     def outer_step(self) -> None:
         # 1. inside the region
         delta = pseudo_gradient(self.region_params, self.local_params())
-        self._weighted_average(delta, self.region_reducer, self._tier_weights(self.region_sites))
-        outer_step_(self.region_optimizer, self.region_params, delta)
+        included = self._region_included(delta)
+        if included:
+            self._weighted_average(delta, self.region_reducer, self._tier_weights(included))
+            outer_step_(self.region_optimizer, self.region_params, delta)
+        else:  # every update of the region was rejected: the region round is rolled back
+            self.rounds_rolled_back += 1
+            self.rollback_reasons.append(f"region round {self.region_rounds}: every site's update was rejected by the guard")
         self.region_rounds += 1
         target = self.region_params
         # 2. across regions, every `every` region rounds (and to close the run)
