@@ -11,6 +11,7 @@ import torch
 
 from geotrain.comm.topology import Topology
 from geotrain.config import TopologyConfig, load_config
+from geotrain.errors import LaunchError
 from geotrain.launch.local import launch_local
 from tests.helpers import PLAIN_SGD, TINY, run_ranks
 
@@ -236,8 +237,6 @@ def test_the_guard_leaves_a_nan_update_out_of_its_region_round(tmp_path: Path) -
     assert [(e["site"], e["round"]) for e in s["guard_events"]] == [("B", 3)] and "non-finite" in s["guard_events"][0]["why"]
     assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
     assert all(torch.isfinite(t).all() for t in w.values()) and math.isfinite(s["final_eval_loss"])
-    from geotrain.errors import LaunchError
-
     with pytest.raises(LaunchError):
         _tiered(tmp_path, "unguarded", ["sync.region_every=2", "fault.nan=[B@3]"])
     assert "loss is nan" in (tmp_path / "unguarded" / "logs" / "rank0.log").read_text()

@@ -11,9 +11,10 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 (``sync.quorum``) a site other than the first that fails once training has started (or that
 ``fault.kill`` names) is lost instead: its ranks are killed and the others go on
 (:mod:`geotrain.sync.quorum`). With ``fault.restart_after``, a site lost that way (killed by
-``fault.kill`` or dead of anything else) is started again that many seconds later, as a torch.distributed world of its own (its rendezvous
-store hosted here too), and rejoins the asynchronous rounds through the run's store. Children also get
-``PR_SET_PDEATHSIG`` so they die if the launcher itself is killed: no orphans either way.
+``fault.kill`` or dead of anything else) is started again that many seconds later, as a
+torch.distributed world of its own (its rendezvous store hosted here too), and rejoins the
+asynchronous rounds through the run's store. Children also get ``PR_SET_PDEATHSIG`` so they die
+if the launcher itself is killed: no orphans either way.
 """
 
 from __future__ import annotations
