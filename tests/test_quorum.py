@@ -322,6 +322,29 @@ def test_a_site_stopped_from_outside_goes_silent_is_lost_and_the_others_finish(t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_site_stopped_from_outside_is_killed_and_comes_back_with_restart_after(tmp_path: Path) -> None:
+    """B's ranks get a SIGSTOP from this test, with ``fault.restart_after``: the syncer loses B for
+    silence and reports it in the run's store; the launcher kills B's stopped ranks (only it can)
+    and starts B again 1 s later; B rejoins and every site ends on one model."""
+    quorum = "sync.quorum={sites: 1, grace_s: 0, timeout_s: 60, heartbeat_s: 0.5, lost_after_s: 3}"
+    out = tmp_path / "hung-back"
+    runner, got, pids = _start_three_sites(out, quorum, "train.max_seconds=14", "fault.restart_after=1")
+    for pid in pids[1:3]:
+        os.kill(pid, signal.SIGSTOP)
+    runner.join(timeout=150)
+    assert not runner.is_alive() and got, "the run did not finish"
+    assert got["lost_sites"] == [] and [p["site"] for p in got["per_site"]] == ["A", "B", "C"]
+    events = [m for m in got["pace"] if m["kind"] in ("lost", "rejoined") and m["sites"] == [1]]
+    assert [m["kind"] for m in events] == ["lost", "rejoined"] and "silent" in events[0]["why"], events
+    assert len(set(got["global_param_hash"].values())) == 1 and got["hashes_agree_within_sites"]
+    assert "rejoined the asynchronous rounds" in (out / "logs" / "rank1.1.log").read_text()
+    for pid in pids[1:3]:  # the stopped ranks were killed (and reaped by the zygote)
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split(") ", 1)[1][0] == "Z"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_site_that_fails_at_the_start_still_stops_the_run(tmp_path: Path) -> None:
     """Before training starts the others would wait for the failed site in the start's collectives:

@@ -213,6 +213,12 @@ def down_key(site: int) -> str:
     return f"geotrain/quorum/down/{site}"
 
 
+def silent_key(site: int) -> str:
+    """The run store's key the syncer sets to a site's incarnation when it loses that incarnation
+    for silence (stopped or hung: its processes still exist, so only the launcher can end them)."""
+    return f"geotrain/quorum/silent/{site}"
+
+
 def channel_keys(site: int, incarnation: int) -> tuple[str, str]:
     """The store key prefixes (site → syncer, syncer → site) of a site's incarnation that came back."""
     base = f"geotrain/quorum/{site}.{incarnation}"

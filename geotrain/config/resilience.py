@@ -38,8 +38,8 @@ class FaultConfig(Section):
         ge=0,
         le=3600,
         description="Seconds after a kill or hang when the launcher starts the site again (it heals from a live peer; with "
-        "sync.quorum, after its ranks die (fault.kill or any other death once training has started), from the syncer's "
-        "model); 0: never.",
+        "sync.quorum, after its ranks die (fault.kill or any other death once training has started) or the syncer loses "
+        "it for silence, from the syncer's model); 0: never.",
     )
 
     @field_validator("nan", "kill", "hang", "tamper")

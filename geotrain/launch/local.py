@@ -10,10 +10,11 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 :class:`LaunchError` names the site and rank that failed. With asynchronous quorum rounds
 (``sync.quorum``) a site other than the first that fails once training has started (or that
 ``fault.kill`` names) is lost instead: its ranks are killed and the others go on
-(:mod:`geotrain.sync.quorum`). With ``fault.restart_after``, a site lost that way (killed by
-``fault.kill`` or dead of anything else) is started again that many seconds later, as a
-torch.distributed world of its own (its rendezvous store hosted here too), and rejoins the
-asynchronous rounds through the run's store. Children also get ``PR_SET_PDEATHSIG`` so they die
+(:mod:`geotrain.sync.quorum`); so is a site the syncer loses for silence (stopped or hung): it
+reports the loss in the run's store, and the launcher kills the site's processes. With
+``fault.restart_after``, a site lost in any of these ways is started again that many seconds
+later, as a torch.distributed world of its own (its rendezvous store hosted here too), and
+rejoins the asynchronous rounds through the run's store. Children also get ``PR_SET_PDEATHSIG`` so they die
 if the launcher itself is killed: no orphans either way.
 """
 
@@ -33,7 +34,7 @@ import yaml
 from geotrain.comm.emulate import kernel as netns
 from geotrain.comm.emulate.inprocess import state_path
 from geotrain.comm.emulate.kernel import IFNAME, KernelLinks
-from geotrain.comm.mailbox import down_key
+from geotrain.comm.mailbox import down_key, silent_key
 from geotrain.comm.procs import free_port, host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
@@ -199,6 +200,14 @@ def _launch(
                     lose(site, f"killed (fault injection at step {request['step']})")
                     if cfg.fault.restart_after:
                         restart_at[site] = time.monotonic() + cfg.fault.restart_after
+                for site in range(1, topo.num_sites) if store is not None else ():  # the syncer lost it for silence
+                    if store.check([silent_key(site)]):
+                        k = int(store.get(silent_key(site)))
+                        store.delete_key(silent_key(site))
+                        if k == incarnation[site] and site not in lost:  # (not a report on an incarnation gone by)
+                            lose(site, "was lost by the syncer (silent: stopped or hung); its ranks are killed")
+                            if cfg.fault.restart_after:
+                                restart_at[site] = time.monotonic() + cfg.fault.restart_after
                 for site, at in sorted(restart_at.items()):
                     if time.monotonic() >= at:
                         del restart_at[site]

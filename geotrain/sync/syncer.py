@@ -23,7 +23,7 @@ import torch
 
 from geotrain.codecs import Codec
 from geotrain.comm.alive import SilenceWatch
-from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join_key
+from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join_key, silent_key
 from geotrain.config import QuorumConfig, SyncConfig
 from geotrain.sync.base import views_like
 from geotrain.sync.outer import outer_step_
@@ -74,10 +74,18 @@ class Rejoins:
         self.seen: dict[int, int] = {}  # the last incarnation of each site taken back
         self._store: Any = None
 
-    def _read(self, key: str) -> int:
+    def _connected(self) -> Any:
         if self._store is None:
             self._store = self.connect()
-        return int(self._store.add(key, 0))  # a read that never blocks on a missing key
+        return self._store
+
+    def _read(self, key: str) -> int:
+        return int(self._connected().add(key, 0))  # a read that never blocks on a missing key
+
+    def report_silent(self, site: int) -> None:
+        """Tell the launcher that ``site``'s current incarnation was lost for silence
+        (:func:`silent_key`): it ends that incarnation's processes and may start the site again."""
+        self._connected().set(silent_key(site), str(self.seen.get(site, 0)))
 
     def poll(self, lost: Iterable[int]) -> list[tuple[int, int]]:
         """(site, incarnation) of each of the ``lost`` sites whose new incarnation asked to rejoin."""
@@ -292,6 +300,8 @@ class QuorumSyncer:
             self._check_sends()
             for s in self._silent_sites(finals):
                 self._lose(s, f"silent for over sync.quorum.lost_after_s={self.cfg.lost_after_s:g} s (stopped or hung)")
+                if self.rejoins is not None:
+                    self.rejoins.report_silent(s)
             for _, u in due:
                 if u.site in self.lost:  # sent before it went silent, arrived after it was lost: late forever
                     continue
