@@ -58,6 +58,19 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def frame(
+    fields: list[float], payload: torch.Tensor, header_len: int, arrival: Callable[[int], float], raw: int | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """One message as it is sent, by the mailbox or a store channel: the float64 header (the
+    emulated arrival time of the whole message, the payload's length in bytes, ``fields``), the
+    payload's bytes, the bytes sent, and the fp32 bytes they stand for (``raw``: a codec's payload's)."""
+    assert len(fields) == header_len - 2
+    payload = as_bytes(payload)
+    nbytes = header_len * 8 + payload.numel()
+    header = torch.tensor([arrival(nbytes), payload.numel(), *fields], dtype=torch.float64)
+    return header, payload, nbytes, nbytes if raw is None else header_len * 8 + raw
+
+
 @dataclass
 class Message:
     """One received message: who sent it, when it arrives (emulated), the sender's header fields, the payload."""
@@ -102,11 +115,8 @@ class Mailbox:
         """Start sending ``fields`` and ``payload`` (any dtype, sent as its bytes; possibly empty) to
         ``dst``; returns at once (the buffers are kept until :meth:`flush`). ``raw``: the fp32 bytes
         the payload stands for (a codec's), for the compression ratio."""
-        assert len(fields) == self.header_len - 2
-        payload = as_bytes(payload)
-        nbytes = self.header_len * 8 + payload.numel()
-        header = torch.tensor([self.arrival(dst, nbytes), payload.numel(), *fields], dtype=torch.float64)
-        self.comm._count(dst, nbytes, nbytes if raw is None else self.header_len * 8 + raw)
+        header, payload, nbytes, fp32_bytes = frame(fields, payload, self.header_len, lambda n: self.arrival(dst, n), raw)
+        self.comm._count(dst, nbytes, fp32_bytes)
         for t, tag in ((header, HEADER_TAG), (payload, PAYLOAD_TAG)):
             if t.numel() and dst not in self._failed:
                 try:
@@ -260,18 +270,19 @@ class StoreChannel:
         self._store: Any = None
         self._stop = threading.Event()
 
+    def _client(self) -> Any:
+        """This end's client of the store (made at its first use; the listener thread has its own)."""
+        if self._store is None:
+            self._store = self.connect()
+        return self._store
+
     def send(self, fields: list[float], payload: torch.Tensor, raw: int | None = None) -> None:
         """Write ``fields`` and ``payload`` (any dtype, as its bytes; possibly empty) as the next
         message (``raw``: as for :meth:`Mailbox.send`)."""
-        assert len(fields) == self.header_len - 2
-        payload = as_bytes(payload)
-        nbytes = self.header_len * 8 + payload.numel()
-        header = torch.tensor([self.arrival(nbytes), payload.numel(), *fields], dtype=torch.float64)
-        self.count(nbytes, nbytes if raw is None else self.header_len * 8 + raw)
-        if self._store is None:
-            self._store = self.connect()
+        header, payload, nbytes, fp32_bytes = frame(fields, payload, self.header_len, self.arrival, raw)
+        self.count(nbytes, fp32_bytes)
         data = header.numpy().tobytes() + payload.numpy().tobytes()
-        self._store.set(f"{self.send_prefix}/{self._sent}", data)
+        self._client().set(f"{self.send_prefix}/{self._sent}", data)
         self._sent += 1
 
     def _next(self, store: Any, timeout_s: float) -> Message | None:
@@ -293,9 +304,7 @@ class StoreChannel:
 
     def receive(self, timeout_s: float) -> Message | None:
         """The next message, held until its emulated arrival; None after ``timeout_s``."""
-        if self._store is None:
-            self._store = self.connect()
-        msg = self._next(self._store, timeout_s)
+        msg = self._next(self._client(), timeout_s)
         if msg is not None:
             Mailbox.arrived(msg)
         return msg

@@ -160,8 +160,12 @@ def _launch(
         k = incarnation[topo.info(rank).site_index]
         return out / "logs" / (f"rank{rank}.{k}.log" if k else f"rank{rank}.log")
 
-    def lose(site: int, why: str) -> None:
+    def lose(site: int, why: str, come_back: bool = True) -> None:
+        """Kill ``site``'s ranks and go on without it; with ``fault.restart_after`` (and
+        ``come_back``: the run is not over) start it again that many seconds from now."""
         lost.add(site)
+        if come_back and cfg.fault.restart_after:
+            restart_at[site] = time.monotonic() + cfg.fault.restart_after
         if incarnation[site] and store is not None:  # the syncer reaches a site started again through the store only
             store.set(down_key(site), str(incarnation[site]))
         for r in topo.site_ranks(site):
@@ -198,16 +202,12 @@ def _launch(
                     site = topo.site_names.index(request["site"])
                     kills_done[site] += 1
                     lose(site, f"killed (fault injection at step {request['step']})")
-                    if cfg.fault.restart_after:
-                        restart_at[site] = time.monotonic() + cfg.fault.restart_after
                 for site in range(1, topo.num_sites) if store is not None else ():  # the syncer lost it for silence
                     if store.check([silent_key(site)]):
                         k = int(store.get(silent_key(site)))
                         store.delete_key(silent_key(site))
                         if k == incarnation[site] and site not in lost:  # (not a report on an incarnation gone by)
                             lose(site, "was lost by the syncer (silent: stopped or hung); its ranks are killed")
-                            if cfg.fault.restart_after:
-                                restart_at[site] = time.monotonic() + cfg.fault.restart_after
                 for site, at in sorted(restart_at.items()):
                     if time.monotonic() >= at:
                         del restart_at[site]
@@ -219,14 +219,14 @@ def _launch(
             for r, c in sorted(bad, key=lambda rc: (rc[1] > 0, rc[0])) if started else []:
                 site = topo.info(r).site_index
                 if site and site not in lost:
-                    lose(site, f"lost: rank {r} {describe_exit(c)} (log: {log_of(r)})")
-                    if cfg.fault.restart_after:  # any death, not only an injected one
-                        restart_at[site] = time.monotonic() + cfg.fault.restart_after
+                    lose(site, f"lost: rank {r} {describe_exit(c)} (log: {log_of(r)})")  # any death comes back
             if tolerant and codes[0] == 0 and summary_path.exists():  # the run is over: stop the sites it lost
                 for name in json.loads(summary_path.read_text()).get("lost_sites", []):  # hung ones still run
                     if topo.site_names.index(name) not in lost:
                         lose(
-                            topo.site_names.index(name), "was lost by the syncer (silent: stopped or hung); its ranks are killed"
+                            topo.site_names.index(name),
+                            "was lost by the syncer (silent: stopped or hung); its ranks are killed",
+                            come_back=False,
                         )
             bad = [(r, c) for r, c in bad if topo.info(r).site_index not in lost]
             if bad:
