@@ -3,8 +3,10 @@ forked from the zygote (or started fresh) behave as processes of their own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,3 +178,65 @@ def test_the_zygote_outlives_the_thread_that_started_it(tmp_path: Path) -> None:
         assert r.wait(timeout=30) == -signal.SIGKILL
     pump.join(timeout=10)
     pump2.join(timeout=10)
+
+
+# A run whose fragment exchange lasts about a minute: 2 sites x 2 workers, Streaming DiLoCo, a
+# 15 kbit/s link. A fragment's exchange crosses it in a background thread while the ranks train on.
+_SLOW_EXCHANGE = """
+topology:
+  sites: [{name: A, workers: 2}, {name: B, workers: 2}]
+  links: {inter: {bandwidth_bps: 1.5e4, latency_s: 0.02}}
+train: {steps: 200, log_every: 1, threads: 1}
+sync: {algorithm: streaming, H: 40, fragments: 2, tau: 19, lanes: 2, chunk_bytes: 65536}
+run: {baseline: none, timeout_s: 300}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fork", [True, False], ids=["zygote", "torchrun"])
+def test_a_failing_rank_exits_at_once_while_its_exchange_is_on_the_wire(tmp_path: Path, fork: bool) -> None:
+    """Rank 1 is SIGKILLed while rank 0's lane threads hold a fragment's chunks from site B until
+    the slow link would have delivered them (about 35 s). Rank 0's training thread fails at its
+    next in-site all-reduce, before the fragment is due. The rank must exit within 10 s of the
+    kill, forked by the zygote or started as torchrun starts it (``python -m
+    geotrain.run.worker``): its lane and exchange threads are daemons and a worker leaves with
+    ``os._exit`` (``comm/procs.leave``). Before, interpreter shutdown joined the lane threads
+    until the transfer ended (17.7 s and 8.7 s at 30 kbit/s; the link is half that now). The
+    bound is far above what the exit takes on a loaded machine (0.1 s here)."""
+    from geotrain.launch.spawn import rank_env, spawn_rank, stop_all, worker_args
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(_SLOW_EXCHANGE)
+    port = free_port()
+    ranks = []
+    for r in range(4):
+        env = {**rank_env(r, 4, 4, port, "inprocess"), "GEOTRAIN_PARENT_PID": str(os.getpid())}
+        ranks.append(spawn_rank(worker_args(cfg, tmp_path / "out"), env, tmp_path / f"rank{r}.log", None, fork=fork))
+    procs = [p for p, _ in ranks]
+    try:
+        logs = [tmp_path / "rank0.log", tmp_path / "rank2.log"]  # each site's local rank 0 prints its steps
+
+        def sending(log: Path) -> bool:  # a fragment is on the wire: 'in flight  0.xxx MB' above zero
+            text = log.read_text() if log.exists() else ""
+            return any("in flight" in line and "in flight  0.000 MB" not in line for line in text.splitlines())
+
+        deadline = time.monotonic() + 90
+        while not all(sending(log) for log in logs):
+            assert time.monotonic() < deadline, "no exchange started:\n" + logs[0].read_text()
+            assert procs[0].poll() is None, logs[0].read_text()
+            time.sleep(0.05)
+        time.sleep(1.0)  # both sides sent their first chunks; by the link's clock they arrive in about 35 s
+        procs[1].kill()
+        t0 = time.monotonic()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[0].wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        code = procs[0].poll()
+        assert code is not None and code > 0, f"rank 0 still running {elapsed:.1f} s after the kill"
+        assert elapsed < 10, f"rank 0 exited {elapsed:.1f} s after its site-mate was killed"
+        assert re.search("Connection (closed|reset) by peer", logs[0].read_text())  # it failed on the lost peer
+    finally:
+        stop_all(procs)
+        for _, pump in ranks:
+            pump.join(timeout=10)

@@ -257,3 +257,48 @@ def test_too_small_site_corpus_is_a_config_error(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "topology.sites[0].corpus" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_private_run_that_fails_closes_its_audit_log_and_flushes_its_metrics(tmp_path: Path) -> None:
+    """Rank 0 fails at step 6: its checkpoint folder cannot be made (a file stands in the way);
+    the other sites then fail on the lost peer. Every site's audit log still ends with its closing
+    line, saying the run failed and why, and verifies; rank 0's metrics hold step 6, in the JSONL
+    and in TensorBoard (whose writer buffers: closed on the failure path, or lost)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    out = tmp_path / "run"
+    proc = train_cli(
+        out,
+        [
+            "train.steps=40",
+            "sync.H=2",
+            "privacy.secure_aggregation=true",
+            "checkpoint.every=6",
+            f"checkpoint.dir={blocker / 'ckpt'}",
+            "topology.links.emulate=off",
+        ],
+        FOUR_SITES,
+        expect_rc=1,
+    )
+    assert "NotADirectoryError" in proc.stderr + "".join(p.read_text() for p in (out / "logs").glob("*.log"))
+    ends = {}
+    for f in sorted(out.glob("audit*.jsonl")):
+        last = json.loads(f.read_text().splitlines()[-1])
+        assert last["kind"] == "end", f
+        ends[f.name] = last
+    assert len(ends) == 4  # one per organisation
+    assert all(e["outcome"] == "failed" and e["error"] for e in ends.values()), ends
+    assert "NotADirectoryError" in ends["audit.jsonl"]["error"]  # site A's leader is the one that failed first
+    assert all(e["aggregations"] == 3 for e in ends.values())  # rounds at steps 2, 4 and 6, agreed by all
+    _, findings = verify_logs(sorted(out.glob("audit*.jsonl")))
+    assert findings == []
+    verified = subprocess.run([sys.executable, "-m", "geotrain", "audit", "verify", str(out)], capture_output=True, text=True)
+    assert verified.returncode == 0 and "run failed (" in verified.stdout, verified.stdout
+    steps = [json.loads(line)["step"] for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 7))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from geotrain.codecs import Codec, Residual
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import Lane, ProcessGroups
+from geotrain.comm.threads import DaemonPool
 
 _HEADER_TAG = 1  # arrival-time headers of the link emulation travel on their own tag
 TIMELINE_CAP = 200_000
@@ -104,13 +104,14 @@ class Collectives:
         self.chunk_bytes = chunk_bytes
         self.wan = wan
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(len(self.lanes), thread_name_prefix="lane") if len(self.lanes) > 1 else None
+        self._pool = DaemonPool(len(self.lanes), "lane") if len(self.lanes) > 1 else None
 
     def close(self) -> None:
         """Stop the lane threads. Does not wait: after a normal run they are idle, and after a
-        failure one may be blocked in a wait on a dead peer, which must not hold up the exit."""
+        failure one may be blocked on a dead or slow peer; they are daemons
+        (:mod:`geotrain.comm.threads`), so that cannot hold up the exit either."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=False)
             self._pool = None
 
     # ------------------------------------------------------------------ primitives

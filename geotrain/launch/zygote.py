@@ -39,7 +39,7 @@ import sys
 import traceback
 from typing import Any
 
-from geotrain.comm.procs import enter_netns
+from geotrain.comm.procs import enter_netns, leave
 
 WORKER = "geotrain.run.worker"
 # imported once for every rank: the worker (torch, torch.distributed, geotrain) and torch._dynamo,
@@ -133,15 +133,13 @@ def run_rank(request: dict[str, Any]) -> int:
     os.environ.update(request["env"], GEOTRAIN_PARENT_PID=str(request["parent"]))  # the zygote: die with it
     worker = importlib.import_module(WORKER)
     sys.argv = [str(worker.__file__), *request["argv"]]
-    try:
-        if request["netns"]:
+    if request["netns"]:
+        try:
             enter_netns(request["netns"])  # a single thread so far, as setns needs
-        return int(worker.main(request["argv"]))
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
+        except Exception:  # noqa: BLE001 - the rank's last word, in its log
+            traceback.print_exc()
+            return 1
+    return int(worker.run_main(request["argv"]))
 
 
 def main() -> int:
@@ -156,16 +154,8 @@ def main() -> int:
     if request is None:  # the launcher is gone: go at once (no interpreter teardown), and the ranks with us
         os._exit(0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    code = run_rank(request)
-    if code == 0:
-        # A rank that finished leaves without the interpreter's teardown, as multiprocessing's
-        # forked children do: the teardown touched every object inherited from the zygote, copying
-        # its pages, and took about 2 s of CPU per rank, after the run was over. By now the worker
-        # has closed its files, writers and threads; only the standard streams need a flush.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return code  # a failure exits normally: whatever a crash left unflushed is written
+    leave(run_rank(request))  # success or failure, no teardown: see leave()
+    return 0  # not reached
 
 
 if __name__ == "__main__":

@@ -174,13 +174,25 @@ class PrivateAggregation:
         with self._lock:
             self.audit.append(rec)
 
-    def close_audit(self) -> None:
-        """The audit log's closing line: the run ended here (an audit log without it was cut short)."""
+    def close_audit(self, failure: BaseException | None = None) -> None:
+        """The audit log's closing line: the run ended here (an audit log without it was cut short),
+        ``completed`` or ``failed`` with the error; the first call writes it."""
         if self.audit is not None:
             eps = self.accountant.epsilon() if self.accountant is not None else None
+            outcome = (
+                {"outcome": "completed"}
+                if failure is None
+                else {"outcome": "failed", "error": f"{type(failure).__name__}: {failure}"[:500]}
+            )
             with self._lock:
                 self.audit.close(
-                    {"aggregations": self.aggregations, "rolled_back": self.failed, "dropouts": self.dropouts, "epsilon": eps}
+                    {
+                        "aggregations": self.aggregations,
+                        "rolled_back": self.failed,
+                        "dropouts": self.dropouts,
+                        "epsilon": eps,
+                        **outcome,
+                    }
                 )
 
     def summary(self) -> dict[str, Any]:

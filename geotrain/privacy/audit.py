@@ -69,6 +69,7 @@ class AuditChain:
     def __init__(self, path: Path, key: Ed25519PrivateKey, site: str, run: str | None = None) -> None:
         self.path, self.key, self.site = path, key, site
         self.seq, self.prev = 0, GENESIS_PREV
+        self.closed = False
         path.unlink(missing_ok=True)
         self.append({"kind": "genesis", "site": site, "public_key": public_hex(key), "run": run})
 
@@ -80,7 +81,10 @@ class AuditChain:
         self.seq, self.prev = self.seq + 1, _line_hash(line)
 
     def close(self, summary: dict[str, Any]) -> None:
-        self.append({"kind": "end", "site": self.site, **summary})
+        """The closing line (``kind: end``); once: later calls do nothing."""
+        if not self.closed:
+            self.append({"kind": "end", "site": self.site, **summary})
+            self.closed = True
 
 
 @dataclass
@@ -104,6 +108,7 @@ class Chain:
     public_key: str | None = None
     findings: list[Finding] = field(default_factory=list)
     rounds: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (line number, record)
+    ended: str | None = None  # the closing line's outcome: completed, or failed with the error
 
 
 def _signed_ok(pub: Ed25519PublicKey, rec: dict[str, Any]) -> bool:
@@ -190,6 +195,8 @@ def verify_chain(path: Path, trusted: dict[str, str] | None = None) -> Chain:
                 path.name, n, "truncated", "no closing line after this one: lines removed from the end, or the site stopped early"
             )
         )
+    elif last[1].get("outcome") is not None:  # logs written before the outcome was recorded have none
+        chain.ended = str(last[1]["outcome"]) + (f" ({last[1].get('error')})" if last[1].get("error") else "")
     chain.rounds = [(n, rec) for n, _, rec, _ in valid if rec.get("kind") == "round"]
     return chain
 
@@ -238,6 +245,7 @@ def verify_dir(run_dir: Path, keys: Path | None = None) -> tuple[list[str], list
         f"{c.file}: site {c.site}, "
         + (f"key {c.public_key[:16]}..." if c.public_key else "no key")
         + f", {len(c.rounds)} round lines verified"
+        + (f", run {c.ended}" if c.ended else "")
         for c in chains
     ]
     lines += [str(f) for f in findings]

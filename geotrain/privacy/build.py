@@ -59,10 +59,11 @@ class Privacy:
         if acc is not None and state is not None:
             acc.load_state_dict(state)
 
-    def close(self) -> None:
-        """The run ended normally: close the audit log."""
+    def close(self, failure: BaseException | None = None) -> None:
+        """Close the audit log: the run ended, normally or with ``failure`` (its closing line says
+        which). Only the first call writes."""
         if self.aggregation is not None:
-            self.aggregation.close_audit()
+            self.aggregation.close_audit(failure)
 
     def summary(self) -> dict[str, Any]:
         d = self.cfg.dp

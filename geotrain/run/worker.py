@@ -14,12 +14,14 @@ the plain loop of :mod:`geotrain.run.loop`. Global rank 0 writes ``OUT/summary.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
 import math
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from geotrain.comm.collectives import Collectives
 from geotrain.comm.emulate import describe_links, link_mode
-from geotrain.comm.procs import die_with_parent
+from geotrain.comm.procs import die_with_parent, leave
 from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
@@ -158,181 +161,192 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
         site_index=place.site_index if place.own_world else None,
         site_mesh=cfg.sync.within_site == "fsdp",
     )
-    groups = comm.groups
-    me, where = groups.me, place.where(groups.me)
+    me = comm.groups.me
     out.mkdir(parents=True, exist_ok=True)
     if notice and me.rank == 0:
         log(me, 0, notice)
-    member = None
-    try:
-        torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
-        model = build_model(cfg.model, vocab_size(cfg.data)).to(groups.device)
-        check_same_start(model, groups.world)
-        eval_model = copy.deepcopy(model)
-        fsdp = groups.mesh is not None
-        # the shape of the model to export, without its memory: rank 0 fills it with the gathered global model
-        template = copy_on(eval_model, "meta") if fsdp and me.rank == 0 and cfg.train.save_final else None
-        if fsdp:  # HSDP: sharded over the site's workers (docs/SCALE.md); the evaluation copy too
-            assert groups.mesh is not None
-            shard_model(model, groups.mesh, cfg.train.precision)
-            shard_model(eval_model, groups.mesh, cfg.train.precision, reshard_root=True)
-        own = cfg.topology.sites[where.site_index].corpus
-        if own is not None and not Path(own).exists():  # checked here: it may exist on this site's machine only
-            raise ConfigError(f"topology.sites[{where.site_index}].corpus: file or directory not found on this machine: {own}")
-        data = build_rank_data(
-            cfg.data,
-            where.rank,
-            place.full.workers,
-            cfg.model.block_size,
-            cfg.train.batch_size,
-            cfg.train.eval_batches,
-            cfg.train.seed,
-            site_corpus=cfg.topology.sites[where.site_index].corpus,
-        )
-        data.micro_batches = cfg.train.grad_accum
-        if cfg.train.compile:  # in place: the same parameters under the same names, for sync and checkpoints
-            model.compile()
-        optimizer, scheduler = build_optimizer(cfg.optim, model, cfg.train.steps)
-        if cfg.train.timeline:
-            comm.stats.intervals = []
-        tokens_per_rank_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
-        n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
-        seal = ckpt.Seal.of(optional_secret(cfg.elastic))
-        privacy = build_privacy(
-            cfg.privacy,
-            comm,
-            model,
-            out,
-            seed=cfg.train.seed,
-            steps=cfg.train.steps,
-            rounds_planned=fragment_count(cfg.sync, n_tensors) * math.ceil(cfg.train.steps / cfg.sync.H),
-            sample_rate=cfg.train.batch_size / (data.train.num_tokens - cfg.model.block_size - 1),
-            run_id=seal.run if seal is not None else None,
-        )
-        outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients
-        sync = build_sync(
-            cfg.sync,
-            model,
-            optimizer,
-            comm,
-            grad_clip=cfg.optim.grad_clip,
-            example_dp=privacy.example,
-            private=privacy.aggregation,
-            guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
-            nan_at=cfg.fault.nan_at() if outer else None,
-            rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
-        )
-        objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
-        ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
-        if place.elastic:  # every site is its own world with its own checkpoints
-            ckpt_root = ckpt_root / where.site
-        start = objs.resume(cfg.checkpoint.resume, ckpt_root) if cfg.checkpoint.resume else 0
-        if place.rejoined:  # heal from the syncer's model; data and schedule go on from the steps delivered
-            assert isinstance(sync, AsyncDiLoCo)
-            start = sync.rejoin_run()
-            data.train.skip(start * data.micro_batches)
-            with warnings.catch_warnings():  # no optimizer step yet: torch warns about the order
-                warnings.simplefilter("ignore", UserWarning)
-                for _ in range(start):
-                    scheduler.step()
-            log(where, start, f"incarnation {place.incarnation}: rejoined the asynchronous rounds at version {sync.version}")
-        done = int(os.environ.get("GEOTRAIN_KILLS_DONE", "0")) if place.rejoined else 0
-        inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None else None
-        if place.elastic:
-            faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
-            member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
-            start = member.healed_at_step if member.healed_at_step is not None else start
-        n_params = count_params(model)
-        suffix = f".{place.incarnation}" if place.incarnation else ""  # a restarted site keeps its earlier metrics
-        sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix, resumed_at=start)
-        if me.rank == 0:
-            log(me, 0, f"{cfg.sync.algorithm} on {place.world.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
-            log(me, 0, f"inter-site links: {describe_links(place.full, comm.wan)}")
-
-        def after_step(step: int) -> None:
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                objs.save(ckpt_root, step, cfg.checkpoint.keep)
-            if inject is not None:
-                inject(step)
-
-        evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step, world_broken=lambda: sync.world_broken)
-        result = train_loop(
-            model,
-            data,
-            optimizer,
-            scheduler,
-            sync,
-            evaluator,
-            sink,
-            privacy,
-            precision="fp32" if fsdp else cfg.train.precision,  # under FSDP its mixed-precision policy does bf16
-            steps=cfg.train.steps,
-            start=start,
-            eval_every=cfg.eval_every,
-            timeline=cfg.train.timeline,
-            after_step=after_step,
-            compute_speed=cfg.topology.sites[where.site_index].compute_speed,
-            max_seconds=cfg.train.max_seconds,
-        )
-        sink.close()
-        privacy.close()
-        # every rank's numbers, gathered on the world group (control plane)
-        final_params = None
-        if cfg.train.save_final:  # whole tensors (sharded: gathered in each site, every rank takes part)
-            final_params = sync.full_tensors(sync.global_parameters())
-        # a site that came back reports its ranks' places in the whole run
-        gathered = sync.gather_records(rank_record(where if place.rejoined else me, comm.stats, result, sync.global_hash()))
-        summary = None
-        if me.rank == 0 and not place.rejoined:
-            run = {
-                "algorithm": cfg.sync.algorithm,
-                "H": cfg.sync.H if cfg.sync.algorithm != "ddp" else 1,
-                "fragments": sync.F,
-                "rounds": sync.rounds,
-                "region_rounds": sync.region_rounds,
-                "rounds_rolled_back": sync.rounds_rolled_back,
-                "guard_rejections": dict(sync.guard.rejected) if sync.guard is not None else {},
-                "guard_events": list(sync.guard.events) if sync.guard is not None else [],
-                "codec": cfg.sync.codec,
-                "pace": sync.pace_log(),
-                "adapt": sync.adapt_log(),
-                "params": n_params,
-                "link_emulation": comm.wan.mode if comm.wan is not None else "off",
-                "threads_per_rank": threads,
-                "backend": groups.backend,
-                "config": cfg.model_dump(),
-            }
-            summary = run_summary(gathered, place.world, result, run, privacy.summary())
-            if member is not None:
-                summary.update(
-                    site=where.site,
-                    rounds_committed=sync.rounds - sync.rounds_rolled_back,
-                    detected=member.events,
-                    started_at_step=start,
-                )
-                (out / "elastic" / f"summary-{where.site}.json").write_text(json.dumps(summary, indent=2))
-            else:
-                (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            if final_params is not None:
-                whole = eval_model
-                if template is not None:
-                    whole = copy_on(template, "cpu")
-                    for name, buf in eval_model.named_buffers():  # FSDP leaves buffers whole
-                        whole.get_buffer(name).copy_(buf)
-                load_parameters(whole, final_params)
-                torch.save(whole.state_dict(), out / "final_model.pt")
-                export_model(whole, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
-        if cfg.train.timeline:
-            write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
-        if not sync.world_broken:  # with a site gone, the world group cannot be used
-            dist.barrier(group=groups.world)
-        sync.close()
-        return summary
-    finally:
-        if member is not None:
-            member.close()  # on every path: its heartbeat thread must not outlive the interpreter
+    # Every part that holds a file, a thread or a peer is closed on every path, in the reverse
+    # order of its making, whatever fails: the metrics are flushed and the audit log gets its
+    # closing line after a failure too (it says the run failed, and why).
+    with contextlib.ExitStack() as closing:
         # the launcher of an elastic run removes its shared link state; a plain run's rank 0 does
-        close_collectives(comm, unlink_links=me.rank == 0 and not place.own_world)
+        closing.callback(close_collectives, comm, unlink_links=me.rank == 0 and not place.own_world)
+        return _train(cfg, out, place, comm, threads, closing)
+
+
+def _train(
+    cfg: Config, out: Path, place: Placement, comm: Collectives, threads: int, closing: contextlib.ExitStack
+) -> dict[str, Any] | None:
+    """:func:`train` once communication is open; everything that must be closed goes on ``closing``."""
+    groups = comm.groups
+    me, where = groups.me, place.where(groups.me)
+    torch.manual_seed(cfg.train.seed)  # identical initial model on every rank
+    model = build_model(cfg.model, vocab_size(cfg.data)).to(groups.device)
+    check_same_start(model, groups.world)
+    eval_model = copy.deepcopy(model)
+    fsdp = groups.mesh is not None
+    # the shape of the model to export, without its memory: rank 0 fills it with the gathered global model
+    template = copy_on(eval_model, "meta") if fsdp and me.rank == 0 and cfg.train.save_final else None
+    if fsdp:  # HSDP: sharded over the site's workers (docs/SCALE.md); the evaluation copy too
+        assert groups.mesh is not None
+        shard_model(model, groups.mesh, cfg.train.precision)
+        shard_model(eval_model, groups.mesh, cfg.train.precision, reshard_root=True)
+    own = cfg.topology.sites[where.site_index].corpus
+    if own is not None and not Path(own).exists():  # checked here: it may exist on this site's machine only
+        raise ConfigError(f"topology.sites[{where.site_index}].corpus: file or directory not found on this machine: {own}")
+    data = build_rank_data(
+        cfg.data,
+        where.rank,
+        place.full.workers,
+        cfg.model.block_size,
+        cfg.train.batch_size,
+        cfg.train.eval_batches,
+        cfg.train.seed,
+        site_corpus=cfg.topology.sites[where.site_index].corpus,
+    )
+    data.micro_batches = cfg.train.grad_accum
+    if cfg.train.compile:  # in place: the same parameters under the same names, for sync and checkpoints
+        model.compile()
+    optimizer, scheduler = build_optimizer(cfg.optim, model, cfg.train.steps)
+    if cfg.train.timeline:
+        comm.stats.intervals = []
+    tokens_per_rank_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
+    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    seal = ckpt.Seal.of(optional_secret(cfg.elastic))
+    privacy = build_privacy(
+        cfg.privacy,
+        comm,
+        model,
+        out,
+        seed=cfg.train.seed,
+        steps=cfg.train.steps,
+        rounds_planned=fragment_count(cfg.sync, n_tensors) * math.ceil(cfg.train.steps / cfg.sync.H),
+        sample_rate=cfg.train.batch_size / (data.train.num_tokens - cfg.model.block_size - 1),
+        run_id=seal.run if seal is not None else None,
+    )
+    closing.push(lambda _type, exc, _tb: privacy.close(failure=exc))  # the audit log's closing line
+    outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients
+    sync = build_sync(
+        cfg.sync,
+        model,
+        optimizer,
+        comm,
+        grad_clip=cfg.optim.grad_clip,
+        example_dp=privacy.example,
+        private=privacy.aggregation,
+        guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
+        nan_at=cfg.fault.nan_at() if outer else None,
+        rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
+    )
+    closing.callback(sync.close)
+    objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
+    ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
+    if place.elastic:  # every site is its own world with its own checkpoints
+        ckpt_root = ckpt_root / where.site
+    start = objs.resume(cfg.checkpoint.resume, ckpt_root) if cfg.checkpoint.resume else 0
+    if place.rejoined:  # heal from the syncer's model; data and schedule go on from the steps delivered
+        assert isinstance(sync, AsyncDiLoCo)
+        start = sync.rejoin_run()
+        data.train.skip(start * data.micro_batches)
+        with warnings.catch_warnings():  # no optimizer step yet: torch warns about the order
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(start):
+                scheduler.step()
+        log(where, start, f"incarnation {place.incarnation}: rejoined the asynchronous rounds at version {sync.version}")
+    done = int(os.environ.get("GEOTRAIN_KILLS_DONE", "0")) if place.rejoined else 0
+    inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None else None
+    member = None
+    if place.elastic:
+        faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
+        member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
+        closing.callback(member.close)  # its heartbeat thread must not outlive the interpreter
+        start = member.healed_at_step if member.healed_at_step is not None else start
+    n_params = count_params(model)
+    suffix = f".{place.incarnation}" if place.incarnation else ""  # a restarted site keeps its earlier metrics
+    sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix, resumed_at=start)
+    closing.callback(sink.close)
+    if me.rank == 0:
+        log(me, 0, f"{cfg.sync.algorithm} on {place.world.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
+        log(me, 0, f"inter-site links: {describe_links(place.full, comm.wan)}")
+
+    def after_step(step: int) -> None:
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+            objs.save(ckpt_root, step, cfg.checkpoint.keep)
+        if inject is not None:
+            inject(step)
+
+    evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step, world_broken=lambda: sync.world_broken)
+    result = train_loop(
+        model,
+        data,
+        optimizer,
+        scheduler,
+        sync,
+        evaluator,
+        sink,
+        privacy,
+        precision="fp32" if fsdp else cfg.train.precision,  # under FSDP its mixed-precision policy does bf16
+        steps=cfg.train.steps,
+        start=start,
+        eval_every=cfg.eval_every,
+        timeline=cfg.train.timeline,
+        after_step=after_step,
+        compute_speed=cfg.topology.sites[where.site_index].compute_speed,
+        max_seconds=cfg.train.max_seconds,
+    )
+    sink.close()  # closed again on the way out: each close is idempotent
+    privacy.close()
+    # every rank's numbers, gathered on the world group (control plane)
+    final_params = None
+    if cfg.train.save_final:  # whole tensors (sharded: gathered in each site, every rank takes part)
+        final_params = sync.full_tensors(sync.global_parameters())
+    # a site that came back reports its ranks' places in the whole run
+    gathered = sync.gather_records(rank_record(where if place.rejoined else me, comm.stats, result, sync.global_hash()))
+    summary = None
+    if me.rank == 0 and not place.rejoined:
+        run = {
+            "algorithm": cfg.sync.algorithm,
+            "H": cfg.sync.H if cfg.sync.algorithm != "ddp" else 1,
+            "fragments": sync.F,
+            "rounds": sync.rounds,
+            "region_rounds": sync.region_rounds,
+            "rounds_rolled_back": sync.rounds_rolled_back,
+            "guard_rejections": dict(sync.guard.rejected) if sync.guard is not None else {},
+            "guard_events": list(sync.guard.events) if sync.guard is not None else [],
+            "codec": cfg.sync.codec,
+            "pace": sync.pace_log(),
+            "adapt": sync.adapt_log(),
+            "params": n_params,
+            "link_emulation": comm.wan.mode if comm.wan is not None else "off",
+            "threads_per_rank": threads,
+            "backend": groups.backend,
+            "config": cfg.model_dump(),
+        }
+        summary = run_summary(gathered, place.world, result, run, privacy.summary())
+        if member is not None:
+            summary.update(
+                site=where.site,
+                rounds_committed=sync.rounds - sync.rounds_rolled_back,
+                detected=member.events,
+                started_at_step=start,
+            )
+            (out / "elastic" / f"summary-{where.site}.json").write_text(json.dumps(summary, indent=2))
+        else:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if final_params is not None:
+            whole = eval_model
+            if template is not None:
+                whole = copy_on(template, "cpu")
+                for name, buf in eval_model.named_buffers():  # FSDP leaves buffers whole
+                    whole.get_buffer(name).copy_(buf)
+            load_parameters(whole, final_params)
+            torch.save(whole.state_dict(), out / "final_model.pt")
+            export_model(whole, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
+    if cfg.train.timeline:
+        write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
+    if not sync.world_broken:  # with a site gone, the world group cannot be used
+        dist.barrier(group=groups.world)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,5 +387,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_main(argv: list[str] | None = None) -> int:
+    """:func:`main`, with what escapes it turned into an exit code (an uncaught error's traceback
+    is printed, as the interpreter would)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(run_main())  # as under the zygote: a failed rank must not wait for its threads (comm/procs.leave)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
+from geotrain.comm.threads import DaemonPool
 from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed
 from geotrain.sync.adapt import NetworkAdapter
@@ -103,7 +104,7 @@ class StreamingDiLoCo(OuterSync):
         # fragment -> (merge at step, the exchange in flight, its averaged Δ when done)
         self.pending: dict[int, tuple[int, Future[None], torch.Tensor]] = {}
         self.previous: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (local Δ, its exchange result)
-        self._network = ThreadPoolExecutor(1, thread_name_prefix="wan-exchange")
+        self._network = DaemonPool(1, "wan-exchange")  # daemon: a failed rank exits mid-exchange
         self.adapter: NetworkAdapter | None = None  # sync.adapt: H, codec and F follow the measured network
         self._exchanges: list[tuple[int, float]] = []  # exchange thread: (bytes, seconds) of each since the last measurement
         self._decision: tuple[int, Future[bool]] | None = None  # (applied at step, the agreement in flight)
@@ -345,7 +346,9 @@ class StreamingDiLoCo(OuterSync):
             p.copy_(g)
 
     def close(self) -> None:
-        self._network.shutdown(wait=True)
+        # no join: after finish() the thread is idle, and after a failure it may be blocked on a
+        # peer (a daemon: it cannot hold up the exit)
+        self._network.shutdown(wait=False)
         super().close()
 
     def state_dict(self) -> dict[str, Any]:
