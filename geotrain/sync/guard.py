@@ -98,6 +98,15 @@ class UpdateGuard:
             del hist[: -self.cfg.window]
         return ok
 
+    def would_include(self, delta: torch.Tensor, key: int) -> bool:
+        """Whether :meth:`include` will keep this site's ``delta`` in fragment ``key``'s next
+        round, judged before the exchange (eager Streaming DiLoCo applies its own share at once):
+        the same rule on the same norm against the history every site shares, so the same
+        decision, provided no exchange of ``key`` is in flight. Changes nothing."""
+        v = float(delta.to(torch.float64).norm())
+        with self._lock:
+            return self._why_rejected(self.history.get(key, []), v) is None
+
     def own_update_ok(self, delta: torch.Tensor, key: int, round_id: int, site: str) -> bool:
         """Elastic mode: the rule above applied by ``site`` to its own ``delta`` only (no exchange)."""
         v = float(delta.to(torch.float64).norm())

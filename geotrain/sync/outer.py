@@ -87,8 +87,7 @@ class OuterSync(SyncAlgorithm):
         """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``;
         with privacy, clipped/noised and summed by :class:`PrivateAggregation` (may raise RoundFailed)."""
         site = self.comm.groups.topology.site_names[self.comm.groups.me.site_index]
-        if (site, round_id) in self.nan_at:  # failure injection: this site's update is NaN
-            delta.fill_(float("nan"))
+        self._inject_nan(delta, round_id)
         if self.private is not None:
             self.private.average(delta, round_id)
             return
@@ -110,6 +109,11 @@ class OuterSync(SyncAlgorithm):
                 delta.zero_()
                 reducer.forget_residual()  # else its old error feedback would still be sent
         self._weighted_average(delta, reducer, self.site_weights(steps, included))
+
+    def _inject_nan(self, delta: torch.Tensor, round_id: int) -> None:
+        """Failure injection (``fault.nan``): this site's update of round ``round_id`` is NaN."""
+        if (self.comm.groups.topology.site_names[self.comm.groups.me.site_index], round_id) in self.nan_at:
+            delta.fill_(float("nan"))
 
     def _weighted_average(self, delta: torch.Tensor, reducer: SiteReducer, weights: Sequence[float]) -> None:
         """Replace this site's ``delta`` by the average over sites with ``weights`` (one per site, in

@@ -232,12 +232,24 @@ class StreamingDiLoCo(OuterSync):
     def _globals(self, f: int) -> list[torch.Tensor]:
         return [self.global_params[i] for i in self.fragments[f]]
 
-    def _add_others_last_share(self, f: int, into: torch.Tensor) -> None:
-        """Eager: add the other sites' part of fragment ``f``'s last exchanged average (average − own
-        Δ/M) to ``into``; nothing before the fragment's first exchange."""
-        if f in self.previous:
-            old_local, old_avg = self.previous[f]
-            into.add_(old_avg).sub_(old_local, alpha=1 / self.num_sites)
+    def _settle_eager(self, f: int, into: torch.Tensor) -> None:
+        """Eager: wait for fragment ``f``'s last exchange and add to ``into`` what that round still
+        owes: its average over the sites the guard kept, minus what this site applied at once (its
+        own Δ/M, or nothing if its update was going to be left out). So each round adds exactly the
+        guarded average, and a left-out update never enters the outer step. A round the guard
+        failed altogether (every update left out) rolls back: it owes only the removal of what was
+        applied at once. Nothing before the fragment's first exchange."""
+        if f not in self.pending:
+            return
+        _, fut, _ = self.pending.pop(f)
+        applied, average = self.previous.pop(f)
+        try:
+            self._wait(fut)
+            into.add_(average)
+        except RoundFailed as exc:
+            self.rounds_rolled_back += 1
+            self.rollback_reasons.append(str(exc))
+        into.sub_(applied)
 
     @torch.no_grad()
     def _sync(self, f: int, t: int) -> None:
@@ -277,15 +289,21 @@ class StreamingDiLoCo(OuterSync):
 
     @torch.no_grad()
     def _eager_step(self, f: int, local: torch.Tensor, steps: int) -> None:
-        if f in self.pending:  # last round's exchange of this fragment: it had a whole round
-            self._wait(self.pending.pop(f)[1])
-        eager = local / self.num_sites
-        self._add_others_last_share(f, eager)
+        """The eager outer step of fragment ``f``: what its last round owes (it had a whole round to
+        arrive) plus this site's fresh Δ/M at once, while the fresh Δ's exchange starts. The guard
+        judges the own Δ before it is applied, by the rule and the history every site shares (the
+        exchange's decision for this site is the same): a Δ it will leave out is not applied."""
+        step = torch.zeros_like(local)
+        self._settle_eager(f, step)
+        self._inject_nan(local, self.rounds)
+        kept = self.guard is None or self.guard.would_include(local, f)
+        applied = local / self.num_sites if kept else torch.zeros_like(local)
+        step.add_(applied)
         outgoing = local.clone()
         self.pending[f] = (0, self._start(f, outgoing, steps), outgoing)
-        self.previous[f] = (local, outgoing)  # ``outgoing`` becomes the average once the exchange is done
+        self.previous[f] = (applied, outgoing)  # ``outgoing`` becomes the average once the exchange is done
         globals_ = self._globals(f)
-        outer_step_(self.outer[f], globals_, eager)
+        outer_step_(self.outer[f], globals_, step)
         mine = self.local_params()
         for g, i in zip(globals_, self.fragments[f], strict=True):
             mine[i].copy_(g)
@@ -320,17 +338,19 @@ class StreamingDiLoCo(OuterSync):
         the fresh pseudo-gradients; then the sites' global models are averaged."""
         t = self.local_steps
         for f in range(self.F):
-            if f in self.pending:
-                self._wait(self.pending.pop(f)[1])
             globals_ = self._globals(f)
             step = torch.zeros(sum(g.numel() for g in globals_))
-            self._add_others_last_share(f, step)
+            self._settle_eager(f, step)
             if self.last_sync[f] < t:
                 local = self.local_params()
                 delta = pseudo_gradient(globals_, [local[i] for i in self.fragments[f]])
                 fut = self._start(f, delta, t - self.last_sync[f])
-                self._wait(fut)
-                step.add_(delta)
+                try:
+                    self._wait(fut)
+                    step.add_(delta)
+                except RoundFailed as exc:  # nothing of it is applied
+                    self.rounds_rolled_back += 1
+                    self.rollback_reasons.append(str(exc))
                 self.last_sync[f] = t
                 self.rounds += 1
             outer_step_(self.outer[f], globals_, step)
