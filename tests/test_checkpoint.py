@@ -148,3 +148,41 @@ def test_sealed_manifest_refuses_edits_and_other_runs_checkpoints(tmp_path: Path
         f"elastic.secret_file={secret_b}",
     )
     assert "after step 4" in proc.stdout
+
+
+def test_sites_with_disks_of_their_own_write_resume_and_agree(tmp_path: Path) -> None:
+    """checkpoint.dir with {site}: each site writes to a folder of its own, as on machines that
+    share no disk. Each folder holds its site's rank files and the manifest (0600, folders 0700);
+    auto-resume takes the newest step every rank holds: site B lost step 12, so both resume from
+    step 8 and go on exactly like the uninterrupted run."""
+    disks = tmp_path / "disk-{site}"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _train(full, "sync.H=3", "checkpoint.every=4", f"checkpoint.dir={disks}")
+    assert not (full / "checkpoints").exists()
+    for site, ranks in (("A", ["rank0.pt", "rank1.pt"]), ("B", ["rank2.pt", "rank3.pt"])):
+        disk = tmp_path / f"disk-{site}"
+        assert sorted(p.name for p in disk.iterdir()) == ["step-00000004", "step-00000008", "step-00000012"]
+        for d in disk.iterdir():
+            assert sorted(p.name for p in d.iterdir()) == ["manifest.json", *ranks]
+            assert d.stat().st_mode & 0o777 == 0o700
+            assert all(p.stat().st_mode & 0o777 == 0o600 for p in d.iterdir())
+            verify(d, 4, int(ranks[0][4]))  # this disk's manifest lists every rank; this disk's files match it
+    assert (tmp_path / "disk-A" / "step-00000008" / "manifest.json").read_bytes() == (
+        tmp_path / "disk-B" / "step-00000008" / "manifest.json"
+    ).read_bytes()
+    shutil.rmtree(tmp_path / "disk-B" / "step-00000012")
+    (resumed / "metrics").mkdir(parents=True)
+    shutil.copy(full / "metrics" / "rank0.jsonl", resumed / "metrics" / "rank0.jsonl")
+    proc = _train(resumed, "sync.H=3", "checkpoint.resume=auto", f"checkpoint.dir={disks}")
+    assert "skipping checkpoint step-00000012: held by 2 of 4 ranks" in proc.stdout
+    assert proc.stdout.count("(after step 8)") == 1, proc.stdout  # rank 0 says it; every rank took it (same losses)
+    a, b = _losses(full), _losses(resumed)
+    assert _steps(resumed) == _steps(full) and a == b
+    assert read_summary(full)["global_param_hash"] == read_summary(resumed)["global_param_hash"]
+    # an explicit checkpoint in each site's folder: checked before launch (each site's part in its
+    # folder), then loaded
+    again = tmp_path / "again"
+    proc = _train(again, "sync.H=3", f"checkpoint.resume={disks / 'step-00000004'}")
+    assert "(after step 4)" in proc.stdout
+    c = _losses(again)
+    assert sorted(c) == list(range(5, 13)) and all(c[s] == a[s] for s in c)

@@ -197,7 +197,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     import pickle
 
     from geotrain.errors import CheckpointError
-    from geotrain.run.checkpoint import safe_reader
+    from geotrain.run.shards import safe_reader
 
     class Payload:
         def __reduce__(self) -> tuple:

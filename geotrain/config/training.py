@@ -148,18 +148,29 @@ class OptimConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(default=0, ge=0, description="Write a checkpoint every N inner steps (0: never).")
-    dir: str | None = Field(default=None, description="Where checkpoints go; default OUT/checkpoints.")
+    dir: str | None = Field(
+        default=None,
+        description="Where checkpoints go; default OUT/checkpoints. '{site}' in it becomes each rank's site name (a folder "
+        "per site, as on machines with disks of their own); no disk is assumed shared across sites.",
+    )
     keep: int = Field(default=3, ge=1, le=1000, description="Keep the newest N checkpoints.")
     resume: str | None = Field(
         default=None,
-        description="Resume from 'auto' (the newest valid checkpoint under dir) or from this checkpoint "
-        "(a step-N directory); a truncated or tampered one is refused.",
+        description="Resume from 'auto' (the newest checkpoint under dir that every rank holds and verifies) or from this "
+        "checkpoint (a step-N directory; '{site}' as in dir); a truncated or tampered one is refused.",
     )
     allow_foreign: bool = Field(
         default=False,
         description="In a run with a secret, also load a checkpoint whose manifest another run (another secret, "
         "or none) sealed; its file hashes are still checked.",
     )
+
+    @field_validator("dir", "resume")
+    @classmethod
+    def _site_placeholder(cls, v: str | None) -> str | None:
+        if v is not None and ("{" in v.replace("{site}", "") or "}" in v.replace("{site}", "")):
+            raise ValueError("the only placeholder is {site}")
+        return v
 
 
 class RunConfig(Section):

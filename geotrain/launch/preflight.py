@@ -8,6 +8,7 @@ backend, and ``train.compile`` on CPU has a C compiler.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from geotrain.comm.groups import choose_backend
@@ -40,12 +41,24 @@ def preflight(cfg: Config, site: int | None = None) -> None:
             secret = optional_secret(cfg.elastic)
         except MembershipRefused as exc:
             raise ConfigError(str(exc)) from None
-    if cfg.checkpoint.resume not in (None, "auto"):
+    resume = cfg.checkpoint.resume
+    if resume is not None and resume != "auto":
         sites = list(topo.site_names) if cfg.sync.within_site == "fsdp" else None  # sharded: any workers per site
-        verify(
-            Path(cfg.checkpoint.resume).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign, sites
-        )
+        # the files on this machine: all of them in one folder, or each site's own in its folder
+        # (a folder per site, or only this site runs here)
+        here = [site] if site is not None else list(range(topo.num_sites)) if "{site}" in resume else [None]
+        for s in here:
+            path = resume if s is None else resume.replace("{site}", topo.site_names[s])
+            part = None if s is None else _site_files(topo, s)
+            verify(Path(path).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign, sites, part)
     if cfg.train.compile and choose_backend(cfg.run.backend) == "gloo" and not any(map(shutil.which, ("cc", "gcc", "clang"))):
         raise ConfigError("train.compile: on CPU torch.compile needs a C compiler (cc, gcc or clang); none is on PATH")
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
         raise ConfigError(f"sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})")
+
+
+def _site_files(topo: Topology, s: int) -> Callable[[str], bool]:
+    """Whether a file a manifest lists belongs to site ``s``: its ranks' files, its DCP folder."""
+    first, name = topo.first_rank(s), topo.site_names[s]
+    own = {f"rank{r}.pt" for r in range(first, first + topo.workers[s])}
+    return lambda f: f in own or f.startswith(f"site-{name}/")

@@ -2,10 +2,22 @@
 
 Layout: ``DIR/step-00000012/rank{r}.pt`` (one per rank) and ``DIR/step-00000012/manifest.json``
 (step, world size, sha256 of every rank file). A rank file is written to a temporary name,
-flushed to disk and renamed; the manifest is written the same way by global rank 0 only after
-every rank reported its hash (a world-group gather), so a checkpoint without a manifest is
-incomplete by construction. Files are read with ``torch.load(weights_only=True)`` — tensors and
-plain containers only, no pickled code.
+flushed to disk, renamed, and its folder flushed too (so a power loss cannot lose the rename);
+files and folders are the owner's only (0600, 0700: in cross-organisation mode a site's
+un-aggregated parameters are in them). The manifest is written the same way only after every
+rank reported its hash (a world-group gather), so a checkpoint without a manifest is incomplete
+by construction. Files are read with ``torch.load(weights_only=True)`` — tensors and plain
+containers only, no pickled code.
+
+No disk is assumed shared across sites or machines (``checkpoint.dir`` may name a folder per
+site with ``{site}``, or the same path on each machine): every rank writes the manifest, the
+same bytes, beside its own file, and prunes its own folder; on a shared disk the writes of one
+manifest are atomic renames of identical content. ``resume=auto`` takes the newest step that
+*every* rank holds and verifies: the ranks first agree on the steps all of them hold (one
+gather), then check those alike, so ranks that see different folders never run different
+numbers of collectives. A step some rank lacks is skipped with a message naming how many ranks
+hold it. A sharded run's DCP folder is written by the site's ranks together and needs a disk
+shared inside the site (DCP's own rule), not across sites.
 
 When the run has a secret (:class:`Seal`), the manifest carries the run's public id and an
 HMAC-SHA256 over its content with a key derived from the secret: a manifest edited to match an
@@ -22,7 +34,7 @@ algorithm's state (global parameters, outer optimizer, codec error feedback, Str
 DiLoCo's exchanges in flight — waited for and saved averaged), the data sampler's position
 (its generator state), torch's global RNG, byte counters, and the privacy accountant's history.
 
-Sharded layout (``sync.within_site=fsdp``, :func:`save` given a :class:`SiteShards`): every DTensor of a rank's state
+Sharded layout (``sync.within_site=fsdp``, :func:`save` given a :class:`~geotrain.run.shards.SiteShards`): every DTensor of a rank's state
 (its shards of the model, the inner optimizer, DiLoCo's global parameters and outer state, error
 feedback, fragments in flight) goes into one ``torch.distributed.checkpoint`` (DCP) folder per
 site, ``site-{name}/``, written by the site's ranks together; the rest of the state stays in
@@ -38,28 +50,23 @@ import hmac
 import io
 import json
 import os
-import pickle
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from geotrain.elastic.auth import RunKeys
 from geotrain.errors import CheckpointError
-from geotrain.sync.base import is_dtensor
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
+from geotrain.run.shards import SiteShards, hashed_by, split_dtensors
 
 MANIFEST = "manifest.json"
 MANIFEST_MAX_BYTES = 1 << 20
 DCP = "dcp"  # the manifest's ``layout`` of a sharded checkpoint
-PLACEHOLDER = "dcp-tensor:"  # in a sharded checkpoint's rank file: the key of a tensor in the site's DCP folder
 
 
 @dataclass(frozen=True)
@@ -83,14 +90,31 @@ class Seal:
         return hmac.new(self.key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
+def fsync_dir(folder: Path) -> None:
+    """Flush ``folder``'s entries (a rename or a new file in it) to disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: Path, data: bytes) -> None:
-    """``data`` at ``path``, whole or not at all: written to a temporary name, fsynced, renamed."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``data`` at ``path``, whole or not at all, readable by its owner only (0600): written to a
+    temporary name of this process and thread (other ranks may write the same file on a shared
+    disk), fsynced, renamed, and the folder fsynced so the rename survives a power loss."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def _sha256(path: Path) -> str:
@@ -116,12 +140,13 @@ def save(
     seal: Seal | None = None,
     where: SiteShards | None = None,
 ) -> Path:
-    """Write this rank's ``state`` for ``step``; global rank 0 completes it with the manifest
-    (HMAC-sealed when ``seal`` is given). Collective over ``group`` (the world). ``where``: a
-    sharded run's rank, whose DTensors go into its site's DCP folder (written with the site's
-    ranks) and the rest into ``rank{r}.pt``."""
+    """Write this rank's ``state`` for ``step``; every rank completes it with the manifest
+    (HMAC-sealed when ``seal`` is given) beside its own file. Collective over ``group`` (the
+    world). ``where``: a sharded run's rank, whose DTensors go into its site's DCP folder (written
+    with the site's ranks) and the rest into ``rank{r}.pt``."""
     d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    d.mkdir(exist_ok=True, mode=0o700)
     header: dict[str, Any] = {"step": step, "world_size": world}
     mine: dict[str, str] = {}
     if where is not None:
@@ -131,8 +156,10 @@ def save(
 
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True), process_group=where.mesh.get_group())
         for f in sorted(folder.iterdir()):
-            if f.is_file() and _mine(f.name, where.local_rank):
+            if f.is_file() and hashed_by(f.name, where.local_rank):
+                f.chmod(0o600)  # DCP writes with the umask's mode
                 mine[f"{folder.name}/{f.name}"] = _sha256(f)
+        folder.chmod(0o700)
         header.update(layout=DCP, sites=[list(s) for s in where.sites])
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -153,18 +180,18 @@ def _complete(
     keep: int,
     seal: Seal | None,
 ) -> None:
-    """Gather every rank's file hashes (``mine``: name -> sha256); global rank 0 writes the
-    manifest (``header`` + the files, sealed when ``seal`` is given) and prunes to ``keep``."""
+    """Gather every rank's file hashes (``mine``: name -> sha256); every rank writes the manifest
+    (``header`` + the files, sealed when ``seal`` is given; the same bytes everywhere) beside its
+    own file and prunes its own folder to ``keep``: no disk is assumed shared."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    if rank == 0:
-        manifest: dict[str, Any] = {**header, "files": {name: h for part in everyone for name, h in part.items()}}
-        if seal is not None:
-            manifest["run"] = seal.run
-            manifest["mac"] = seal.mac(manifest)
-        atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    manifest: dict[str, Any] = {**header, "files": {name: h for part in everyone for name, h in part.items()}}
+    if seal is not None:
+        manifest["run"] = seal.run
+        manifest["mac"] = seal.mac(manifest)
+    atomic_write(d / MANIFEST, json.dumps(manifest, indent=1).encode())
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)  # (on a shared disk another rank may be removing it too)
     dist.barrier(group=group)
 
 
@@ -266,13 +293,16 @@ def verify(
     seal: Seal | None = None,
     allow_foreign: bool = False,
     sites: list[str] | None = None,
+    part: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """The manifest of checkpoint ``d`` after checking it (:func:`read_manifest`) and the rank
-    file ``rank`` loads against it (every file when ``rank`` is None; ``sites``: a sharded run's,
-    see :func:`read_manifest`); raises CheckpointError naming what is wrong."""
+    file ``rank`` loads against it (when ``rank`` is None: every file the manifest lists, or those
+    ``part`` accepts, the part of the checkpoint on this disk; ``sites``: a sharded run's, see
+    :func:`read_manifest`); raises CheckpointError naming what is wrong."""
     manifest = read_manifest(d, world, seal, allow_foreign, sites)
     files = manifest["files"]
-    _check_hashes(d, files, [f"rank{rank}.pt"] if rank is not None else sorted(files))
+    names = [f"rank{rank}.pt"] if rank is not None else sorted(f for f in files if part is None or part(f))
+    _check_hashes(d, files, names)
     return manifest
 
 
@@ -281,19 +311,33 @@ def find(
     root: Path,
     world: int,
     check: Callable[[Path], None],
-    agree: Callable[[str | None], list[str | None]],
+    agree: Callable[[Any], list[Any]],
     warn: Callable[[str], None] | None = None,
 ) -> Path | None:
-    """The checkpoint to resume, chosen alike on every rank: ``spec`` 'auto' = the newest under
-    ``root`` that every rank's ``check`` accepts (one that fails is reported through ``warn`` and
-    skipped); else ``spec`` itself, which must pass. ``check`` raises CheckpointError for this
-    rank's part; ``agree`` gathers every rank's error (None: fine), a collective.
+    """The checkpoint to resume, chosen alike on every rank: ``spec`` 'auto' = the newest step
+    that every rank holds under its own ``root`` and every rank's ``check`` accepts (a step some
+    rank lacks, or one that fails, is reported through ``warn`` and skipped); else ``spec``
+    itself, which must pass. ``check`` raises CheckpointError for this rank's part; ``agree``
+    gathers one value from every rank (a collective): first the step folders each holds, then
+    each common step's verdict (None: fine), so every rank makes the same calls.
 
     Raises:
         CheckpointError: ``spec`` is a path that fails on some rank (naming the first failure).
     """
     explicit = spec != "auto"
-    candidates = [Path(spec).expanduser()] if explicit else sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+    if explicit:
+        candidates = [Path(spec).expanduser()]
+    else:
+        held = agree(sorted(p.name for p in root.glob("step-*") if p.is_dir()))
+        counts: dict[str, int] = {}
+        for names in held:
+            for name in set(names):
+                counts[name] = counts.get(name, 0) + 1
+        newest_common = max((n for n, c in counts.items() if c == world), default="")
+        for name in sorted((n for n, c in counts.items() if c < world and n > newest_common), reverse=True):
+            if warn is not None:
+                warn(f"skipping checkpoint {name}: held by {counts[name]} of {world} ranks (each reads its own checkpoint.dir)")
+        candidates = [root / n for n in sorted((n for n, c in counts.items() if c == world), reverse=True)]
     for d in candidates:
         try:
             check(d)
@@ -315,75 +359,6 @@ def load(d: Path, rank: int) -> dict[str, Any]:
     return state
 
 
-@dataclass(frozen=True)
-class SiteShards:
-    """Where a rank of a sharded (FSDP) run sits, for :func:`save` and :func:`load_sharded`:
-    its ``site`` name and rank in it, the run's ``sites`` (name, workers) in order, and the site's
-    ``mesh`` (its process group writes and reads the site's DCP folder)."""
-
-    site: str
-    local_rank: int
-    sites: list[tuple[str, int]]
-    mesh: DeviceMesh
-
-    def donor(self, manifest: dict[str, Any]) -> int:
-        """The rank file this rank resumes from: its own when its site kept its workers, else that
-        of the same rank of the site, or the site's last when the site had fewer."""
-        offset = 0
-        for name, workers in manifest["sites"]:
-            if name == self.site:
-                return offset + min(self.local_rank, workers - 1)
-            offset += workers
-        raise CheckpointError(f"no site {self.site} in the checkpoint")  # read_manifest checked the names
-
-    def resharded(self, manifest: dict[str, Any]) -> bool:
-        return [tuple(s) for s in manifest["sites"]] != list(self.sites)
-
-
-def split_dtensors(state: Any, path: str = "") -> tuple[dict[str, DTensor], Any]:
-    """``state`` with every DTensor replaced by a placeholder naming it, and the DTensors by name."""
-    found: dict[str, DTensor] = {}
-
-    def walk(x: Any, at: str) -> Any:
-        if is_dtensor(x):
-            found[at] = x
-            return PLACEHOLDER + at
-        if isinstance(x, dict):
-            return {k: walk(v, f"{at}/{k}") for k, v in x.items()}
-        if isinstance(x, list | tuple):
-            return type(x)(walk(v, f"{at}/{i}") for i, v in enumerate(x))
-        return x
-
-    return found, walk(state, path)
-
-
-def _placeholders(skeleton: Any) -> list[str]:
-    if isinstance(skeleton, str) and skeleton.startswith(PLACEHOLDER):
-        return [skeleton[len(PLACEHOLDER) :]]
-    if isinstance(skeleton, dict):
-        skeleton = list(skeleton.values())
-    if isinstance(skeleton, list | tuple):
-        return [p for v in skeleton for p in _placeholders(v)]
-    return []
-
-
-def _fill(skeleton: Any, tensors: dict[str, DTensor]) -> Any:
-    if isinstance(skeleton, str) and skeleton.startswith(PLACEHOLDER):
-        return tensors[skeleton[len(PLACEHOLDER) :]]
-    if isinstance(skeleton, dict):
-        return {k: _fill(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list | tuple):
-        return type(skeleton)(_fill(v, tensors) for v in skeleton)
-    return skeleton
-
-
-def _mine(name: str, local_rank: int) -> bool:
-    """Whether a file of a site's DCP folder is hashed by ``local_rank``: each rank its own data
-    files (``__{rank}_{n}.distcp``), the site's first rank the rest (``.metadata``)."""
-    owner = name[2:].split("_", 1)[0] if name.startswith("__") else ""
-    return int(owner) == local_rank if owner.isdigit() else local_rank == 0
-
-
 def verify_sharded(
     d: Path, world: int, where: SiteShards, seal: Seal | None = None, allow_foreign: bool = False
 ) -> dict[str, Any]:
@@ -396,77 +371,3 @@ def verify_sharded(
         names += sorted(f for f in files if f.startswith(f"site-{where.site}/"))
     _check_hashes(d, files, names)
     return manifest
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; this one builds only DCP's metadata records, torch sizes,
-    dtypes and layouts and paths, so a doctored file cannot run code (tensor data is read by
-    DCP with ``torch.load(weights_only=True)``)."""
-
-    ALLOWED = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        },
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "pathlib": {"PosixPath", "PurePosixPath"},
-        "collections": {"OrderedDict"},
-        "torch": {"Size"},
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in self.ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-def safe_reader(folder: Path) -> Any:
-    """DCP's file reader of ``folder`` with :class:`_MetadataUnpickler` for its ``.metadata``
-    (DCP is imported here, not with this module: replicated runs never pay its import)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            path = Path(self._get_metadata_path(kwargs.get("rank")))
-            try:
-                with open(path, "rb") as f:
-                    metadata: Metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"{path}: not a DCP metadata file ({exc})") from None
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-            return metadata
-
-    return SafeReader(folder)
-
-
-def load_sharded(d: Path, manifest: dict[str, Any], where: SiteShards) -> dict[str, Any]:
-    """This rank's state from sharded checkpoint ``d`` (verified): its rank file (:meth:`SiteShards.donor`)
-    with each placeholder filled by DCP with this rank's shard in the current layout (every rank of
-    the site calls it together). Refuses a tensor the site's folder does not hold."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor import empty as dtensor_empty
-
-    skeleton = torch.load(d / f"rank{where.donor(manifest)}.pt", map_location="cpu", weights_only=True)
-    reader = safe_reader(d / f"site-{where.site}")
-    saved = reader.read_metadata().state_dict_metadata
-    tensors: dict[str, DTensor] = {}
-    for name in _placeholders(skeleton):
-        meta = saved.get(name)
-        if not isinstance(meta, TensorStorageMetadata):
-            raise CheckpointError(f"{d}: site-{where.site} holds no tensor {name!r} (incomplete checkpoint)")
-        tensors[name] = dtensor_empty(*meta.size, dtype=meta.properties.dtype, device_mesh=where.mesh, placements=[Shard(0)])
-    dcp.load(tensors, storage_reader=reader, process_group=where.mesh.get_group())
-    state: dict[str, Any] = _fill(skeleton, tensors)
-    return state

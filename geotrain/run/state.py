@@ -3,7 +3,7 @@ resuming from a checkpoint; and writing one.
 
 The state: the model (local parameters), inner optimizer and LR schedule, the sync algorithm's
 state (global parameters, outer optimizer, codec error feedback, exchanges in flight), the data
-sampler's position, torch's RNG, byte counters and the privacy accountant. The files, their
+sampler's position, torch's RNGs (the CPU's, and the rank's GPU's on CUDA), byte counters and the privacy accountant. The files, their
 manifest and verification are :mod:`geotrain.run.checkpoint`; a sharded (FSDP) run writes its
 DTensors with DCP and may resume with another number of workers per site.
 """
@@ -25,6 +25,7 @@ from geotrain.errors import StartMismatch
 from geotrain.privacy.build import Privacy
 from geotrain.report.metrics import log
 from geotrain.run import checkpoint as ckpt
+from geotrain.run.shards import SiteShards, load_sharded
 from geotrain.sync import SyncAlgorithm
 from geotrain.sync.base import params_hash
 
@@ -85,6 +86,7 @@ class RankObjects:
             **self.training_state(step),
             "data": self.data.train.state(),
             "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.comm.groups.device) if self.comm.groups.device.type == "cuda" else None,
             "bytes": [st.intra_bytes, st.inter_bytes, st.inter_raw_bytes, st.inter_region_bytes],
             "accountant": self.privacy.accountant_state(),
         }
@@ -95,18 +97,20 @@ class RankObjects:
         self.load_training(state)
         self.data.train.set_state(state["data"])
         torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and self.comm.groups.device.type == "cuda":  # (None: written on a CPU)
+            torch.cuda.set_rng_state(state["cuda_rng"], self.comm.groups.device)
         st.intra_bytes, st.inter_bytes, st.inter_raw_bytes = state["bytes"][:3]
         st.inter_region_bytes = state["bytes"][3] if len(state["bytes"]) > 3 else 0  # (absent before regions were counted)
         self.privacy.load_accountant_state(state["accountant"])
         return int(state["step"])
 
-    def _shards(self) -> ckpt.SiteShards | None:
+    def _shards(self) -> SiteShards | None:
         """Where this rank sits in a sharded (FSDP) run; None when it replicates the model."""
         g = self.comm.groups
         if g.mesh is None:
             return None
         topo = g.topology
-        return ckpt.SiteShards(g.me.site, g.me.local_rank, list(zip(topo.site_names, topo.workers, strict=True)), g.mesh)
+        return SiteShards(g.me.site, g.me.local_rank, list(zip(topo.site_names, topo.workers, strict=True)), g.mesh)
 
     def resume(self, spec: str, root: Path) -> int:
         """Load the checkpoint ``spec`` ('auto' or a path) into this rank's objects; the step it was
@@ -129,10 +133,10 @@ class RankObjects:
             else:
                 manifests[d] = ckpt.verify_sharded(d, world, where, self.seal, self.allow_foreign)
 
-        def agree(error: str | None) -> list[str | None]:
-            errors: list[str | None] = [None] * world
-            dist.all_gather_object(errors, error, group=groups.world)
-            return errors
+        def agree(value: Any) -> list[Any]:  # small control values: folder names, verdicts
+            values: list[Any] = [None] * world
+            dist.all_gather_object(values, value, group=groups.world)
+            return values
 
         d = ckpt.find(spec, root, world, check, agree, warn)
         if d is None:
@@ -142,7 +146,7 @@ class RankObjects:
             step = self.load(ckpt.load(d, me.rank))
         else:
             manifest = manifests[d]
-            step = self.load(ckpt.load_sharded(d, manifest, where))
+            step = self.load(load_sharded(d, manifest, where))
             if where.resharded(manifest):
                 self._reseed_data(me.rank)
                 warn(f"resharded from sites {manifest['sites']} to {[list(s) for s in where.sites]}: data stream reseeded")

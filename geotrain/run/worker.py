@@ -240,10 +240,11 @@ def _train(
     )
     closing.callback(sync.close)
     objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
-    ckpt_root = Path(cfg.checkpoint.dir).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
+    ckpt_root = Path(cfg.checkpoint.dir.replace("{site}", where.site)).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
     if place.elastic:  # every site is its own world with its own checkpoints
         ckpt_root = ckpt_root / where.site
-    start = objs.resume(cfg.checkpoint.resume, ckpt_root) if cfg.checkpoint.resume else 0
+    resume = cfg.checkpoint.resume.replace("{site}", where.site) if cfg.checkpoint.resume else None
+    start = objs.resume(resume, ckpt_root) if resume else 0
     if place.rejoined:  # heal from the syncer's model; data and schedule go on from the steps delivered
         assert isinstance(sync, AsyncDiLoCo)
         start = sync.rejoin_run()
