@@ -61,3 +61,38 @@ def test_readme_tree_lists_every_source_file() -> None:
     listed = {line.split()[0] for line in tree.splitlines() if line.strip() and not line.startswith(("#", "`"))}
     missing = [f for f in files if f not in listed and f != "tests/__init__.py"]
     assert missing == [], "README ## Files misses: " + ", ".join(missing)
+
+
+def _lines(*paths: str) -> int:
+    return sum(len((REPO / p).read_text().splitlines()) for p in paths)
+
+
+def test_the_sizes_design_states_are_true() -> None:
+    """DESIGN.md's figures for the size of the code hold within 10% (they were once 12,500 lines
+    for 21,500, and a 300-line round protocol of 970)."""
+    design = (REPO / "docs" / "DESIGN.md").read_text()
+
+    def stated(pattern: str) -> int:
+        m = re.search(pattern, design)
+        assert m, pattern
+        return int(m.group(1).replace(",", ""))
+
+    every = [str(p.relative_to(REPO)) for p in (REPO / "geotrain").rglob("*.py")]
+    protocol = [f"geotrain/elastic/{m}.py" for m in ("member", "exchange", "roundstore", "auth")]
+    for pattern, actual in (
+        (r"geotrain is about ([\d,]+) lines of Python", _lines(*every)),
+        (r"a round protocol of about ([\d,]+) lines", _lines(*protocol)),
+        (r"The zygote is about ([\d,]+) lines", _lines("geotrain/launch/zygote.py")),
+    ):
+        claim = stated(pattern)
+        assert abs(actual - claim) <= 0.1 * actual, f"DESIGN.md says {claim} ({pattern!r}); the code has {actual}"
+
+
+def test_design_names_every_module_of_sync_in_its_table() -> None:
+    """§0's row for sync/ names each of its modules (it once left out five)."""
+    row = next(line for line in (REPO / "docs" / "DESIGN.md").read_text().splitlines() if line.startswith("| `sync/` |"))
+    names = {"ddp": "DDP", "diloco": "DiLoCo", "streaming": "Streaming DiLoCo", "reducer": "reducer", "guard": "guard"}
+    for module in sorted(
+        p.stem for p in (REPO / "geotrain" / "sync").glob("*.py") if p.stem not in ("__init__", "base", "outer")
+    ):
+        assert names.get(module, f"`{module}`") in row, f"DESIGN.md §0's sync/ row does not name {module}"

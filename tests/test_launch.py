@@ -240,3 +240,38 @@ def test_a_failing_rank_exits_at_once_while_its_exchange_is_on_the_wire(tmp_path
         stop_all(procs)
         for _, pump in ranks:
             pump.join(timeout=10)
+
+
+def test_threads_are_shared_with_every_geotrain_rank_on_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several `geotrain site` commands rehearsed on one machine each know only their own site's
+    ranks (LOCAL_WORLD_SIZE): the auto thread rule also counts the geotrain ranks running on the
+    machine (a Lighthouse and three 1-worker sites on 2 cores: 217.6 s with 2 threads per rank
+    and 6 pauses for lost heartbeats, 22.2 s with the rule, which gives each 1)."""
+    from geotrain.comm import procs
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(12)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    base = procs.host_ranks()
+    # stand-ins for ranks of other sites: processes running a file at the worker's path (a process
+    # that only mentions the name, as `grep geotrain.run.worker` does, is not one)
+    stand_in = tmp_path / "geotrain" / "run" / "worker.py"
+    stand_in.parent.mkdir(parents=True)
+    stand_in.write_text("import time\ntime.sleep(60)\n")
+    mention = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "x", "geotrain.run.worker"])
+    others = [mention, *(subprocess.Popen([sys.executable, str(stand_in)]) for _ in range(3))]
+    try:
+        deadline = time.monotonic() + 20
+        while procs.host_ranks() < base + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procs.host_ranks() == base + 3
+        assert procs.rank_threads(0) == 12 // (base + 3) == 4  # (this test runs no rank: base is 0)
+        assert procs.rank_threads(5) == 5  # as configured
+        monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 0.0, 0.0))
+        hint = procs.oversubscribed()
+        assert hint is not None and "load is 40.0 on 12 core(s)" in hint and f"{base + 3} geotrain rank(s)" in hint
+        monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+        assert procs.oversubscribed() is None
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()

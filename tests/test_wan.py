@@ -35,6 +35,40 @@ def _reserve_many(path: str, n: int) -> None:
     links.close()
 
 
+def test_a_planted_link_state_file_is_refused(tmp_path: Path) -> None:
+    """The link-state file has a predictable name in a folder everyone may write: a symlink, a
+    hard link, a file of another user or one open to others is refused, never used."""
+    import os
+
+    from geotrain.errors import LaunchError
+
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    cases = {}
+    cases["symlink"] = tmp_path / "a"
+    cases["symlink"].symlink_to(target)
+    cases["hard link"] = tmp_path / "b"
+    os.link(target, cases["hard link"])
+    cases["mode"] = tmp_path / "c"
+    cases["mode"].write_bytes(b"")
+    cases["mode"].chmod(0o666)
+    if os.geteuid() == 0:  # only root can give a file away
+        cases["owner"] = tmp_path / "d"
+        cases["owner"].write_bytes(b"")
+        cases["owner"].chmod(0o600)
+        os.chown(cases["owner"], 4242, 4242)
+    expected = {"symlink": "symlink", "hard link": "hard link", "mode": "open to other users", "owner": "owned by uid 4242"}
+    for case, path in cases.items():
+        with pytest.raises(LaunchError, match=expected[case]):
+            SharedLinks(path, 2)
+    assert target.read_bytes() == b""  # nothing written through the links
+    links = SharedLinks(tmp_path / "fresh", 2)  # made here: 0600, ours
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o600
+    again = SharedLinks(tmp_path / "fresh", 2)  # every rank of the run opens it
+    again.close()
+    links.close(unlink=True)
+
+
 def test_reservations_are_atomic_across_processes(tmp_path: Path) -> None:
     path = str(tmp_path / "links")
     ctx = multiprocessing.get_context("spawn")

@@ -86,6 +86,67 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def host_ranks() -> int:
+    """How many geotrain ranks run on this machine now (a rank counts itself), whatever started
+    them: processes running ``geotrain.run.worker`` (torchrun, fresh interpreters) and ranks
+    forked by a zygote (a ``geotrain.launch.zygote`` process whose parent is one too). Read from
+    ``/proc``; 0 where it cannot be read."""
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0
+    cmd: dict[int, bytes] = {}
+    parent: dict[int, int] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd[pid] = f.read()
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent[pid] = int(f.read().rsplit(b") ", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def runs(argv: list[bytes], module: str) -> bool:  # python [-u] -m MODULE ..., or python .../MODULE/PATH.py ...
+        path = module.replace(".", "/").encode() + b".py"
+        return any(a == b"-m" and b == module.encode() for a, b in zip(argv, argv[1:], strict=False)) or any(
+            a.endswith(path) for a in argv[1:2]
+        )
+
+    argvs = {pid: c.split(b"\0") for pid, c in cmd.items()}
+    zygotes = {pid for pid, argv in argvs.items() if runs(argv, "geotrain.launch.zygote")}
+    return sum(
+        1 for pid, argv in argvs.items() if runs(argv, "geotrain.run.worker") or parent.get(pid) in zygotes and pid in zygotes
+    )
+
+
+def rank_threads(requested: int) -> int:
+    """Threads per rank: as configured, else this machine's cores divided among the geotrain ranks
+    on it: the ranks of this process's world here (``LOCAL_WORLD_SIZE``) or, if more, every
+    geotrain rank running on the machine now (several ``geotrain site`` commands rehearsed on one
+    machine each see only their own site's ranks; together they oversubscribed its cores, and a
+    starved site missed its heartbeats)."""
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(1, local_world, host_ranks()))
+
+
+def oversubscribed() -> str | None:
+    """A hint when this machine's run queue exceeds its cores (1-minute load average), else None."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    if load <= 1.5 * cores:
+        return None
+    return (
+        f"this machine's load is {load:.1f} on {cores} core(s), with {host_ranks()} geotrain rank(s) on it: "
+        "ranks starve each other (set train.threads to cores / ranks on the machine; docs/ELASTIC.md)"
+    )
+
+
 def leave(code: int) -> None:
     """End this worker process now with ``code``, without the interpreter's teardown: flush the
     standard streams, then ``os._exit``.

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from geotrain.comm.procs import oversubscribed
 from geotrain.config import ElasticConfig
 from geotrain.errors import CoordinatorDown, ElasticTimeout, MembershipRefused
 
@@ -154,9 +155,10 @@ class Coordinator:
             except TimeoutError:
                 waited += self.cfg.quorum_timeout_s
                 self._why_waiting = f"fewer than elastic.min_sites={self.cfg.min_sites} live sites answer"
+                hint = oversubscribed()
                 self.log(
                     f"training paused: fewer than elastic.min_sites={self.cfg.min_sites} live sites answer "
-                    f"(waited {waited:.0f}s); retrying"
+                    f"(waited {waited:.0f}s); retrying" + (f"; {hint}" if hint else "")
                 )
             except Exception as exc:
                 self._client = None

@@ -258,7 +258,7 @@ class SiteMember:
         return view
 
     def _event(self, site: str, how: str) -> None:
-        self.events.append({"site": site, "how": how, "time": time.time(), "by": self.site})
+        self.events.append({"site": site, "how": how, "time": time.monotonic(), "by": self.site})
 
     def _broadcast(self, view: RoundView) -> RoundView:
         """Local rank 0's view to every rank of the site; a fatal one raises on every rank."""
@@ -298,11 +298,11 @@ class SiteMember:
             RoundFailed: the round cannot commit on every participant; roll it back.
             MembershipRefused: this site failed authentication.
         """
-        t0, sent0 = time.time(), self.inter_bytes
+        t0, sent0 = time.monotonic(), self.inter_bytes
         try:
             return self._round(delta, can_postpone, t0, contribute)
         finally:  # the training thread was blocked on the wide area all along
-            seconds, sent = time.time() - t0, self.inter_bytes - sent0
+            seconds, sent = time.monotonic() - t0, self.inter_bytes - sent0
             st = self.stats
             st.inter_bytes += sent
             st.inter_raw_bytes += sent
@@ -323,7 +323,7 @@ class SiteMember:
         self._current = {
             "key": view.key,
             "start": t0,
-            "quorum_s": time.time() - t0,
+            "quorum_s": time.monotonic() - t0,
             "members": sorted(m.site for m in view.members),
             "admitted": view.admitted,
             "healers": view.healers,
@@ -385,7 +385,7 @@ class SiteMember:
         )
         x.start()
         finished = x.wait()
-        self._current["exchange_s"] = time.time() - self._current["start"] - self._current["quorum_s"]
+        self._current["exchange_s"] = time.monotonic() - self._current["start"] - self._current["quorum_s"]
         self._current["mac_s"] = x.mac_seconds
         self._current["mac_verify_s"] = x.verify_seconds
         ok = torch.ones(1)
@@ -467,7 +467,7 @@ class SiteMember:
 
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:
         """Record the round's outcome (after the caller applied or rolled it back): one JSON line."""
-        rec = {**self._current, "end": time.time(), "outcome": outcome, "reason": reason}
+        rec = {**self._current, "end": time.monotonic(), "wall_end": time.time(), "outcome": outcome, "reason": reason}
         rec.update(site=self.site, hash=global_hash, committed=committed, step=step)
         self._current = {}
         if self.record_file is not None:

@@ -121,7 +121,7 @@ def launch_elastic(
     crashes: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     handled: set[str] = set()
-    t_start = time.time()
+    t_start = time.monotonic()
 
     def say(line: str) -> None:
         if console_print is not None:
@@ -165,7 +165,7 @@ def launch_elastic(
             return
         sig = signal.SIGKILL if request["kind"] == "kill" else signal.SIGSTOP
         signal_site(site, sig)
-        now = time.time()
+        now = time.monotonic()
         injected.append({**request, "injected_at": now, "incarnation": site.incarnation})
         site.state = "down" if sig == signal.SIGKILL else "stopped"
         if cfg.fault.restart_after:
@@ -184,7 +184,7 @@ def launch_elastic(
                         continue
                     handled.add(f.name)
                     inject(request, f)
-            now = time.time()
+            now = time.monotonic()
             for s in sites:
                 if s.restart_at is not None and now >= s.restart_at and not any(live(o) for o in sites if o is not s):
                     s.restart_at = None  # the run is over: nobody is left to heal from
@@ -230,7 +230,7 @@ def launch_elastic(
         for t in pumps:
             t.join(timeout=GRACE_SECONDS)
         state_path(wan_key).unlink(missing_ok=True)
-    summary = merge_summaries(out, topo, injected + crashes, ecfg.heartbeat_timeout_s, time.time() - t_start)
+    summary = merge_summaries(out, topo, injected + crashes, ecfg.heartbeat_timeout_s, time.monotonic() - t_start)
     if summary is None:
         raise LaunchError(f"no site finished the run; logs under {out / 'logs'}")
     summary["faults_skipped"] = skipped

@@ -33,13 +33,13 @@ import torch.distributed as dist
 
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.emulate import describe_links, link_mode
-from geotrain.comm.procs import die_with_parent, leave
+from geotrain.comm.procs import die_with_parent, leave, rank_threads
 from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
 from geotrain.data import build_rank_data, tokenizer_file, vocab_size
 from geotrain.elastic.auth import optional_secret
-from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, MembershipRefused, SyncerTimeout
+from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, LaunchError, MembershipRefused, SyncerTimeout
 from geotrain.models import build_model, count_params, export_model
 from geotrain.privacy.build import build_privacy
 from geotrain.report.metrics import MetricsSink, log, write_timeline
@@ -51,16 +51,6 @@ from geotrain.run.loop import Evaluator, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
 from geotrain.run.state import RankObjects, check_same_start
 from geotrain.sync import AsyncDiLoCo, Rejoin, UpdateGuard, build_sync, fragment_count
-
-
-def rank_threads(requested: int) -> int:
-    """Threads per rank: as configured, else this machine's cores divided among its ranks."""
-    if requested:
-        return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cores // max(1, local_world))
-
 
 ELASTIC_ENV = ("GEOTRAIN_SITE_INDEX", "GEOTRAIN_INCARNATION")
 
@@ -385,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     except SyncerTimeout as exc:
         print(f"geotrain: sync.quorum: {exc}", file=sys.stderr, flush=True)
         return 4
+    except LaunchError as exc:
+        print(f"geotrain: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -43,12 +44,47 @@ from pathlib import Path
 
 from geotrain.comm.topology import Topology
 from geotrain.config import LinkConfig
+from geotrain.errors import LaunchError
 
 
 def state_path(run_key: str) -> Path:
     """The shared link-state file of one run (``run_key``: e.g. the rendezvous port)."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"geotrain-wan-{run_key}"
+
+
+def _open_own(path: Path) -> int:
+    """Open (creating, mode 0600) the run's link-state file, refusing one this user did not make.
+
+    Its name is predictable and ``/dev/shm`` is writable by everyone, so another user could plant
+    a file or a symlink there first, to read or steer this run's emulated links or to make it
+    write through a link elsewhere. ``O_NOFOLLOW`` refuses a symlink; then the file must be a
+    regular file of this user, with one name, that nobody else may read or write. Every rank of
+    the run opens the same file, so ``O_EXCL`` cannot be used.
+
+    Raises:
+        LaunchError: naming the file and what is wrong with it.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise LaunchError(f"{path}: cannot open the run's link-state file ({exc.strerror}); a symlink there is refused") from None
+    st = os.fstat(fd)
+    why = (
+        "not a regular file"
+        if not stat.S_ISREG(st.st_mode)
+        else f"owned by uid {st.st_uid}, not {os.geteuid()}"
+        if st.st_uid != os.geteuid()
+        else f"{st.st_nlink} names (a hard link)"
+        if st.st_nlink != 1
+        else f"mode {stat.S_IMODE(st.st_mode):o}, open to other users"
+        if st.st_mode & 0o077
+        else None
+    )
+    if why is not None:
+        os.close(fd)
+        raise LaunchError(f"{path}: the run's link-state file is {why}: refused (remove it if it is stale)")
+    return fd
 
 
 class SharedLinks:
@@ -61,7 +97,7 @@ class SharedLinks:
         self.n = num_sites
         self._t0_off = 8 * num_sites * num_sites  # after the busy times: when the run's emulation started
         size = self._t0_off + 8
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = _open_own(path)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             if os.fstat(self._fd).st_size < size:
