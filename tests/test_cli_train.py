@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from geotrain.report.plots import plot_curves
+from geotrain.report.tables import run_label
+from tests.helpers import drawn, lines, png_size
 from tests.test_training import TINY
 
 
@@ -26,6 +29,14 @@ def test_train_with_baseline_writes_table_summary_and_plot(tmp_path: Path) -> No
     c = s["comparison"]
     assert c["equal_tokens"] and c["inter_site_bytes_ratio"] == pytest.approx(4.0, rel=0.02)
     assert c["eval_loss_ratio"] == pytest.approx(s["runs"][0]["final_eval_loss"] / s["runs"][1]["final_eval_loss"])
-    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert png_size(tmp_path / "loss.png") == (840, 504)  # 7 x 4.2 in at 120 dpi
+    with drawn() as figs:  # what the plot holds: each run's eval curve, labelled with its bytes
+        plot_curves(s["runs"], tmp_path / "again.png")
+    got = lines(figs[0].axes[0])
+    assert len(got) == 2
+    for r in s["runs"]:
+        (label,) = [k for k in got if k.startswith(run_label(r) + " (")]
+        assert got[label] == ([p["tokens"] for p in r["eval_curve"]], [p["eval_loss"] for p in r["eval_curve"]])
+        assert f"{r['inter_site_bytes'] / 1e6:,.1f} MB inter-site" in label
     for alg in ("diloco", "ddp"):
         assert (tmp_path / alg / "summary.json").exists() and list((tmp_path / alg / "logs").glob("rank*.log"))

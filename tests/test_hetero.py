@@ -128,7 +128,10 @@ def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Pa
     lock, _ = _run(tmp_path, "lock", common)
     a, b = lock["per_site"]
     assert a["steps"] == b["steps"] == 40
-    assert b["step_seconds"] > 2.0 * a["step_seconds"]  # the pacing: 4x in theory, noisy on a loaded machine
+    # B sleeps three times its own measured compute after each step, so its steps take 4x its
+    # compute: load shared by both sites cannot bring the ratio under 2 (A's compute would have to
+    # average twice B's)
+    assert b["step_seconds"] > 2.0 * a["step_seconds"]
     ad, _ = _run(tmp_path, "adaptive", [*common, "sync.pace=adaptive"])
     a, b = ad["per_site"]
     # a 1-step calibration round, then rounds budgeted for H steps of the fastest site (at most 1.5 H)
@@ -195,11 +198,13 @@ def test_tiers_with_h2_equal_to_h1_are_flat_diloco_and_cut_slow_tier_bytes(tmp_p
     flat, flat_w = _tiered(tmp_path, "flat", [])
     # the outer optimizer in each region (momentum per region, linear in the pseudo-gradients, and
     # every round starts from one model) or only across regions (plain averaging in the region):
-    # with H2 = H1 both are flat DiLoCo
+    # with H2 = H1 both are flat DiLoCo, to rounding: the sums run in another order over 8 rounds
+    # of Nesterov (1.3e-6 at most on this machine, in a bias of 0.0125: atol 1e-6 failed here); a
+    # misplaced outer step moves the model by the inner updates' scale, lr x steps = 6e-3
     for outer in ("region", "world"):
         one, one_w = _tiered(tmp_path, f"one-{outer}", ["sync.region_every=1", f"sync.tier_outer={outer}"])
         for k in flat_w:
-            torch.testing.assert_close(one_w[k], flat_w[k], rtol=1e-5, atol=1e-6, msg=f"{outer}: {k}")
+            torch.testing.assert_close(one_w[k], flat_w[k], rtol=1e-5, atol=1e-5, msg=f"{outer}: {k}")
         assert one["inter_region_bytes"] == flat["inter_region_bytes"] > 0
         assert one["rounds"] == one["region_rounds"] == flat["rounds"] == 8
     losses = {}

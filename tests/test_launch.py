@@ -74,7 +74,9 @@ def test_killed_rank_fails_the_job_naming_site_and_rank(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=60)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1
-    assert elapsed < 60
+    assert (
+        elapsed < 60
+    )  # the launcher polls its ranks every 50 ms; 60 s is only what a missed death would take (the run is endless)
     assert "rank 2 (site B, local rank 0) was killed by SIGKILL" in err, err
     time.sleep(0.5)
     assert not any(_alive(p) for p in pids)

@@ -15,9 +15,9 @@ import pytest
 from geotrain.comm.emulate import kernel as netns
 from geotrain.config import load_config
 from geotrain.launch.local import launch_local
-from tests.helpers import REPO, TINY, uniform_topology
+from tests.helpers import REPO, TINY, kernel_links_unavailable, uniform_topology
 
-_WHY = netns.unavailable()
+_WHY = kernel_links_unavailable()
 needs_root = pytest.mark.skipif(_WHY is not None, reason=f"kernel emulation unavailable: {_WHY}")
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from geotrain.errors import ConfigError
-from geotrain.netsim.run import run_scenario
+from geotrain.netsim.run import plot_fct_cdf, run_scenario
 from geotrain.netsim.scenario import load_scenario
+from tests.helpers import drawn, lines, png_size
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "scenarios" / "netsim"
@@ -80,9 +83,19 @@ def test_cli_writes_json_and_cdf_plot(tmp_path: Path) -> None:
         for key in ("makespan_seconds", "optimal_seconds", "mean_throughput_fraction", "max_link_load"):
             assert isinstance(r[key], float)
         assert r["makespan_seconds"] >= r["optimal_seconds"] * (1 - 1e-9)
-    assert (tmp_path / "fct_cdf.png").stat().st_size > 10_000
+    assert png_size(tmp_path / "fct_cdf.png") == (768, 480)  # 6.4 x 4 in at 120 dpi
     rows = (tmp_path / "flows.csv").read_text().splitlines()
     assert rows[0] == "routing,phase,src,dst,bytes,fct_seconds" and len(rows) == 1 + 4 * 2048
+    # what the CDF draws: per routing, its flows' completion times in order, up to a fraction of 1
+    fct: dict[str, list[float]] = {}
+    for r in rows[1:]:
+        fct.setdefault(r.split(",")[0], []).append(float(r.split(",")[-1]))
+    with drawn() as figs:
+        plot_fct_cdf({k: types.SimpleNamespace(fct=np.array(v)) for k, v in fct.items()}, tmp_path / "again.png", "t")  # type: ignore[misc]
+    curves = lines(figs[0].axes[0])
+    assert set(curves) == set(fct) == {r["routing"] for r in out["results"]}
+    for routing, (x, y) in curves.items():
+        assert x == pytest.approx(sorted(v * 1e3 for v in fct[routing])) and y[-1] == 1.0 and len(y) == 2048
     ecmp_max = max(float(r.split(",")[-1]) for r in rows[1:] if r.startswith("ecmp,"))
     assert ecmp_max == pytest.approx(out["results"][0]["fct_percentiles_seconds"]["100"], rel=1e-6)
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from geotrain.errors import ConfigError
@@ -16,12 +17,14 @@ from geotrain.plan.architecture import architecture
 from geotrain.plan.facility import Rack, compute_budget, facility
 from geotrain.plan.layout import layout
 from geotrain.plan.memory import gpu_memory, memory
+from geotrain.plan.report import plot_plan
 from geotrain.plan.run import run_plan
 from geotrain.plan.scaling import loss, optimal
 from geotrain.plan.scenario import load_plan
 from geotrain.plan.search import Machine, Space, Work, bubble_fraction, evaluate, search
 from geotrain.plan.step import allreduce_seconds
 from geotrain.plan.strategies import STREAMING_TABLE4, TARGETS, required_bps, utilization
+from tests.helpers import drawn, lines, png_size
 
 ROOT = Path(__file__).resolve().parents[1]
 SCEN = ROOT / "scenarios" / "plan"
@@ -180,17 +183,27 @@ def test_cli_plan_json_plots_and_errors(tmp_path: Path) -> None:
     assert {"tiers", "switches", "links", "switch_links"} <= set(out["network"]["fat_tree"])
     assert set(out["strategies"][0]["required_bps"]) == {"0.90", "0.95", "0.99"} and "recommendation" in out
     for png in ("model_size_vs_months.png", "bandwidth_vs_utilization.png"):
-        assert (tmp_path / png).stat().st_size > 10_000
+        assert png_size(tmp_path / png) == (768, 480)  # 6.4 x 4 in at 120 dpi
+    # what the plots draw (the same arithmetic in this process): each strategy's curve needs the
+    # bandwidth the table says for 90% utilisation, and the link the scenario has
+    sc = load_plan(SCEN / "paper-100T.yaml", [])
+    with drawn() as figs:
+        plot_plan(sc, run_plan(sc), tmp_path / "again")
+    curves = lines(figs[1].axes[0])
+    assert curves["this link"][0][0] == pytest.approx(out["strategy_params"]["link_bps"] / 1e9)
+    for s in out["strategies"]:
+        bps, util = curves[s["algorithm"]]
+        assert float(np.interp(90.0, util, bps)) == pytest.approx(s["required_bps"]["0.90"] / 1e9, rel=0.02), s["algorithm"]
+    months, params = lines(figs[0].axes[0])[sc.budget.law]  # the scenario's law at its months: the table's model
+    assert params[months.index(sc.budget.months)] == pytest.approx(out["scaling"]["params"] / 1e12)
     bad = subprocess.run(
         [*cmd, str(SCEN / "paper-100T.yaml"), "--set", "parallel.tensor_parallel_max=100"],
         capture_output=True,
         text=True,
         timeout=100,
     )
-    lines = bad.stderr.strip().splitlines()
-    assert (
-        bad.returncode == 2 and len(lines) == 1 and "parallel.tensor_parallel_max" in lines[0] and "Traceback" not in bad.stderr
-    )
+    said = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(said) == 1 and "parallel.tensor_parallel_max" in said[0] and "Traceback" not in bad.stderr
 
 
 # --------------------------------------------------------------------------- layout search

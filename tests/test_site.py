@@ -21,6 +21,7 @@ from geotrain.comm.emulate import kernel as netns
 from geotrain.comm.procs import free_port
 from geotrain.config import ElasticConfig, load_config
 from geotrain.errors import ConfigError, ElasticTimeout
+from tests.helpers import kernel_links_unavailable
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -137,7 +138,7 @@ def test_worker_refuses_a_missing_environment_in_one_line(cfg_file: Path, env: d
 
 # ----------------------------------------------------------------- separate "machines" (netns)
 
-_WHY = netns.unavailable()
+_WHY = kernel_links_unavailable()
 
 
 @contextlib.contextmanager

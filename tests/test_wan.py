@@ -103,7 +103,10 @@ def test_pacing_and_latency_of_real_sends() -> None:
     # 2 sites x 1 rank, 8 Mbit/s = 1 MB/s, 40 ms: 400 KB over a 2-site ring is one 200 KB send
     # per direction in reduce-scatter and one in all-gather: 2 x (0.2 s + 0.04 s)
     times = run_ranks(2, _timed_across, 2, 1, 400_000, 8e6, 0.04, 1)
-    assert min(times) >= 0.44 and max(times) < 0.8, times
+    # a lower bound only: data cannot arrive before size / bandwidth + latency, however idle or
+    # loaded the machine; how close the emulation comes to it is `geotrain bench link`'s target
+    # (link.json). The ceiling only catches a send that waits out a timeout.
+    assert min(times) >= 0.44 and max(times) < 30, times
 
 
 @pytest.mark.slow
@@ -113,7 +116,7 @@ def test_ranks_of_a_site_share_the_link() -> None:
     # link: 400 KB per direction at 1 MB/s is at least 0.4 s + one latency whatever the order
     # (without sharing, two 100 KB steps per rank would take 2 x (0.1 + 0.04) = 0.28 s)
     times = run_ranks(4, _timed_across, 2, 2, 400_000, 8e6, 0.04, 1)
-    assert min(times) >= 0.42 and max(times) < 0.9, times
+    assert min(times) >= 0.42 and max(times) < 30, times  # as above: the bound that shows sharing is the lower one
 
 
 def _laned_rank(rank: int, sites: int, workers: int) -> list:

@@ -145,8 +145,9 @@ class DelayedNesterov:
     since the last time, the momentum buffer takes their sum and its part (``lr·β·m``) is applied
     too. Over a world round θ moves as one synchronous outer step on the round's mean. A merge
     that holds every site's update with nothing pending is exactly that step: the torch
-    optimizer itself (so a quorum of every site is lock-step DiLoCo bit for bit); the momentum
-    buffer is the optimizer's own in both paths.
+    optimizer itself (so a quorum of every site is lock-step DiLoCo: bit for bit with two sites,
+    to rounding with more, whose ring adds in another order); the momentum buffer is the
+    optimizer's own in both paths.
     """
 
     def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, sites: int) -> None:
