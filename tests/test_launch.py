@@ -188,8 +188,8 @@ _SLOW_EXCHANGE = """
 topology:
   sites: [{name: A, workers: 2}, {name: B, workers: 2}]
   links: {inter: {bandwidth_bps: 1.5e4, latency_s: 0.02}}
-train: {steps: 200, log_every: 1, threads: 1}
-sync: {algorithm: streaming, H: 40, fragments: 2, tau: 19, lanes: 2, chunk_bytes: 65536}
+train: {steps: 1000, log_every: 1, threads: 1}
+sync: {algorithm: streaming, H: 200, fragments: 4, tau: 150, lanes: 2, chunk_bytes: 65536}
 run: {baseline: none, timeout_s: 300}
 """
 
@@ -200,12 +200,13 @@ run: {baseline: none, timeout_s: 300}
 def test_a_failing_rank_exits_at_once_while_its_exchange_is_on_the_wire(tmp_path: Path, fork: bool) -> None:
     """Rank 1 is SIGKILLed while rank 0's lane threads hold a fragment's chunks from site B until
     the slow link would have delivered them (about 35 s). Rank 0's training thread fails at its
-    next in-site all-reduce, before the fragment is due. The rank must exit within 10 s of the
+    next in-site all-reduce, long before the fragment is due (tau = 150 steps: site A may run
+    seconds ahead of site B without reaching the merge, where it would wait for the exchange). The rank must exit within 10 s of the
     kill, forked by the zygote or started as torchrun starts it (``python -m
     geotrain.run.worker``): its lane and exchange threads are daemons and a worker leaves with
-    ``os._exit`` (``comm/procs.leave``). Before, interpreter shutdown joined the lane threads
-    until the transfer ended (17.7 s and 8.7 s at 30 kbit/s; the link is half that now). The
-    bound is far above what the exit takes on a loaded machine (0.1 s here)."""
+    ``os._exit`` (``comm/procs.leave``). With non-daemon threads and the interpreter's exit it
+    took 34.8 s and 35.0 s: shutdown joined the lane threads until the transfer ended. The bound
+    is far above what the exit takes on a loaded machine (0.1 s here)."""
     from geotrain.launch.spawn import rank_env, spawn_rank, stop_all, worker_args
 
     cfg = tmp_path / "cfg.yaml"
