@@ -119,6 +119,10 @@ def host_ranks() -> int:
     )
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def rank_threads(requested: int) -> int:
     """Threads per rank: as configured, else this machine's cores divided among the geotrain ranks
     on it: the ranks of this process's world here (``LOCAL_WORLD_SIZE``) or, if more, every
@@ -127,14 +131,13 @@ def rank_threads(requested: int) -> int:
     starved site missed its heartbeats)."""
     if requested:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cores // max(1, local_world, host_ranks()))
+    return max(1, _cores() // max(1, local_world, host_ranks()))
 
 
 def oversubscribed() -> str | None:
     """A hint when this machine's run queue exceeds its cores (1-minute load average), else None."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     try:
         load = os.getloadavg()[0]
     except OSError:

@@ -166,7 +166,7 @@ def save(
     data = buf.getvalue()
     atomic_write(d / f"rank{rank}.pt", data)
     mine[f"rank{rank}.pt"] = hashlib.sha256(data).hexdigest()
-    _complete(root, d, header, mine, rank, group, keep, seal)
+    _complete(root, d, header, mine, group, keep, seal)
     return d
 
 
@@ -175,7 +175,6 @@ def _complete(
     d: Path,
     header: dict[str, Any],
     mine: dict[str, str],
-    rank: int,
     group: dist.ProcessGroup,
     keep: int,
     seal: Seal | None,
