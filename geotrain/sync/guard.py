@@ -103,7 +103,7 @@ class UpdateGuard:
         round, judged before the exchange (eager Streaming DiLoCo applies its own share at once):
         the same rule on the same norm against the history every site shares, so the same
         decision, provided no exchange of ``key`` is in flight. Changes nothing."""
-        v = float(delta.to(torch.float64).norm())
+        v = self.site_norm(delta)  # (what include() exchanges; eager streaming is never sharded)
         with self._lock:
             return self._why_rejected(self.history.get(key, []), v) is None
 
