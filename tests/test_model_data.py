@@ -103,19 +103,23 @@ def test_rank_data_and_too_small_corpus(tmp_path: Path) -> None:
 
 
 def test_a_directory_corpus_reads_text_files_only(tmp_path: Path) -> None:
+    """Text by content, not by suffix: a LICENSE and a .c file are read, a binary and a Latin-1
+    file are not, nor anything hidden."""
     from geotrain.data.corpus import read_corpus
 
     (tmp_path / "notes.txt").write_text("kept text\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "more.md").write_text("also kept\n")
-    (tmp_path / "LICENSE").write_text("no suffix: not read\n")
+    (tmp_path / "LICENSE").write_text("no suffix: kept too\n")
+    (tmp_path / "main.c").write_text("int main(void) { return 0; }\n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 not read")
     (tmp_path / "blob.txt").write_bytes(b"binary\0data")
     git = tmp_path / ".git" / "objects" / "ab"
     git.mkdir(parents=True)
     (git / "cdef").write_bytes(b"x\x9c\x01compressed")
     (tmp_path / ".git" / "description.txt").write_text("hidden: not read\n")
     data = read_corpus(str(tmp_path))
-    assert b"kept text" in data and b"also kept" in data
+    assert b"kept text" in data and b"also kept" in data and b"kept too" in data and b"int main" in data
     assert b"not read" not in data and b"binary" not in data and b"compressed" not in data
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,11 +133,15 @@ def test_a_saved_tokenizer_is_loaded_and_its_vocabulary_sets_the_dtype(tmp_path:
         ),
         (lambda d: (d / "k.jsonl").write_text("[1, 2\n") and d / "k.jsonl", "k.jsonl:1: not a JSON object"),
         (lambda d: (d / "p.parquet").write_text("not parquet") and d / "p.parquet", "p.parquet: not a readable Parquet"),
-        (lambda d: (d / "sub").mkdir() or d / "sub", "sub: no text, JSONL or Parquet files"),
+        (lambda d: (d / "sub").mkdir() or d / "sub", "sub: no files to read in this directory"),
+        (
+            lambda d: (d / "bin").mkdir() or (d / "bin" / "a.dat").write_bytes(b"\0\1") and d / "bin",
+            "bin: no text to read (1 skipped: 1 binary (a NUL byte))",
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_it(tmp_path: Path, make, needle: str) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(PrepareError, match=needle.replace("(", r"\(")):
+    with pytest.raises(PrepareError, match=re.escape(needle)):
         prepare([make(tmp_path)], "bytes", tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written is left behind
 
@@ -293,3 +298,54 @@ def test_shard_bytes_follow_the_dtype_prepare_chose(tmp_path: Path) -> None:
         m = prepare([tmp_path / "t.txt"], "bytes", tmp_path / dtype, dtype=dtype, shard_bytes=40_000)
         assert m["shards"]["train"][0]["tokens"] == tokens
         assert (tmp_path / dtype / "train-00000.bin").stat().st_size == 40_000
+
+
+def _mixed_tree(root: Path) -> Path:
+    """A folder as a user has one: texts without a suffix or with one no list knew, sources, a
+    binary, a Latin-1 file, something hidden."""
+    d = root / "mixed"
+    (d / "licenses").mkdir(parents=True)
+    (d / "src").mkdir()
+    (d / ".git").mkdir()
+    for i in range(3):
+        (d / "licenses" / f"LICENSE-{i}").write_text(f"licence {i}: permission is granted " * 300)
+    (d / "src" / "main.c").write_text("int main(void) { return 0; }\n" * 400)
+    (d / "src" / "lib.rs").write_text("fn main() {}\n" * 400)
+    (d / "paper.tex").write_text("\\section{Intro} text " * 400)
+    (d / "src" / "util.py").write_text("print('hello')\n" * 400)
+    (d / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(100))
+    (d / "old.txt").write_bytes(b"caf\xe9 " * 100)
+    (d / "blank.md").write_text("   \n")
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    return d
+
+
+def test_a_folder_is_read_by_content_and_what_is_skipped_is_said(tmp_path: Path) -> None:
+    d = _mixed_tree(tmp_path)
+    m = prepare([d], "bytes", tmp_path / "all", eval_fraction=0.2)
+    assert m["documents"] == 7  # 3 licences, main.c, lib.rs, paper.tex, util.py
+    assert m["skipped"] == {
+        str(d / "blank.md"): "empty",
+        str(d / "image.png"): "binary (a NUL byte)",
+        str(d / "old.txt"): "not UTF-8 text (byte 3)",
+    }  # (hidden paths are never read, and not listed)
+    only = prepare([d], "bytes", tmp_path / "only", include=("LICENSE-*", "*.c"), exclude=("*-2",), eval_fraction=0.2)
+    assert only["documents"] == 3 and only["include"] == ["LICENSE-*", "*.c"] and only["exclude"] == ["*-2"]
+    assert only["skipped"][str(d / "licenses" / "LICENSE-2")] == "excluded by --exclude *-2"
+    assert only["skipped"][str(d / "src" / "lib.rs")] == "not matched by --include LICENSE-* *.c"
+    by_path = prepare([d], "bytes", tmp_path / "src", include=("src/*",), eval_fraction=0.2)
+    assert by_path["documents"] == 3  # globs match the path below the folder too
+
+
+def test_cli_says_what_it_skipped(tmp_path: Path) -> None:
+    d = _mixed_tree(tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "geotrain", "data", "prepare", str(d), "--out", str(tmp_path / "o"), "--tokenizer", "bytes",
+         "--eval-fraction", "0.2", "--exclude", "*.rs"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())
+    assert "6 documents" in out
+    assert "4 files skipped: 1 binary (a NUL byte), 1 empty, 1 excluded by --exclude *.rs, 1 not UTF-8 text" in out, out
+    assert "manifest.json lists them" in out

@@ -24,9 +24,18 @@ def prepare_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="auto, uint16 or uint32.")] = "auto",
     eval_fraction: Annotated[float, typer.Option("--eval-fraction", help="Share of blocks held out for evaluation.")] = 0.05,
     shard_mib: Annotated[float, typer.Option("--shard-mib", min=0.001, max=1 << 16, help="Target size of one shard file.")] = 64,
+    include: Annotated[
+        list[str] | None, typer.Option("--include", help="In directories, read only files matching this glob (repeatable).")
+    ] = None,
+    exclude: Annotated[
+        list[str] | None, typer.Option("--exclude", help="In directories, skip files matching this glob (repeatable).")
+    ] = None,
 ) -> None:
-    """Tokenize INPUTS into uint16/uint32 shards with a manifest (counts, sha256); train on it with data.corpus=OUT."""
-    from geotrain.data.prepare import PrepareError, prepare
+    """Tokenize INPUTS into uint16/uint32 shards with a manifest (counts, sha256); train on it with data.corpus=OUT.
+
+    In a directory every file that is not hidden is read if its content is text (valid UTF-8, no
+    NUL byte), whatever its name; what was skipped, and why, is printed and listed in the manifest."""
+    from geotrain.data.prepare import PrepareError, prepare, skipped_summary
 
     try:
         m = prepare(
@@ -38,6 +47,8 @@ def prepare_cmd(
             dtype=dtype,
             eval_fraction=eval_fraction,
             shard_bytes=int(shard_mib * (1 << 20)),
+            include=tuple(include or ()),
+            exclude=tuple(exclude or ()),
         )
     except PrepareError as exc:
         fail(f"data prepare: {exc}")
@@ -46,6 +57,8 @@ def prepare_cmd(
         f"{m['documents']:,} documents -> {m['tokens']['train']:,} train + {m['tokens']['eval']:,} eval tokens "
         f"({m['dtype']}, vocabulary {m['vocab_size']:,}, {shards} shards) in {out}; train with --set data.corpus={out}"
     )
+    if m["skipped"]:
+        console.print(f"{skipped_summary(m['skipped'], 'files skipped')}; {out / 'manifest.json'} lists them")
 
 
 @data_app.command("verify")

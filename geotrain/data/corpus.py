@@ -20,7 +20,6 @@ from geotrain.config import DataConfig
 
 BLOCK_BYTES = 4096
 DEFAULT_CORPUS_BYTES = 3_000_000
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".csv", ".json", ".html"}
 
 
 def hidden_below(f: Path, root: Path) -> bool:
@@ -28,15 +27,19 @@ def hidden_below(f: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in f.relative_to(root).parts)
 
 
-def is_text_file(f: Path, root: Path) -> bool:
-    """A file of a directory corpus to train on: a text suffix, nothing hidden on its path below
-    ``root`` (no ``.git`` objects, no ``.venv``), and no NUL byte in its first 8 KiB (not binary)."""
-    if not f.is_file() or f.suffix.lower() not in TEXT_SUFFIXES:
-        return False
-    if hidden_below(f, root):
-        return False
-    with open(f, "rb") as fh:
-        return b"\0" not in fh.read(8192)
+def as_text(raw: bytes) -> tuple[str | None, str]:
+    """(the text, '') if ``raw`` is text — not blank, no NUL byte, valid UTF-8 — else (None, why).
+
+    Text is decided by content, not by a list of suffixes: a ``.c``, a ``.tex`` or a ``LICENSE``
+    without a suffix is text, an image or an archive is not."""
+    if not raw.strip():
+        return None, "empty"
+    if b"\0" in raw:
+        return None, "binary (a NUL byte)"
+    try:
+        return raw.decode("utf-8"), ""
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text (byte {exc.start})"
 
 
 def _default_corpus() -> bytes:
@@ -62,10 +65,14 @@ def read_corpus(path: str) -> bytes:
     p = Path(path)
     if p.is_file():
         return p.read_bytes()
-    files = sorted(f for f in p.rglob("*") if is_text_file(f, p))
-    if not files:
+    texts = []  # every file not hidden below the directory whose content is text (as_text)
+    for f in sorted(x for x in p.rglob("*") if x.is_file() and not hidden_below(x, p)):
+        raw = f.read_bytes()
+        if as_text(raw)[0] is not None:
+            texts.append(raw)
+    if not texts:
         raise ValueError(f"data.corpus: no text files under {path}")
-    return b"\n\n".join(f.read_bytes() for f in files)
+    return b"\n\n".join(texts)
 
 
 def load_corpus(cfg: DataConfig) -> bytes:

@@ -17,6 +17,7 @@ Output (``OUT/``), in the style of nanoGPT's ``.bin`` files:
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from geotrain.data.corpus import BLOCK_BYTES, TEXT_SUFFIXES, hidden_below
+from geotrain.data.corpus import BLOCK_BYTES, as_text, hidden_below
 
 FORMAT = "geotrain-tokens/1"
 MANIFEST = "manifest.json"
@@ -41,18 +42,15 @@ class PrepareError(ValueError):
 
 
 def _text_file(path: Path) -> str:
+    """A file named on its own: its text, or a PrepareError saying why it is not text."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise PrepareError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if not raw.strip():
-        raise PrepareError(f"{path}: empty")
-    if b"\0" in raw[:8192]:
-        raise PrepareError(f"{path}: binary, not text")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PrepareError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    text, why = as_text(raw)
+    if text is None:
+        raise PrepareError(f"{path}: {why}")
+    return text
 
 
 def _jsonl(path: Path, text_field: str) -> Iterator[str]:
@@ -98,38 +96,85 @@ def _parquet(path: Path, text_field: str) -> Iterator[str]:
             yield text
 
 
-def _files(inputs: list[Path]) -> list[Path]:
-    """The files to read: each input file, and a directory's text/JSONL/Parquet files (not hidden, not
-    empty: an empty ``__init__.py`` in a tree is no error, an empty file named on its own is)."""
-    files: list[Path] = []
-    for p in inputs:
-        if not p.exists():
-            raise PrepareError(f"{p}: not found")
-        if p.is_dir():
-            usable = TEXT_SUFFIXES | {".jsonl", ".parquet"}
-            found = sorted(
-                f
-                for f in p.rglob("*")
-                if f.is_file() and f.suffix.lower() in usable and not hidden_below(f, p) and f.stat().st_size > 0
-            )
+@dataclass
+class Inputs:
+    """What ``data prepare`` reads, and what it left out.
+
+    ``paths``: files and directories. A file named on its own is read as it is (JSONL and Parquet
+    by suffix, anything else as text) and refused if it is not. In a directory, every file that is
+    not hidden is considered: ``.jsonl`` and ``.parquet`` by suffix, any other file by its content
+    (text: not blank, no NUL byte, valid UTF-8), so a ``.c``, ``.tex`` or a ``LICENSE`` without a
+    suffix is read and a binary is skipped. ``include``/``exclude``: globs matched against the
+    path below the directory and against the file's name (``*.py``, ``tests/*``); with
+    ``include`` only matching files are read, and ``exclude`` wins. Hidden paths (``.git``, a
+    ``.venv``, dotfiles) are never read. ``skipped`` maps every other file of a directory that was
+    left out to why (filled as the files are read; each pass finds the same).
+    """
+
+    paths: list[Path]
+    text_field: str = "text"
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def _matches(self, rel: str, patterns: tuple[str, ...]) -> str | None:
+        name = rel.rsplit("/", 1)[-1]
+        return next((g for g in patterns if fnmatch.fnmatchcase(rel, g) or fnmatch.fnmatchcase(name, g)), None)
+
+    def files(self) -> list[tuple[Path, bool]]:
+        """Every file to consider, in a fixed order, with whether it was named on its own."""
+        out: list[tuple[Path, bool]] = []
+        for p in self.paths:
+            if not p.exists():
+                raise PrepareError(f"{p}: not found")
+            if not p.is_dir():
+                out.append((p, True))
+                continue
+            found = []
+            for f in sorted(x for x in p.rglob("*") if x.is_file()):
+                rel = f.relative_to(p).as_posix()
+                if hidden_below(f, p):  # never read (.git objects, a .venv, dotfiles); not listed
+                    continue
+                if self.include and self._matches(rel, self.include) is None:
+                    why = f"not matched by --include {' '.join(self.include)}"
+                elif (g := self._matches(rel, self.exclude)) is not None:
+                    why = f"excluded by --exclude {g}"
+                else:
+                    found.append((f, False))
+                    continue
+                self.skipped[str(f)] = why
             if not found:
-                raise PrepareError(f"{p}: no text, JSONL or Parquet files in this directory")
-            files.extend(found)
-        else:
-            files.append(p)
-    return files
+                raise PrepareError(f"{p}: no files to read in this directory ({skipped_summary(self.skipped)})")
+            out.extend(found)
+        return out
+
+    def documents(self) -> Iterator[str]:
+        """Every document in a fixed order (a text file is one document); a directory's files that
+        are not text are skipped and recorded."""
+        for f, named in self.files():
+            suffix = f.suffix.lower()
+            if suffix == ".jsonl":
+                yield from _jsonl(f, self.text_field)
+            elif suffix == ".parquet":
+                yield from _parquet(f, self.text_field)
+            elif named:
+                yield _text_file(f)
+            else:
+                try:
+                    raw = f.read_bytes()
+                except OSError as exc:
+                    self.skipped[str(f)] = f"cannot read ({exc.strerror or exc})"
+                    continue
+                text, why = as_text(raw)
+                if text is None:
+                    self.skipped[str(f)] = why
+                else:
+                    yield text
 
 
 def documents(inputs: list[Path], text_field: str = "text") -> Iterator[str]:
-    """Every document of ``inputs`` in a fixed order (a text file is one document)."""
-    for f in _files(inputs):
-        suffix = f.suffix.lower()
-        if suffix == ".jsonl":
-            yield from _jsonl(f, text_field)
-        elif suffix == ".parquet":
-            yield from _parquet(f, text_field)
-        else:
-            yield _text_file(f)
+    """Every document of ``inputs`` in a fixed order, with nothing filtered (see :class:`Inputs`)."""
+    return Inputs(inputs, text_field).documents()
 
 
 @dataclass
@@ -157,7 +202,7 @@ def _eot(hf: Any) -> int | None:
     return None
 
 
-def load_tokenizer(spec: str, inputs: list[Path], vocab_size: int, text_field: str) -> Tokenizer:
+def load_tokenizer(spec: str, inputs: Inputs, vocab_size: int) -> Tokenizer:
     """``bytes``, ``bpe`` (trained on ``inputs``), a ``tokenizer.json`` or a local tokenizer directory."""
     if spec == "bytes":
         return Tokenizer("bytes", 256, None)
@@ -178,7 +223,7 @@ def load_tokenizer(spec: str, inputs: list[Path], vocab_size: int, text_field: s
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        hf.train_from_iterator(documents(inputs, text_field), trainer=trainer)
+        hf.train_from_iterator(inputs.documents(), trainer=trainer)
         return Tokenizer(f"bpe-{hf.get_vocab_size()}", hf.get_vocab_size(), _eot(hf), hf)
     path = Path(spec)
     if not path.exists():
@@ -214,13 +259,11 @@ def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _write_blocks(
-    tok: Tokenizer, inputs: list[Path], text_field: str, writers: dict[str, _ShardWriter], every: int
-) -> tuple[int, int]:
+def _write_blocks(tok: Tokenizer, inputs: Inputs, writers: dict[str, _ShardWriter], every: int) -> tuple[int, int]:
     """Tokenize every document into blocks; every ``every``-th block to eval. Returns (documents, blocks)."""
     pending = np.zeros(0, dtype=np.int64)
     blocks = docs = 0
-    for batch in _batched(documents(inputs, text_field), 256):
+    for batch in _batched(inputs.documents(), 256):
         pending = np.concatenate([pending, *(np.asarray(i, dtype=np.int64) for i in tok.encode_batch(batch))])
         docs += len(batch)
         full = pending.size // BLOCK_TOKENS
@@ -276,14 +319,18 @@ def prepare(
     eval_fraction: float = 0.05,
     shard_tokens: int = 1 << 24,
     shard_bytes: int | None = None,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Tokenize ``inputs`` into shards under ``out``; returns the manifest (also ``out/manifest.json``).
-    Shards hold ``shard_tokens`` tokens, or ``shard_bytes`` bytes when given."""
+    """Tokenize ``inputs`` into shards under ``out``; returns the manifest (also ``out/manifest.json``),
+    which lists the files of a directory left out and why (:class:`Inputs`). Shards hold
+    ``shard_tokens`` tokens, or ``shard_bytes`` bytes when given."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PrepareError(f"--out: {out} exists and is not an empty directory")
     if not 0 < eval_fraction < 0.5:
         raise PrepareError(f"--eval-fraction: must be > 0 and < 0.5 (got {eval_fraction})")
-    tok = load_tokenizer(tokenizer, inputs, vocab_size, text_field)
+    source = Inputs(inputs, text_field, tuple(include), tuple(exclude))
+    tok = load_tokenizer(tokenizer, source, vocab_size)
     if dtype == "auto":
         dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     if dtype not in DTYPES:
@@ -296,7 +343,10 @@ def prepare(
         shard_tokens = max(1, shard_bytes // np.dtype(DTYPES[dtype]).itemsize)
     writers = {s: _ShardWriter(out, s, DTYPES[dtype], shard_tokens) for s in ("train", "eval")}
     try:
-        docs, blocks = _write_blocks(tok, inputs, text_field, writers, max(2, round(1 / eval_fraction)))
+        source.skipped.clear()  # this pass reads every file again and finds the same
+        docs, blocks = _write_blocks(tok, source, writers, max(2, round(1 / eval_fraction)))
+        if not docs:
+            raise PrepareError(f"{', '.join(map(str, inputs))}: no text to read ({skipped_summary(source.skipped)})")
         if not writers["eval"].shards or not writers["train"].shards:
             raise PrepareError(
                 f"{', '.join(map(str, inputs))}: too little text: {blocks} blocks of {BLOCK_TOKENS} tokens, "
@@ -325,6 +375,9 @@ def prepare(
         "block_tokens": BLOCK_TOKENS,
         "documents": docs,
         "inputs": [str(p) for p in inputs],
+        "include": list(include),
+        "exclude": list(exclude),
+        "skipped": dict(sorted(source.skipped.items())),
         "tokens": {s: sum(sh["tokens"] for sh in w.shards) for s, w in writers.items()},
         "shards": {s: w.shards for s, w in writers.items()},
     }
@@ -332,3 +385,13 @@ def prepare(
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, out / MANIFEST)
     return manifest
+
+
+def skipped_summary(skipped: dict[str, str], what: str = "skipped") -> str:
+    """'17 skipped: 15 binary (a NUL byte), 2 empty' (reasons by count, then name)."""
+    counts: dict[str, int] = {}
+    for why in skipped.values():
+        key = why.split(" (byte ")[0]  # every offset of a bad byte is one reason
+        counts[key] = counts.get(key, 0) + 1
+    parts = ", ".join(f"{n} {why}" for why, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{len(skipped)} {what}" + (f": {parts}" if parts else "")
