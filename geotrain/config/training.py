@@ -103,7 +103,8 @@ class TrainConfig(Section):
     )
     save_final: bool = Field(
         default=True,
-        description="Write the final global model to OUT/final_model.pt and OUT/final_model/ (safetensors and its config; the tokenizer.json when trained on token shards), which model.pretrained can load.",
+        description="Write the final global model to OUT/final_model.pt and OUT/final_model/: a Hugging Face model with its "
+        "tokenizer (geotrain's GPT as a GPT-2), which transformers and model.pretrained load.",
     )
     timeline: bool = Field(
         default=False, description="Record per-rank compute and network intervals to OUT/timeline/rank{r}.json (for plots)."

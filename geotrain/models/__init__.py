@@ -3,7 +3,8 @@
 - :mod:`.gpt`: a GPT decoder (after nanoGPT), byte vocabulary;
 - :mod:`.hf`: Hugging Face causal LMs built from a config (the ``hf`` extra);
 - :mod:`.factory`: ``build_model`` from the model section, ``count_params``;
-- :mod:`.pretrained`: local pretrained weights in, safetensors out.
+- :mod:`.pretrained`: local pretrained weights in, a Hugging Face model out;
+- :mod:`.gpt2`: geotrain's GPT as a Hugging Face GPT-2, and the byte vocabulary as a tokenizer.
 """
 
 from geotrain.models.factory import build_model, count_params

@@ -82,6 +82,11 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``targets`` given ``idx`` (both ``[batch, time]``)."""
+        logits = self.logits(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[batch, time, vocab]`` for ``idx`` ``[batch, time]``."""
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         if self.batched_positions:
@@ -89,5 +94,4 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointing and self.training else block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return self.head(self.ln_f(x))

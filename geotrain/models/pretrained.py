@@ -2,9 +2,12 @@
 
 - A Hugging Face model directory (``config.json`` + safetensors) is loaded with
   ``from_pretrained(path, local_files_only=True)``: never downloaded. Its own config sets the sizes.
-- geotrain's GPT is exported as ``model.safetensors`` plus a ``config.json`` holding its sizes and
-  vocabulary (format ``geotrain-gpt/1``), and loaded back from there; its sizes must equal the
-  model section's (a mismatch is refused naming the field).
+- geotrain's GPT is exported as a Hugging Face GPT-2 (:mod:`.gpt2`, format ``geotrain-gpt/2``):
+  ``model.safetensors`` in GPT-2's names, a GPT-2 ``config.json`` with a ``geotrain`` entry, and
+  the tokenizer (the data's, or the byte vocabulary's) that ``AutoTokenizer`` loads; transformers
+  loads it as any GPT-2. It loads back into geotrain from there, as do earlier exports in
+  geotrain's own names (``geotrain-gpt/1``); its sizes must equal the model section's (a mismatch
+  is refused naming the field).
 - Either way the model's vocabulary must hold the data's: prepare token shards with the model's
   own tokenizer (``geotrain data prepare --tokenizer MODEL_DIR``).
 """
@@ -21,10 +24,10 @@ from typing import Any
 import torch.nn as nn
 
 from geotrain.config import ModelConfig
-from geotrain.models.gpt import GPT
+from geotrain.models import gpt2
+from geotrain.models.gpt import GPT, VOCAB_SIZE
 
-GPT_FORMAT = "geotrain-gpt/1"
-GPT_SIZES = ("n_layer", "n_head", "n_embd", "block_size")
+GPT_FORMAT = "geotrain-gpt/1"  # geotrain's own names; exports are now gpt2.FORMAT
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -47,14 +50,16 @@ def _checked_config(cfg: ModelConfig) -> dict[str, Any]:
     path = Path(str(cfg.pretrained))
     c = _read_config(path)
     if cfg.kind == "gpt":
-        if c.get("format") != GPT_FORMAT:
+        mark = c.get("geotrain")
+        ours: dict[str, Any] = mark if isinstance(mark, dict) else c
+        if ours.get("format") not in (GPT_FORMAT, gpt2.FORMAT):
             raise ValueError(
-                f"model.pretrained: {path} is not a geotrain GPT export (config.json format {GPT_FORMAT}); "
-                "for a Hugging Face model set model.kind=hf"
+                f"model.pretrained: {path} is not a geotrain GPT export (config.json format {gpt2.FORMAT} or "
+                f"{GPT_FORMAT}); for a Hugging Face model set model.kind=hf"
             )
-        for k in GPT_SIZES:
-            if c[k] != getattr(cfg, k):
-                raise ValueError(f"model.{k}: {getattr(cfg, k)}, but the pretrained GPT at {path} has {c[k]}")
+        for k in gpt2.SIZES:
+            if ours.get(k) != getattr(cfg, k):
+                raise ValueError(f"model.{k}: {getattr(cfg, k)}, but the pretrained GPT at {path} has {ours.get(k)}")
     elif "model_type" not in c or not isinstance(c.get("vocab_size"), int):
         raise ValueError(f"model.pretrained: {path} is not a Hugging Face model directory (config.json without model_type)")
     return c
@@ -83,17 +88,26 @@ def check_pretrained(cfg: ModelConfig, data_vocab: int) -> None:
 
 
 def load_gpt(cfg: ModelConfig) -> GPT:
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file, load_model
 
     path = Path(str(cfg.pretrained))
     model = GPT(cfg, pretrained_vocab(cfg))
-    load_model(model, str(path / "model.safetensors"), device="cpu")  # strict: every tensor, right shapes
+    if _read_config(path).get("format") == GPT_FORMAT:  # an export in geotrain's own names
+        load_model(model, str(path / "model.safetensors"), device="cpu")  # strict: every tensor, right shapes
+        return model
+    try:
+        state = gpt2.from_gpt2(load_file(str(path / "model.safetensors"), device="cpu"))
+    except ValueError as exc:
+        raise ValueError(f"model.pretrained: {path / 'model.safetensors'}: {exc}") from None
+    model.load_state_dict(state, strict=True)  # every tensor, right shapes
     return model
 
 
 def export_model(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: Path | None = None) -> Path:
-    """Write ``model`` (geotrain's interface) to the directory ``out`` as safetensors with its config;
-    with ``tokenizer`` (a ``tokenizer.json``) a copy of it. An HF model is written by ``save_pretrained``.
+    """Write ``model`` (geotrain's interface) to the directory ``out`` as a Hugging Face model:
+    geotrain's GPT as a GPT-2 (:mod:`.gpt2`), an HF model by ``save_pretrained``; with its
+    tokenizer (``tokenizer``, a ``tokenizer.json``, or the byte vocabulary's for a 256-token
+    model) and a ``tokenizer_config.json``, so ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it.
 
     Atomic: written beside ``out`` and renamed over it, so a crash never leaves half a model; sites
     of an elastic run that export the same global model at once each leave a complete one.
@@ -102,18 +116,17 @@ def export_model(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: Path 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        if cfg.kind == "hf":
-            inner: Any = model.inner  # HFCausalLM
+        inner: Any = model.inner if cfg.kind == "hf" else None  # HFCausalLM
+        vocab = int(inner.config.vocab_size if inner is not None else model.get_parameter("wte.weight").shape[0])
+        tok = tokenizer if tokenizer is not None and tokenizer.is_file() else None
+        eos = gpt2.write_tokenizer(tmp, tok, cfg.block_size) if tok is not None or vocab == VOCAB_SIZE else None
+        if inner is not None:
             inner.save_pretrained(tmp, safe_serialization=True)
-        else:
-            from safetensors.torch import save_model
+        else:  # as a Hugging Face GPT-2
+            from safetensors.torch import save_file
 
-            save_model(model, str(tmp / "model.safetensors"))  # the tied head is stored once
-            sizes = {k: getattr(cfg, k) for k in GPT_SIZES}
-            vocab = model.get_submodule("wte").num_embeddings
-            (tmp / "config.json").write_text(json.dumps({"format": GPT_FORMAT, **sizes, "vocab_size": vocab}, indent=2))
-        if tokenizer is not None and tokenizer.is_file():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+            save_file(gpt2.to_gpt2(model.state_dict()), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(gpt2.gpt2_config(cfg, vocab, eos), indent=2))
         with contextlib.suppress(OSError):  # an earlier run's export is replaced
             os.rename(out, old)
         with contextlib.suppress(OSError):  # another site of an elastic run just put the same model there
