@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "elastic": {"comm", "config", "errors"},
     "report": {"comm", "config", "errors"},
     "run": _BELOW_RUN,
-    "launch": {"comm", "config", "data", "elastic", "errors", "models", "run"},
+    "launch": {"comm", "config", "data", "elastic", "errors", "models", "report", "run"},  # report: preflight checks the tracker
     "bench": _BELOW_RUN | {"launch", "run"},
     "api": {"comm", "config", "errors", "sync"},
     "cli": _BELOW_RUN | {"api", "bench", "launch", "netsim", "plan", "run"},

@@ -57,7 +57,7 @@ BAD = [
     (
         "trian:\n  steps: 3\n",
         [],
-        "trian: unknown key; allowed keys: checkpoint, data, elastic, fault, guard, model, optim, privacy, run, sync, topology, train",
+        "trian: unknown key; allowed keys: checkpoint, data, elastic, fault, guard, model, optim, privacy, report, run, sync, topology, train",
     ),
     (None, ["train.stpes=3"], "train.stpes: unknown key"),
     (None, ["topology.sites.0.workers=-2"], "topology.sites[0].workers: Input should be greater than or equal to 1"),

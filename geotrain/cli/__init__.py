@@ -78,6 +78,9 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
     except CheckpointError as exc:
         _refuse(f"checkpoint.resume: refused: {exc}")
     topo = Topology.from_config(cfg.topology)
+    if cfg.report.tracker == "mlflow" and cfg.report.tracker_uri is None:  # the run and its baseline in one store
+        store = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        cfg = cfg.model_copy(update={"report": cfg.report.model_copy(update={"tracker_uri": store})})
     algorithms: list[str] = [cfg.sync.algorithm]
     if cfg.run.baseline not in ("none", cfg.sync.algorithm):
         algorithms.append(cfg.run.baseline)

@@ -20,7 +20,15 @@ from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig
 from geotrain.config.root import Config
 from geotrain.config.sync import CODEC_BITS, STREAMING_HOLD, AdaptConfig, QuorumConfig, SyncConfig
 from geotrain.config.topology import LinkChangeConfig, LinkConfig, LinksConfig, PairLinkConfig, SiteConfig, TopologyConfig
-from geotrain.config.training import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from geotrain.config.training import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ReportConfig,
+    RunConfig,
+    TrainConfig,
+)
 from geotrain.errors import ConfigError
 
 __all__ = [
@@ -38,6 +46,7 @@ __all__ = [
     "LinkConfig",
     "LinksConfig",
     "ModelConfig",
+    "ReportConfig",
     "OptimConfig",
     "PairLinkConfig",
     "PrivacyConfig",

@@ -11,7 +11,15 @@ from geotrain.config.privacy import PrivacyConfig, sparse_degree
 from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig
 from geotrain.config.sync import SyncConfig
 from geotrain.config.topology import TopologyConfig
-from geotrain.config.training import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from geotrain.config.training import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ReportConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 
 def _refuse(refused: list[tuple[bool, str, str]], combined: str, suffix: str = "") -> None:
@@ -40,6 +48,7 @@ class Config(Section):
     elastic: ElasticConfig = Field(
         default_factory=ElasticConfig, description="Sites that fail, hang and rejoin: quorum, rollback, healing."
     )
+    report: ReportConfig = Field(default_factory=ReportConfig, description="The HTML report and an experiment tracker.")
 
     @model_validator(mode="after")
     def _privacy_fits(self) -> Config:

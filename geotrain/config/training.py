@@ -182,3 +182,24 @@ class RunConfig(Section):
         default="auto", description="torch.distributed backend; auto = nccl with CUDA, else gloo."
     )
     timeout_s: float = Field(default=300, gt=0, le=86400, description="Collective timeout in seconds.")
+
+
+class ReportConfig(Section):
+    """What a run reports beyond its own files: the HTML page, an experiment tracker."""
+
+    html: bool = Field(
+        default=True, description="Write OUT/report.html at the end of geotrain train (geotrain report makes one for any runs)."
+    )
+    tracker: Literal["none", "mlflow", "wandb"] = Field(
+        default="none",
+        description="Log per-step metrics, the config and the final summary from each site's first rank to an experiment "
+        "tracker. mlflow: a local SQLite store (OUT/mlflow.db) unless tracker_uri names another; wandb: offline, under OUT "
+        "(upload later with wandb sync). The package must be installed (refused in one line otherwise).",
+    )
+    tracker_uri: str | None = Field(
+        default=None,
+        description="mlflow: a tracking URI (sqlite:///PATH, http://HOST:PORT); default OUT/mlflow.db. wandb: ignored.",
+    )
+    experiment: str = Field(
+        default="geotrain", min_length=1, max_length=200, description="The tracker's experiment/project name."
+    )

@@ -18,6 +18,7 @@ from geotrain.data import check_data, vocab_size
 from geotrain.elastic.auth import optional_secret
 from geotrain.errors import ConfigError, MembershipRefused
 from geotrain.models import check_pretrained
+from geotrain.report.trackers import check_tracker
 from geotrain.run.checkpoint import Seal, verify
 
 
@@ -51,6 +52,7 @@ def preflight(cfg: Config, site: int | None = None) -> None:
             path = resume if s is None else resume.replace("{site}", topo.site_names[s])
             part = None if s is None else _site_files(topo, s)
             verify(Path(path).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign, sites, part)
+    check_tracker(cfg.report)
     if cfg.train.compile and choose_backend(cfg.run.backend) == "gloo" and not any(map(shutil.which, ("cc", "gcc", "clang"))):
         raise ConfigError("train.compile: on CPU torch.compile needs a C compiler (cc, gcc or clang); none is on PATH")
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":

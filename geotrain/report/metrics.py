@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from geotrain.comm.topology import RankInfo
+from geotrain.report.trackers import Tracker, numbers
 
 
 class _Scalars(Protocol):
@@ -58,9 +59,20 @@ def log(me: RankInfo, step: int, message: str) -> None:
 
 
 class MetricsSink:
-    def __init__(self, out: Path, me: RankInfo, log_every: int, print_steps: bool, suffix: str = "", resumed_at: int = 0) -> None:
+    def __init__(
+        self,
+        out: Path,
+        me: RankInfo,
+        log_every: int,
+        print_steps: bool,
+        suffix: str = "",
+        resumed_at: int = 0,
+        tracker: Tracker | None = None,
+    ) -> None:
         """``resumed_at`` > 0: the run resumed after that step; the records up to it are kept and
-        those after it (written before the interruption, now trained again) are dropped."""
+        those after it (written before the interruption, now trained again) are dropped.
+        ``tracker``: also sent every record's numbers (a site's first rank; its owner closes it)."""
+        self.tracker = tracker
         self.me = me
         self.log_every = log_every
         self.print_steps = print_steps
@@ -79,6 +91,8 @@ class MetricsSink:
     def step(self, record: dict[str, Any], step_line: bool = True) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
         step = int(record["step"])
+        if self.tracker is not None:
+            self.tracker.log(step, numbers({k: v for k, v in record.items() if k != "step"}))
         for key in (
             "loss",
             "lr",

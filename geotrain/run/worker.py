@@ -44,6 +44,7 @@ from geotrain.models import build_model, count_params, export_model
 from geotrain.privacy.build import build_privacy
 from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import rank_record, run_summary
+from geotrain.report.trackers import open_tracker
 from geotrain.run import checkpoint as ckpt
 from geotrain.run.elastic_site import join_elastic, request_fault
 from geotrain.run.fsdp import copy_on, shard_model
@@ -254,7 +255,14 @@ def _train(
         start = member.healed_at_step if member.healed_at_step is not None else start
     n_params = count_params(model)
     suffix = f".{place.incarnation}" if place.incarnation else ""  # a restarted site keeps its earlier metrics
-    sink = MetricsSink(out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix, resumed_at=start)
+    tracker = None
+    if me.local_rank == 0:  # each site's first rank: one tracker run per site (and incarnation)
+        tracker = open_tracker(cfg.report, out, f"{cfg.sync.algorithm} {where.site}{suffix}", cfg.model_dump())
+        if tracker is not None:
+            closing.push(lambda _type, exc, _tb: tracker.close(failed=exc is not None))
+    sink = MetricsSink(
+        out, where, cfg.train.log_every, print_steps=me.local_rank == 0, suffix=suffix, resumed_at=start, tracker=tracker
+    )
     closing.callback(sink.close)
     if me.rank == 0:
         log(me, 0, f"{cfg.sync.algorithm} on {place.world.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
@@ -292,7 +300,8 @@ def _train(
     if cfg.train.save_final:  # whole tensors (sharded: gathered in each site, every rank takes part)
         final_params = sync.full_tensors(sync.global_parameters())
     # a site that came back reports its ranks' places in the whole run
-    gathered = sync.gather_records(rank_record(where if place.rejoined else me, comm.stats, result, sync.global_hash()))
+    record = rank_record(where if place.rejoined else me, comm.stats, result, sync.global_hash())
+    gathered = sync.gather_records(record)
     summary = None
     if me.rank == 0 and not place.rejoined:
         run = {
@@ -333,6 +342,8 @@ def _train(
             load_parameters(whole, final_params)
             torch.save(whole.state_dict(), out / "final_model.pt")
             export_model(whole, cfg.model, out / "final_model", tokenizer_file(cfg.data))  # safetensors + config
+    if tracker is not None:  # the whole run's summary on rank 0, this rank's own numbers on other sites
+        tracker.log_summary(summary if summary is not None else record)
     if cfg.train.timeline:
         write_timeline(out, where.rank, result["compute_intervals"], comm.stats.intervals or [], result["t0"])
     if not sync.world_broken:  # with a site gone, the world group cannot be used

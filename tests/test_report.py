@@ -1,0 +1,118 @@
+"""What a user does with a run: the experiment tracker's round trip (MLflow's local store), the
+refusal of a tracker that is not installed, and the HTML report of one run and of a comparison."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from geotrain.config import ReportConfig
+from geotrain.errors import ConfigError
+from tests.helpers import read_summary, train_cli
+
+pytestmark = pytest.mark.timeout(300)
+
+TWO = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]"
+
+
+def test_a_tracker_that_is_not_installed_is_refused_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from geotrain.report import trackers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "alembic") else real(name, *a))
+    with pytest.raises(
+        ConfigError, match="report.tracker: wandb needs the wandb package, which is not installed: pip install wandb"
+    ):
+        trackers.check_tracker(ReportConfig(tracker="wandb"))
+    with pytest.raises(ConfigError, match="report.tracker: mlflow's SQLite store needs alembic"):
+        trackers.check_tracker(ReportConfig(tracker="mlflow"))
+    trackers.check_tracker(ReportConfig(tracker="mlflow", tracker_uri="http://127.0.0.1:5000"))  # a server: no SQLite
+    trackers.check_tracker(ReportConfig(tracker="none"))
+
+
+@pytest.mark.slow
+def test_mlflow_local_store_round_trip(tmp_path: Path) -> None:
+    """A 2-site run and its DDP baseline log to one SQLite store in OUT: one tracker run per site
+    and algorithm, with the config as parameters, every step's metrics (read back equal to the
+    run's own JSONL) and the final summary as an artifact and final/ metrics."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "run"
+    train_cli(out, ["train.steps=6", "sync.H=3", "report.tracker=mlflow", "run.baseline=ddp", "train.log_every=1", TWO])
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("geotrain")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"diloco A", "diloco B", "ddp A", "ddp B"}
+    assert all(r.info.status == "FINISHED" for r in runs.values())
+    a = runs["diloco A"]
+    assert a.data.params["sync.H"] == "3" and a.data.params["topology.sites"].startswith("[")
+    jsonl = [json.loads(line) for line in (out / "diloco" / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    history = client.get_metric_history(a.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["loss"])) for r in jsonl]
+    b_jsonl = [json.loads(line) for line in (out / "diloco" / "metrics" / "rank1.jsonl").read_text().splitlines()]
+    b_history = client.get_metric_history(runs["diloco B"].info.run_id, "inter_site_bytes")
+    assert [m.value for m in b_history] == [float(r["inter_site_bytes"]) for r in b_jsonl]  # site B's own numbers
+    s = read_summary(out / "diloco")
+    local = Path(client.download_artifacts(a.info.run_id, "summary.json", str(tmp_path)))
+    assert json.loads(local.read_text())["final_eval_loss"] == s["final_eval_loss"]
+    assert a.data.metrics["final/final_eval_loss"] == pytest.approx(s["final_eval_loss"])
+    assert a.data.metrics["final/inter_site_bytes"] == s["inter_site_bytes"]
+
+
+def _wandb_records(path: Path) -> list[Any]:
+    """The records of an offline W&B run file (a LevelDB-style log of 32 KiB blocks after a
+    7-byte header; each chunk: crc32, length, type (1 whole, 2 first, 3 middle, 4 last))."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, buf, out = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+    return out
+
+
+@pytest.mark.slow
+def test_wandb_offline_round_trip(tmp_path: Path) -> None:
+    """W&B, offline: one run per site with every step's loss (equal to the JSONL) and the final
+    summary; skipped where wandb is not installed (CI installs MLflow only)."""
+    pytest.importorskip("wandb")
+    out = tmp_path / "run"
+    train_cli(out, ["train.steps=4", "sync.H=2", "report.tracker=wandb", "train.log_every=1", TWO])
+    runs = {}
+    for f in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+        recs = _wandb_records(f)
+        name = next(r.run.display_name for r in recs if r.WhichOneof("record_type") == "run")
+        history = [
+            {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in recs
+            if r.WhichOneof("record_type") == "history"
+        ]
+        summary = {
+            i.key or "/".join(i.nested_key): json.loads(i.value_json)
+            for r in recs
+            if r.WhichOneof("record_type") == "summary"
+            for i in r.summary.update
+        }
+        runs[name] = (history, summary)
+    assert set(runs) == {"diloco A", "diloco B"}
+    jsonl = [json.loads(line) for line in (out / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    history, summary = runs["diloco A"]
+    by_step = {r["step"]: r["loss"] for r in jsonl}  # (the last step's record is written twice: with its eval)
+    assert [(h["_step"], h["loss"]) for h in history] == [(k, pytest.approx(v)) for k, v in by_step.items()]
+    assert summary["final_eval_loss"] == pytest.approx(read_summary(out)["final_eval_loss"])
