@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,82 @@ def test_wandb_offline_round_trip(tmp_path: Path) -> None:
     by_step = {r["step"]: r["loss"] for r in jsonl}  # (the last step's record is written twice: with its eval)
     assert [(h["_step"], h["loss"]) for h in history] == [(k, pytest.approx(v)) for k, v in by_step.items()]
     assert summary["final_eval_loss"] == pytest.approx(read_summary(out)["final_eval_loss"])
+
+
+class _Cells(HTMLParser):
+    """Every element with data-key, by (run, key): its data-value; and the section ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells: dict[tuple[str, str], Any] = {}
+        self.sections: list[str] = []
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if "data-key" in a:
+            self.cells[(str(a["data-run"]), str(a["data-key"]))] = json.loads(str(a["data-value"]))
+        if tag == "section":
+            self.sections.append(str(a["id"]))
+        self.links += [str(v) for k, v in attrs if k in ("src", "href") and v is not None and not v.startswith("#")]
+
+
+def _read(page: Path) -> _Cells:
+    p = _Cells()
+    p.feed(page.read_text())
+    return p
+
+
+SECTIONS = ["runs", "loss", "sites", "bytes", "rounds", "guard", "privacy", "checkpoints", "prediction"]
+
+
+@pytest.mark.slow
+def test_the_report_of_a_run_and_of_a_comparison_holds_their_own_numbers(tmp_path: Path) -> None:
+    """Two 2-site runs: one with a NaN update the guard leaves out and checkpoints, one with secure
+    aggregation and site-level DP. geotrain train writes each one's page; geotrain report compares
+    them. Every number read back from the page equals its summary.json, and the page holds no URL."""
+    import subprocess
+    import sys
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["train.steps=8", "sync.H=2", "train.log_every=1", TWO]
+    pa = train_cli(a, [*common, 'fault.nan=["B@2"]', "checkpoint.every=4"])
+    assert f"report: {a / 'report.html'}" in " ".join(pa.stdout.split())
+    train_cli(b, [*common, "privacy.secure_aggregation=true", "privacy.dp.unit=site", "privacy.dp.noise_multiplier=0.01"])
+    page = tmp_path / "both.html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "geotrain", "report", str(a), str(b), "--out", str(page)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    for one, name, s in (
+        (a / "report.html", "diloco", read_summary(a)),
+        (page, "a", read_summary(a)),
+        (page, "b", read_summary(b)),
+    ):
+        got = _read(one)
+        assert got.sections == SECTIONS and got.links == []
+        text = one.read_text()
+        assert "http://" not in text and "https://" not in text and "<script" not in text  # opens with no network
+        for key in ("steps", "tokens", "final_eval_loss", "inter_site_bytes", "compression_ratio", "wall_seconds", "utilization"):
+            assert got.cells[(name, key)] == s[key], key
+        assert got.cells[(name, "rounds")] == s["rounds"] and got.cells[(name, "rounds_rolled_back")] == s["rounds_rolled_back"]
+        per_site = [got.cells[(name, f"site:{site}:inter_site_bytes")] for site in s["sites"]]
+        assert sum(per_site) == s["inter_site_bytes"]
+        for site, n in s["guard_rejections"].items():
+            assert got.cells[(name, f"site:{site}:guard_rejections")] == n
+        assert got.cells[(name, "epsilon")] == s["epsilon"] and got.cells[(name, "dropouts")] == s["dropouts"]
+    sa, sb = read_summary(a), read_summary(b)
+    assert sa["guard_rejections"] == {"A": 0, "B": 1} and sb["epsilon"] is not None and sb["secagg"]
+    both = page.read_text()
+    assert "norm" in both or "non-finite" in both  # the guard's reason is shown
+    assert "privacy.secure_aggregation" in both and "fault.nan" in both  # what differs between the configs
+    assert both.count("step-0000000") == 2 and "complete" in both  # a's checkpoints at steps 4 and 8
+
+
+@pytest.mark.slow
+def test_the_report_of_a_1000_step_run_stays_small(tmp_path: Path) -> None:
+    out = tmp_path / "long"
+    train_cli(out, ["train.steps=1000", "sync.H=50", "train.log_every=1000", "topology.links.emulate=off", TWO], timeout=280)
+    size = (out / "report.html").stat().st_size
+    assert size < 3_000_000, size  # (a few hundred KB: every step's record is charted, as SVG)
+    assert _read(out / "report.html").cells[("diloco", "steps")] == 1000

@@ -108,6 +108,24 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = Path("run
             )
     write_outputs(runs, out)
     console.print(f"wrote {out / 'summary.json'}, {out / 'loss.png'}; TensorBoard: tensorboard --logdir {out}")
+    if cfg.report.html:
+        from geotrain.report.html import write_report
+
+        console.print(f"report: {write_report([out], out / 'report.html')} (open it in a browser; no network needed)")
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="Output folders of geotrain train (one, or several to compare).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The HTML file to write.")] = Path("report.html"),
+) -> None:
+    """One self-contained HTML page for one run or several side by side (docs/REPORT.md)."""
+    from geotrain.report.html import write_report
+
+    try:
+        console.print(f"wrote {write_report(runs, out)}")
+    except ValueError as exc:
+        fail(f"report: {exc}")
 
 
 @app.command("config")

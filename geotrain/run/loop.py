@@ -210,6 +210,7 @@ def train_loop(
             last = step
         record = {
             "step": step,
+            "elapsed_seconds": time.perf_counter() - t_start,  # since the loop began, evaluations included
             "loss": loss.item(),
             "lr": scheduler.get_last_lr()[0],
             "tokens": sync.world_steps(step) * tokens_per_rank_step,
