@@ -66,10 +66,13 @@ def test_fsdp_diloco_equals_replicated_over_rounds_with_the_same_wan_bytes(tmp_p
     # each rank carries its own shard across sites: the same bytes as the replicated 1/G shards
     assert fs["inter_site_bytes"] == rep["inter_site_bytes"] > 0
     _one_model(fs)
-    # the export holds the whole gathered model: it reloads and equals final_model.pt
+    # the export holds the whole gathered model (in GPT-2's layout): it maps back to final_model.pt
     from safetensors.torch import load_file
 
-    exported = load_file(str(tmp_path / "fsdp" / "final_model" / "model.safetensors"))
+    from geotrain.models.gpt2 import from_gpt2
+
+    exported = from_gpt2(load_file(str(tmp_path / "fsdp" / "final_model" / "model.safetensors")))
+    assert exported.keys() == fs_w.keys()
     for k, v in exported.items():
         torch.testing.assert_close(v, fs_w[k])
 

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from geotrain.report.page import TEMPLATE
+from geotrain.report.trackers import flat_params
 
 WINDOW = 10  # steps per point of the per-site charts
 SECTIONS = [  # (id, title) of the page's sections, in order
@@ -162,16 +163,6 @@ def _predictions(rec: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def collect(paths: list[Path]) -> list[dict[str, Any]]:
     """Every run of ``paths`` (``geotrain train`` output folders), with what the page shows."""
     runs = []
@@ -243,6 +234,17 @@ def _svg(fig: Any) -> str:
     return re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", svg)
 
 
+def _done(fig: Any, axes: list[Any], xlabel: str, ylabels: list[str]) -> str:
+    """Label, grid and legend ``axes``, and the figure as SVG."""
+    for ax, ylabel in zip(axes, ylabels, strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _svg(fig)
+
+
 def _charts(runs: list[dict[str, Any]]) -> dict[str, Any]:
     import matplotlib
 
@@ -258,12 +260,7 @@ def _charts(runs: list[dict[str, Any]]) -> dict[str, Any]:
             elapsed = {m["step"]: m.get("elapsed_seconds") for m in rank0}
             xs = [p["tokens"] if key == "tokens" else (elapsed.get(p["step"]) or 0.0) for p in curve]
             ax.plot(xs, [p["eval_loss"] for p in curve], marker="o", markersize=3, label=r["label"])
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        charts[f"loss_{key}"] = _svg(fig)
+        charts[f"loss_{key}"] = _done(fig, [ax], xlabel, ["held-out loss"])
     charts["sites"] = []
     for r in runs:
         fig, (u, w) = plt.subplots(1, 2, figsize=(10, 3.2))
@@ -279,37 +276,20 @@ def _charts(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 wait.append(1000 * waited / len(win))
             u.plot(xs, util, label=site)
             w.plot(xs, wait, label=site)
-        u.set_ylabel("computing (%)")
         u.set_ylim(0, 105)
-        w.set_ylabel("wide-area wait per step (ms)")
-        for ax in (u, w):
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        charts["sites"].append(_svg(fig))
+        charts["sites"].append(_done(fig, [u, w], "step", ["computing (%)", "wide-area wait per step (ms)"]))
     fig, ax = plt.subplots(figsize=(8, 3.2))
     for r in runs:
         for site, ms in r["metrics"].items():
             ax.plot([m["step"] for m in ms], [m.get("inter_site_bytes", 0) / 1e6 for m in ms], label=f"{r['label']} {site}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("inter-site MB sent (site's first rank)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    charts["bytes"] = _svg(fig)
+    charts["bytes"] = _done(fig, [ax], "step", ["inter-site MB sent (site's first rank)"])
     charts["epsilon"] = None
     if any("epsilon" in m for r in runs for ms in r["metrics"].values() for m in ms):
         fig, ax = plt.subplots(figsize=(8, 3.2))
         for r in runs:
             ms = next(iter(r["metrics"].values()), [])
             ax.plot([m["step"] for m in ms if "epsilon" in m], [m["epsilon"] for m in ms if "epsilon" in m], label=r["label"])
-        ax.set_xlabel("step")
-        ax.set_ylabel("ε spent")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        charts["epsilon"] = _svg(fig)
+        charts["epsilon"] = _done(fig, [ax], "step", ["ε spent"])
     return charts
 
 
@@ -335,9 +315,9 @@ def write_report(paths: list[Path], out: Path) -> Path:
     from jinja2 import Environment
 
     runs = collect(paths)
-    keys = sorted({k for r in runs for k in _flat(r["config"])})
-    flat = [_flat(r["config"]) for r in runs]
-    differ = [(k, [json.dumps(f.get(k)) for f in flat]) for k in keys if len({json.dumps(f.get(k)) for f in flat}) > 1]
+    flat = [flat_params(r["config"]) for r in runs]
+    keys = sorted({k for f in flat for k in f})
+    differ = [(k, [f.get(k, "—") for f in flat]) for k in keys if len({f.get(k) for f in flat}) > 1]
     env = Environment(autoescape=True)
     page = env.from_string(TEMPLATE).render(
         title=", ".join(r["label"] for r in runs),
