@@ -4,7 +4,10 @@ goes to 127.0.0.1, and only to the Lighthouse and the listeners of PID's process
 
 What it tries (each round it sees), knowing only the Lighthouse's address:
 * a fake participant "Z" in the Lighthouse's quorum, claiming a huge committed-round count and
-  step (a heal claim: it would be the heal source) and a round store of its own;
+  step (a heal claim: it would be the heal source) and a round store of its own; every other
+  request, "Z" makes malformed claims instead: a non-ASCII tag (one such request once stopped
+  every site), claims of the wrong types, claims missing, a 100 KB hash (one name throughout: the
+  Lighthouse waits for a heartbeating participant to rejoin, so a new name would only delay);
 * in every round store it learns from the quorum: the keys geotrain used to read before it had a
   namespace (votes "0", views, heartbeat counters, ``refused/<site>``, nonces, proofs, Gloo
   rendezvous keys), for this round's key and the next ones it can guess;
@@ -94,9 +97,18 @@ def main(lighthouse: str, seconds: float, report: str, victim: int) -> None:
         "incarnation": 0,
         "tag": "0" * 64,
     }
+    malformed = [  # claims that must be ignored on their own, never stop a site
+        {**claims, "tag": "ü" * 64},
+        {"hash": None, "step": "x", "joining": "yes", "committed": [1], "store": 5, "tag": 12345},
+        {"tag": "a" * 64},
+        {**claims, "hash": "h" * 100_000, "tag": "b" * 64},
+    ]
     stores: dict[str, dist.TCPStore] = {}
     mine: set[int] = set()
+    turn = 0
     while time.monotonic() < stop:
+        data = claims if turn % 2 == 0 else malformed[(turn // 2) % len(malformed)]
+        turn += 1
         try:
             q = client.quorum(
                 replica_id="Z",
@@ -105,13 +117,14 @@ def main(lighthouse: str, seconds: float, report: str, victim: int) -> None:
                 store_address=fake,
                 step=huge,
                 world_size=1,
-                data=claims,
+                data=data,
             )
         except Exception:
             done["errors"] += 1
             time.sleep(0.05)
             continue
         done["quorums"] += 1
+        done["malformed"] = done.get("malformed", 0) + (data is not claims)
         sites = [p.replica_id for p in q.participants if p.replica_id != "Z"]
         keys = [f"{q.quorum_id + i}-{q.created.seconds}-{q.created.nanos}" for i in range(2)]
         for p in q.participants:

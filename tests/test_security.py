@@ -66,6 +66,38 @@ def test_member_tags_bind_every_claim() -> None:
     assert not RunKeys(b"another-secret-of-enough-length").member_ok("A", data)
 
 
+def test_a_malformed_participant_is_ignored_on_its_own_never_an_error() -> None:
+    """Anyone who reaches the Lighthouse adds participants: a non-ASCII tag (hmac.compare_digest
+    raised TypeError on it, which stopped every site), wrong types, missing fields, claims JSON
+    cannot write, a name that is no string. Each is rejected alone; the real member stays."""
+    from types import SimpleNamespace
+
+    from geotrain.elastic.view import members_of
+
+    keys = RunKeys(SECRET)
+    claims = {"hash": "ab", "step": 3, "joining": False, "committed": 3, "store": "127.0.0.1:5", "incarnation": 0}
+    good = SimpleNamespace(
+        replica_id="A", data={**claims, "tag": keys.member_tag("A", claims)}, step=3, store_address="127.0.0.1:5"
+    )
+    bad = [
+        {**claims, "tag": "ü" * 64},
+        {**claims, "tag": 12345},
+        {**claims, "tag": "0" * 63},
+        {"tag": "a" * 64},
+        {**claims, "hash": {1, 2}, "tag": "c" * 64},  # not JSON
+        {**claims, "committed": "3", "tag": keys.member_tag("A", {**claims, "committed": "3"})},  # tagged, wrong type
+        ["not", "a", "dict"],
+        None,
+    ]
+    for data in bad:
+        if isinstance(data, dict) and data.get("committed") != "3":  # (that one is tagged: its type is members_of's to refuse)
+            assert not keys.member_ok("A", data)
+    fakes = [SimpleNamespace(replica_id=f"Z{i}", data=d, step=3, store_address="127.0.0.1:5") for i, d in enumerate(bad)]
+    fakes.append(SimpleNamespace(replica_id=None, data=good.data, step=3, store_address="127.0.0.1:5"))
+    members, rejected = members_of(SimpleNamespace(participants=[*fakes, good]), keys.member_ok)
+    assert [m.site for m in members] == ["A"] and len(rejected) == len(fakes)
+
+
 def test_frame_tags_bind_content_and_context() -> None:
     key = RunKeys(SECRET).payload
     x = torch.randn(1000)
@@ -113,6 +145,7 @@ def test_a_process_without_the_secret_changes_nothing(tmp_path: Path) -> None:
     attacked, did, listening2 = _run(tmp_path, "attacked", attack=True)
     # the attack ran: a fake quorum member with a huge heal claim, forged store keys, garbage
     assert did is not None and did["quorums"] >= 3 and did["store_writes"] > 0 and did["garbage_connections"] > 0, did
+    assert did["malformed"] >= 2, did  # malformed participants too (a non-ASCII tag once stopped every site)
     for s in (clean, attacked):
         assert s["survivors"] == ["A", "B"] and s["consistent"] and s["rounds_rolled_back"] == 0
     assert attacked["rounds_committed"] == clean["rounds_committed"] == 12

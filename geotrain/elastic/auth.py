@@ -87,8 +87,17 @@ class RunKeys:
         return hmac.new(self.member, msg, hashlib.sha256).hexdigest()
 
     def member_ok(self, site: str, data: dict[str, object]) -> bool:
-        claims = {k: v for k, v in data.items() if k != "tag"}
-        return hmac.compare_digest(str(data.get("tag", "")), self.member_tag(site, claims))
+        """Whether ``data`` carries ``site``'s valid member tag. Never raises: a participant with
+        a tag that is not 64 hex characters, a name or claims of any other shape is just not
+        authentic (``hmac.compare_digest`` raises on non-ASCII strings: it compares bytes here)."""
+        tag = data.get("tag")
+        if not isinstance(site, str) or not isinstance(tag, str) or len(tag) != 64:
+            return False
+        try:
+            expected = self.member_tag(site, {k: v for k, v in data.items() if k != "tag"})
+        except (TypeError, ValueError, RecursionError):  # claims JSON cannot write
+            return False
+        return hmac.compare_digest(tag.encode("utf-8", "surrogatepass"), expected.encode())
 
 
 TAG_BYTES = 32

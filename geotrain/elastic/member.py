@@ -64,6 +64,8 @@ from geotrain.elastic.roundstore import Monitor, wait_keys
 from geotrain.elastic.view import HealHooks, Member, RoundView, heal_source, healers, members_of
 from geotrain.errors import ElasticTimeout, MembershipRefused, RoundFailed
 
+REJECTED_LOGGED = 64  # distinct participant names that failed authentication, logged once each
+
 # --------------------------------------------------------------------------- one site's member
 
 
@@ -195,9 +197,9 @@ class SiteMember:
         like sites of this run's topology stops: its secret differs from theirs (it cannot tell
         that from impostors using those names; docs/SECURITY.md). Other names are only ignored."""
         members, rejected = members_of(q, self.keys.member_ok)
-        for name in sorted(set(rejected) - self._rejected):
+        for name in sorted(set(rejected) - self._rejected)[: max(0, REJECTED_LOGGED - len(self._rejected))]:
             self.log(f"quorum participant {name!r} failed authentication (no valid member tag): ignored")
-        self._rejected |= set(rejected)
+            self._rejected.add(name)  # (at most REJECTED_LOGGED names are remembered: a forger may make up many)
         known = [r for r in rejected if r in self.names and r != self.site]
         if known and len(members) == 1 and not self.authenticated_peer:
             raise MembershipRefused(

@@ -63,12 +63,23 @@ def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) ->
     the names of the participants left out."""
     members, rejected = [], []
     for p in quorum.participants:
-        data = dict(p.data or {})
-        ok = authentic(p.replica_id, data) and data.get("committed") == p.step and data.get("store") == p.store_address
+        try:  # anyone who reaches the Lighthouse can add a participant: a malformed one is ignored on its own
+            data = p.data if isinstance(p.data, dict) else {}
+            ok = (
+                isinstance(p.replica_id, str)
+                and authentic(p.replica_id, data)
+                and isinstance(data.get("committed"), int)
+                and data.get("committed") == p.step
+                and data.get("store") == p.store_address
+                and isinstance(data.get("hash", ""), str)
+            )
+            member = Member(p.replica_id, p.store_address, p.step, str(data.get("hash", "")), data.get("joining") is True)
+        except Exception:  # noqa: BLE001 - whatever a forged participant is made of
+            ok = False
         if not ok:
-            rejected.append(p.replica_id)
+            rejected.append(str(getattr(p, "replica_id", "?"))[:64])
             continue
-        members.append(Member(p.replica_id, p.store_address, p.step, str(data.get("hash", "")), bool(data.get("joining", False))))
+        members.append(member)
     return members, sorted(rejected)
 
 
