@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -322,3 +323,74 @@ def test_a_long_round_of_inner_steps_is_not_a_wait(tmp_path: Path) -> None:
     finally:
         c.close()
         lh.stop()
+
+
+def _listening(pid: int) -> set[str]:
+    """The IPv4 addresses process ``pid`` listens on, as its own network namespace sees them."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            link = str(fd.readlink()) if fd.is_symlink() else ""
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                out.add(socket.inet_ntoa(bytes.fromhex(f[1].split(":")[0])[::-1]))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(d.name))
+    return kids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_WHY is not None, reason=f"network namespaces unavailable: {_WHY}")
+def test_a_sites_own_traffic_stays_on_loopback(cfg_file: Path) -> None:
+    """Two sites of two workers on separate network stacks: the site's rendezvous store (the
+    launcher) and its in-site Gloo links listen on 127.0.0.1; only the round store and the round
+    groups, which the other site dials, listen on --bind. Before, the site's own store and in-site
+    links (unauthenticated, carrying pickles) listened on --bind too."""
+    cfg_file.write_text(SITES.replace("workers: 1", "workers: 2").replace("steps: 80", "steps: 400"))
+    out = cfg_file.parent / "run"
+    out.mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+    seen: dict[str, dict[str, set[str]]] = {"A": {}, "B": {}}
+    with _machines(3) as (spaces, addrs):
+        lighthouse = f"{addrs[0]}:29510"
+        try:
+            procs.append(_start(spaces[0], ["lighthouse", "--bind", lighthouse, "--min-sites", "2"], out / "lh.log"))
+            sites = {}
+            for i, name in ((1, "A"), (2, "B")):
+                args = ["site", "--config", str(cfg_file), "--site", name, "--lighthouse", lighthouse]
+                sites[name] = _start(spaces[i], [*args, "--bind", addrs[i], "--out", str(out)], out / f"{name}.log")
+                procs.append(sites[name])
+            deadline = time.monotonic() + 150
+            while _committed(out, "A") < 2 or _committed(out, "B") < 2:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in sites.values()), (out / "A.log").read_text()[
+                    -3000:
+                ]
+                time.sleep(0.1)
+            for name, p in sites.items():  # the launcher (ip netns exec's child), its zygote and ranks
+                for pid in [p.pid, *(c for k in _children(p.pid) for c in [k, *_children(k)])]:
+                    seen[name][str(pid)] = _listening(pid)
+            for p in sites.values():
+                assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+    for (name, per_pid), bind in zip(seen.items(), addrs[1:], strict=True):
+        everything = set().union(*per_pid.values())
+        assert everything <= {"127.0.0.1", bind}, (name, per_pid)
+        assert "127.0.0.1" in everything and bind in everything, (name, per_pid)  # in-site on loopback, rounds on --bind
+        assert per_pid[str(sites[name].pid)] == {"127.0.0.1"}, (name, per_pid)  # the site's rendezvous store: loopback only

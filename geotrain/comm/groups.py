@@ -215,8 +215,15 @@ class ProcessGroups:
                 dist.destroy_process_group(g)
 
 
-def round_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroupGloo:
+def round_group(store: dist.Store, rank: int, size: int, timeout_s: float, address: str | None = None) -> dist.ProcessGroupGloo:
     """A Gloo group of ``size`` members rendezvousing in ``store`` (which the caller prefixes so
     every membership gets fresh keys), outside the torch.distributed world of this process.
-    Gloo takes CPU tensors, whatever backend the world uses."""
-    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+    Gloo takes CPU tensors, whatever backend the world uses. ``address``: the local address its
+    connections use (the one the other sites reach); default: ``GLOO_SOCKET_IFNAME``'s, as the
+    world's groups (a site's own traffic stays on loopback)."""
+    if address is None:
+        return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    opts._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, size, opts)

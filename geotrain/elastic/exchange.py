@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -117,6 +118,7 @@ class Exchange:
                     self.view.admitted.index(self.site),
                     len(self.view.admitted),
                     self.timeout_s,
+                    os.environ.get("GEOTRAIN_BIND_ADDR"),  # the cross-site address (geotrain site --bind)
                 )
             self._heal()
             self._ring_sum()

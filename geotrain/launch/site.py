@@ -10,13 +10,16 @@ worker needs is given here or refused, never defaulted behind the user's back:
 ``GEOTRAIN_SITE_INDEX``     this site's index in ``topology.sites`` (from ``--site NAME``)
 ``GEOTRAIN_INCARNATION``    0 on the first start, N > 0 when restarted (heals before step 1)
 ``GEOTRAIN_LIGHTHOUSE``     HOST:PORT of the Lighthouse (``--lighthouse`` or elastic.lighthouse)
-``GEOTRAIN_BIND_ADDR``      where this site's round store and Gloo traffic live (``--bind``)
+``GEOTRAIN_BIND_ADDR``      where this site's round store and cross-site Gloo groups listen (``--bind``)
 ``GEOTRAIN_WAN_KEY``        this site's link-emulation state (one per site)
 secret                      ``elastic.secret_env`` (default GEOTRAIN_SECRET) or elastic.secret_file
 ==========================  ==============================================================
 
-The site's rendezvous store is hosted here (:func:`geotrain.comm.procs.host_store`: port 0, no
-port race) and the workers join it as torchrun's workers join their agent's store.
+The site's rendezvous store is hosted here on 127.0.0.1 (:func:`geotrain.comm.procs.host_store`:
+port 0, no port race) and the workers join it as torchrun's workers join their agent's store; the
+site's in-site Gloo traffic stays on loopback too. Only what other sites dial listens on
+``--bind``: local rank 0's round store and each rank's round groups. Before, the site's own store
+and in-site links (unauthenticated, carrying pickles) listened on ``--bind`` as well.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def run_site(
     """
     index, address = site_settings(cfg, site, lighthouse)
     preflight(cfg, site=index)
-    ifname = interface_of(bind)
+    interface_of(bind)  # refuse an address this machine does not hold, before anything starts
     topo = Topology.from_config(cfg.topology)
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
@@ -110,7 +113,9 @@ def run_site(
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary = out / "elastic" / f"summary-{site}.json"
     summary.unlink(missing_ok=True)
-    store, agent = host_store(bind, cfg.run.timeout_s, attempt=incarnation)  # the site's rendezvous (no port race)
+    # the site's own rendezvous and in-site Gloo traffic stay on loopback (its ranks all run here);
+    # only the round store and the round groups, which other sites dial, live on --bind
+    store, agent = host_store("127.0.0.1", cfg.run.timeout_s, attempt=incarnation)
     wan_key = f"site-{site}-{store.port}"
     state_path(wan_key).unlink(missing_ok=True)  # one left by a SIGKILLed launcher would lend this run its clock
     mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link
@@ -120,8 +125,8 @@ def run_site(
     for local in range(workers):
         env = rank_env(local, workers, workers, store.port, mode)
         env.update(
-            MASTER_ADDR=bind,
-            GLOO_SOCKET_IFNAME=ifname,
+            MASTER_ADDR="127.0.0.1",
+            GLOO_SOCKET_IFNAME="lo",
             **agent,
             GEOTRAIN_SITE_INDEX=str(index),
             GEOTRAIN_INCARNATION=str(incarnation),
