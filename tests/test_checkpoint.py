@@ -186,3 +186,20 @@ def test_sites_with_disks_of_their_own_write_resume_and_agree(tmp_path: Path) ->
     assert "(after step 4)" in proc.stdout
     c = _losses(again)
     assert sorted(c) == list(range(5, 13)) and all(c[s] == a[s] for s in c)
+
+
+def test_a_manifest_binds_its_step_and_its_sites(tmp_path: Path) -> None:
+    """A checkpoint renamed to a later step (a rollback passed off as progress) is refused, and
+    auto-resume goes back to the newest honest one; another site's checkpoint is refused."""
+    full = tmp_path / "full"
+    _train(full, "sync.H=3", "checkpoint.every=4", "train.steps=8")
+    ckpts = full / "checkpoints"
+    manifest = json.loads((ckpts / "step-00000004" / "manifest.json").read_text())
+    assert manifest["step"] == 4 and manifest["site_names"] == ["A", "B"]
+    with pytest.raises(CheckpointError, match="written by sites \\['A', 'B'\\], this run's are \\['B', 'A'\\]"):
+        verify(ckpts / "step-00000004", 4, 0, names=["B", "A"])
+    (ckpts / "step-00000008").rename(ckpts / "step-00000012")
+    with pytest.raises(CheckpointError, match="its manifest is for step 8: a renamed or rolled-back checkpoint"):
+        verify(ckpts / "step-00000012", 4, 0)
+    proc = _train(tmp_path / "resumed", "sync.H=3", "checkpoint.resume=auto", f"checkpoint.dir={ckpts}", "train.steps=8")
+    assert "skipping checkpoint" in proc.stdout and "renamed or rolled-back" in proc.stdout and "(after step 4)" in proc.stdout

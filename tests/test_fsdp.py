@@ -213,6 +213,54 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "victim").exists()
 
 
+def test_dcp_metadata_is_parsed_once_from_checked_bytes_and_holds_tensors_only(tmp_path: Path) -> None:
+    """A bytes entry (which DCP loads with torch.load(weights_only=False)) is refused; the reader
+    never reads .metadata again, so a file swapped after the check is not parsed; the bytes read
+    at load must be the ones the manifest recorded."""
+    import hashlib
+    import os
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from geotrain.errors import CheckpointError
+    from geotrain.run.shards import checked_metadata, safe_reader
+
+    site = tmp_path / "step-00000004" / "site-A"
+    site.mkdir(parents=True)
+    tensor = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([4]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))]
+    )
+    good = pickle.dumps(Metadata(state_dict_metadata={"/model/w": tensor}))
+    (site / ".metadata").write_bytes(
+        pickle.dumps(Metadata(state_dict_metadata={"/model/w": tensor, "/x": BytesStorageMetadata()}))
+    )
+    with pytest.raises(CheckpointError, match="BytesStorageMetadata is not allowed"):
+        safe_reader(site)
+    (site / ".metadata").write_bytes(good)
+    reader = safe_reader(site)
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (os.remove, (str(tmp_path / "victim"),))
+
+    (tmp_path / "victim").write_text("still here")
+    (site / ".metadata").write_bytes(pickle.dumps(Payload()))  # swapped after the check
+    assert list(reader.read_metadata().state_dict_metadata) == ["/model/w"]  # the checked parse, not the file
+    assert (tmp_path / "victim").exists()
+    manifest = {"files": {"site-A/.metadata": hashlib.sha256(good).hexdigest()}}
+    with pytest.raises(CheckpointError, match="not what the manifest recorded"):
+        checked_metadata(tmp_path / "step-00000004", manifest, "A")
+    (site / ".metadata").write_bytes(good)
+    assert checked_metadata(tmp_path / "step-00000004", manifest, "A") == good
+
+
 @pytest.mark.parametrize(
     "setting",
     [

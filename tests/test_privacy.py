@@ -302,3 +302,32 @@ def test_a_private_run_that_fails_closes_its_audit_log_and_flushes_its_metrics(t
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_a_resumed_private_run_carries_its_audit_chain_and_another_runs_log_is_caught(tmp_path: Path) -> None:
+    """Resuming used to delete the audit logs and start new chains. Now each site's chain goes on
+    (a resume line, then the rounds after the checkpoint as attempt 1), every chain starts with the
+    run's one nonce, and a site's log swapped for one of an earlier run (same key: keys are kept
+    across runs in OUT/keys) is caught, though it verifies on its own."""
+    topology = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]"
+    run = tmp_path / "run"
+    common = ["sync.H=2", "privacy.secure_aggregation=true", topology]
+    train_cli(run, ["train.steps=6", "checkpoint.every=4", *common])
+    earlier_b = (run / "audit-B.jsonl").read_text()  # this run's B log, before the resume
+    proc = train_cli(run, ["train.steps=6", "checkpoint.resume=auto", *common])
+    assert "audit log carried on (attempt 1, after step 4)" in proc.stdout
+    for f in ("audit.jsonl", "audit-B.jsonl"):
+        recs = [json.loads(x) for x in (run / f).read_text().splitlines()]
+        kinds = [r["kind"] for r in recs]
+        assert kinds[0] == "genesis" and kinds.count("genesis") == 1 and kinds.count("resume") == 1, kinds
+        assert kinds[-1] == "end" and kinds.count("end") == 2  # the first run's end, then the resumed run's
+        rounds = [(r["round"], r["attempt"]) for r in recs if r["kind"] == "round"]
+        assert rounds == [(0, 0), (1, 0), (2, 0), (2, 1)], rounds  # round 2 (steps 5-6) done again after step 4
+    _, findings = verify_logs(sorted(run.glob("audit*.jsonl")))
+    assert findings == []
+    assert (run / "audit.jsonl").read_text().splitlines()[0].count('"nonce"') == 1
+    train_cli(run, ["train.steps=4", *common])  # a new run in the same place (not resumed): new chains, a new nonce
+    (run / "audit-B.jsonl").write_text(earlier_b)  # B's log swapped for the earlier run's
+    _, findings = verify_logs(sorted(run.glob("audit*.jsonl")))
+    assert any(f.problem == "disagreement" and "another run" in f.detail for f in findings), findings

@@ -51,7 +51,16 @@ def preflight(cfg: Config, site: int | None = None) -> None:
         for s in here:
             path = resume if s is None else resume.replace("{site}", topo.site_names[s])
             part = None if s is None else _site_files(topo, s)
-            verify(Path(path).expanduser(), topo.world_size, None, Seal.of(secret), cfg.checkpoint.allow_foreign, sites, part)
+            verify(
+                Path(path).expanduser(),
+                topo.world_size,
+                None,
+                Seal.of(secret),
+                cfg.checkpoint.allow_foreign,
+                sites,
+                part,
+                names=list(topo.site_names),
+            )
     check_tracker(cfg.report)
     if cfg.train.compile and choose_backend(cfg.run.backend) == "gloo" and not any(map(shutil.which, ("cc", "gcc", "clang"))):
         raise ConfigError("train.compile: on CPU torch.compile needs a C compiler (cc, gcc or clang); none is on PATH")

@@ -150,6 +150,7 @@ class PrivateAggregation:
             "epsilon": self.accountant.epsilon() if self.accountant is not None else None,
             "delta": self.cfg.dp.delta if self.accountant is not None else None,
             "guard": guard,
+            "attempt": self.audit.attempt,  # the rounds after a checkpoint are done again by a resumed run
         }
         if report is not None:
             rec.update(

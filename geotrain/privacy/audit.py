@@ -64,14 +64,50 @@ def site_key(path: Path) -> Ed25519PrivateKey:
 
 
 class AuditChain:
-    """One site's signed audit log, written from the start (an old file at ``path`` is replaced)."""
+    """One site's signed audit log.
 
-    def __init__(self, path: Path, key: Ed25519PrivateKey, site: str, run: str | None = None) -> None:
-        self.path, self.key, self.site = path, key, site
+    A run that starts fresh replaces any old file at ``path`` with a new chain whose genesis line
+    carries the run's ``nonce`` (agreed by every site, so a log of another run signed with the
+    same key shows). A run resumed from a checkpoint carries its chain on (:meth:`begin`): a
+    ``resume`` line after what the interrupted run wrote, and every later round record marked
+    with the attempt (0, then 1, 2, ... per resume), since the rounds after the checkpoint are
+    done again. ``start=False``: nothing is written until :meth:`begin`.
+    """
+
+    def __init__(
+        self, path: Path, key: Ed25519PrivateKey, site: str, run: str | None = None, nonce: str | None = None, start: bool = True
+    ) -> None:
+        self.path, self.key, self.site, self.run, self.nonce = path, key, site, run, nonce
         self.seq, self.prev = 0, GENESIS_PREV
+        self.attempt = 0
         self.closed = False
-        path.unlink(missing_ok=True)
-        self.append({"kind": "genesis", "site": site, "public_key": public_hex(key), "run": run})
+        self.note = ""  # what begin() did, for the run's log
+        if start:
+            self.begin()
+
+    def begin(self, resumed_at: int = 0) -> None:
+        """Start the chain: fresh, or (``resumed_at`` > 0) carried on from the file if it is this
+        site's intact chain of this key; one that is not is kept beside as ``.replaced``."""
+        if resumed_at > 0 and self.path.exists():
+            chain = verify_chain(self.path, {self.site: public_hex(self.key)})
+            problems = [f for f in chain.findings if f.problem != "truncated"]  # a crash leaves no closing line
+            lines = self.path.read_text().splitlines()
+            if not problems and chain.site == self.site and lines:
+                last = json.loads(lines[-1])
+                genesis = json.loads(lines[0])
+                self.seq, self.prev = int(last["seq"]) + 1, _line_hash(lines[-1])
+                self.nonce = genesis.get("nonce")
+                self.attempt = 1 + sum(1 for x in lines if json.loads(x).get("kind") == "resume")
+                self.append({"kind": "resume", "site": self.site, "attempt": self.attempt, "at_step": resumed_at})
+                self.note = f"audit log carried on (attempt {self.attempt}, after step {resumed_at})"
+                return
+            kept = self.path.with_name(self.path.name + ".replaced")
+            os.replace(self.path, kept)
+            self.note = f"audit log not carried on ({'; '.join(map(str, problems)) or 'not this site'}): kept as {kept.name}"
+        self.path.unlink(missing_ok=True)
+        self.append(
+            {"kind": "genesis", "site": self.site, "public_key": public_hex(self.key), "run": self.run, "nonce": self.nonce}
+        )
 
     def append(self, record: dict[str, Any]) -> None:
         body = {**record, "seq": self.seq, "prev": self.prev}
@@ -109,6 +145,7 @@ class Chain:
     findings: list[Finding] = field(default_factory=list)
     rounds: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (line number, record)
     ended: str | None = None  # the closing line's outcome: completed, or failed with the error
+    nonce: str | None = None  # the run's nonce in the genesis line (None in logs from before it)
 
 
 def _signed_ok(pub: Ed25519PublicKey, rec: dict[str, Any]) -> bool:
@@ -136,6 +173,7 @@ def verify_chain(path: Path, trusted: dict[str, str] | None = None) -> Chain:
     genesis = next((r for r in parsed if r is not None and r.get("kind") == "genesis"), None)
     claimed = str(genesis.get("public_key", "")) if genesis is not None else None
     chain.site = str(genesis.get("site")) if genesis is not None else None
+    chain.nonce = str(genesis["nonce"]) if genesis is not None and genesis.get("nonce") is not None else None
     pinned = (trusted or {}).get(chain.site) if chain.site is not None else None
     key_hex = pinned or claimed
     if pinned is not None and claimed is not None and claimed != pinned:
@@ -208,11 +246,18 @@ def verify_logs(files: list[Path], trusted: dict[str, str] | None = None) -> tup
     findings = [x for c in chains for x in c.findings]
     for site in sorted(set(trusted or {}) - {c.site for c in chains}):
         findings.append(Finding(site, 0, "removed", f"no audit log of site {site} (its key is pinned)"))
-    seen: dict[int, list[tuple[Chain, int, dict[str, Any]]]] = {}
+    nonces = {c.nonce for c in chains if c.nonce is not None}
+    if len(nonces) > 1:  # every site's chain of one run starts with the run's one nonce
+        ref = next(c for c in chains if c.nonce is not None)
+        for c in chains:
+            if c.nonce is not None and c.nonce != ref.nonce:
+                why = f"a chain of another run (nonce {c.nonce[:12]}... vs {str(ref.nonce)[:12]}... in {ref.file})"
+                findings.append(Finding(c.file, 1, "disagreement", why))
+    seen: dict[tuple[int, int], list[tuple[Chain, int, dict[str, Any]]]] = {}
     for c in chains:
-        for n, rec in c.rounds:
-            seen.setdefault(int(rec["round"]), []).append((c, n, rec))
-    for round_id, recs in sorted(seen.items()):
+        for n, rec in c.rounds:  # a resumed run does the rounds after its checkpoint again: one attempt each
+            seen.setdefault((int(rec["round"]), int(rec.get("attempt", 0))), []).append((c, n, rec))
+    for (round_id, _attempt), recs in sorted(seen.items()):
         first_chain, first_n, first = recs[0]
         for c, n, rec in recs[1:]:
             differ = [k for k in AGREED if rec.get(k) != first.get(k)]

@@ -4,6 +4,7 @@ loop (the ε budget stop), the sync algorithm (private aggregation, DP-SGD) and 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,15 @@ class Privacy:
         acc = self.accountant()
         if acc is not None and state is not None:
             acc.load_state_dict(state)
+
+    def begin(self, resumed_at: int) -> str:
+        """Start the audit log: fresh, or carried on after a resume from step ``resumed_at``; what
+        was done, for the run's log ('' without one)."""
+        audit = self.aggregation.audit if self.aggregation is not None else None
+        if audit is None:
+            return ""
+        audit.begin(resumed_at)
+        return audit.note
 
     def close(self, failure: BaseException | None = None) -> None:
         """Close the audit log: the run ended, normally or with ``failure`` (its closing line says
@@ -119,9 +129,12 @@ def build_privacy(
     if cfg.secure_aggregation or cfg.dp.unit == "site":
         me = groups.me
         audit = None
-        if me.local_rank == 0:  # each site signs its own log with its own key
+        nonce = torch.tensor(list(os.urandom(16)) if me.rank == 0 else [0] * 16, dtype=torch.uint8)
+        dist.broadcast(nonce, src=0, group=groups.world)  # the run's nonce, in every site's genesis line
+        if me.local_rank == 0:  # each site signs its own log with its own key; begun once resume is known
             path = out / ("audit.jsonl" if me.rank == 0 else f"audit-{me.site}.jsonl")
-            audit = AuditChain(path, site_key(out / "keys" / f"{me.site}.key"), me.site, run_id)
+            key = site_key(out / "keys" / f"{me.site}.key")
+            audit = AuditChain(path, key, me.site, run_id, bytes(nonce.tolist()).hex(), start=False)
         aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit)
     example = None
     max_steps = steps

@@ -139,6 +139,7 @@ def save(
     keep: int,
     seal: Seal | None = None,
     where: SiteShards | None = None,
+    names: list[str] | None = None,
 ) -> Path:
     """Write this rank's ``state`` for ``step``; every rank completes it with the manifest
     (HMAC-sealed when ``seal`` is given) beside its own file. Collective over ``group`` (the
@@ -148,6 +149,8 @@ def save(
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     d.mkdir(exist_ok=True, mode=0o700)
     header: dict[str, Any] = {"step": step, "world_size": world}
+    if names is not None:
+        header["site_names"] = names  # the sites of this world (in elastic mode: the one site)
     mine: dict[str, str] = {}
     if where is not None:
         folder = d / f"site-{where.site}"
@@ -195,12 +198,21 @@ def _complete(
 
 
 def read_manifest(
-    d: Path, world: int, seal: Seal | None = None, allow_foreign: bool = False, sites: list[str] | None = None
+    d: Path,
+    world: int,
+    seal: Seal | None = None,
+    allow_foreign: bool = False,
+    sites: list[str] | None = None,
+    names: list[str] | None = None,
 ) -> dict[str, Any]:
     """The manifest of checkpoint ``d``, checked: well formed, one ``rank{r}.pt`` per rank of a
     ``world``-rank run and nothing else, and (with ``seal``) written by this run. Opens no rank file.
     With ``sites`` (a sharded run's site names): a sharded checkpoint of those sites, any number
-    of workers each, listing its rank files and files in ``site-{name}/`` only.
+    of workers each, listing its rank files and files in ``site-{name}/`` only. The manifest
+    binds its step (a ``step-N`` folder must hold step N: a renamed or rolled-back checkpoint is
+    refused) and, with ``names``, the sites that wrote it (another site's checkpoint, as an
+    elastic site's copied into a peer's folder, is refused; manifests from before this record
+    are taken).
 
     Raises:
         CheckpointError: naming what is wrong.
@@ -221,6 +233,13 @@ def read_manifest(
         _check_rank_files(d, m, manifest, world)
     else:
         _check_sharded_files(d, m, manifest, sites)
+    named = d.name[len("step-") :] if d.name.startswith("step-") else ""
+    if named.isdigit() and manifest.get("step") != int(named):
+        raise CheckpointError(f"{d}: its manifest is for step {manifest.get('step')!r}: a renamed or rolled-back checkpoint")
+    if names is not None and "site_names" in manifest and manifest["site_names"] != names:
+        raise CheckpointError(
+            f"{d}: written by sites {manifest['site_names']}, this run's are {names} (another site's checkpoint)"
+        )
     if seal is not None:
         mac = manifest.get("mac")
         if manifest.get("run") == seal.run:
@@ -293,15 +312,16 @@ def verify(
     allow_foreign: bool = False,
     sites: list[str] | None = None,
     part: Callable[[str], bool] | None = None,
+    names: list[str] | None = None,
 ) -> dict[str, Any]:
     """The manifest of checkpoint ``d`` after checking it (:func:`read_manifest`) and the rank
     file ``rank`` loads against it (when ``rank`` is None: every file the manifest lists, or those
     ``part`` accepts, the part of the checkpoint on this disk; ``sites``: a sharded run's, see
     :func:`read_manifest`); raises CheckpointError naming what is wrong."""
-    manifest = read_manifest(d, world, seal, allow_foreign, sites)
+    manifest = read_manifest(d, world, seal, allow_foreign, sites, names)
     files = manifest["files"]
-    names = [f"rank{rank}.pt"] if rank is not None else sorted(f for f in files if part is None or part(f))
-    _check_hashes(d, files, names)
+    wanted = [f"rank{rank}.pt"] if rank is not None else sorted(f for f in files if part is None or part(f))
+    _check_hashes(d, files, wanted)
     return manifest
 
 
@@ -363,7 +383,8 @@ def verify_sharded(
 ) -> dict[str, Any]:
     """The manifest of sharded checkpoint ``d`` after checking it (:func:`read_manifest`), the
     rank file this rank resumes from and (the site's first rank) every file of its site's folder."""
-    manifest = read_manifest(d, world, seal, allow_foreign, [s for s, _ in where.sites])
+    names = [s for s, _ in where.sites]
+    manifest = read_manifest(d, world, seal, allow_foreign, names, names)
     files = manifest["files"]
     names = [f"rank{where.donor(manifest)}.pt"]
     if where.local_rank == 0:

@@ -7,6 +7,8 @@ unpickler that builds nothing but DCP's records. The files, the manifest and ver
 
 from __future__ import annotations
 
+import hashlib
+import io
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,15 +96,16 @@ def hashed_by(name: str, local_rank: int) -> bool:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; this one builds only DCP's metadata records, torch sizes,
-    dtypes and layouts and paths, so a doctored file cannot run code (tensor data is read by
-    DCP with ``torch.load(weights_only=True)``)."""
+    """DCP's ``.metadata`` is a pickle; this one builds only DCP's metadata records for tensors,
+    torch sizes, dtypes and layouts and paths, so a doctored file cannot run code. Tensor data is
+    read by DCP with ``torch.load(weights_only=True)``; a *bytes* entry (``BytesStorageMetadata``)
+    is refused, because DCP loads those with ``torch.load(weights_only=False)``, and geotrain's
+    sharded checkpoints hold tensors only."""
 
     ALLOWED = {
         "torch.distributed.checkpoint.metadata": {
             "Metadata",
             "TensorStorageMetadata",
-            "BytesStorageMetadata",
             "ChunkStorageMetadata",
             "TensorProperties",
             "MetadataIndex",
@@ -122,26 +125,58 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
-def safe_reader(folder: Path) -> Any:
-    """DCP's file reader of ``folder`` with :class:`_MetadataUnpickler` for its ``.metadata``
-    (DCP is imported here, not with this module: replicated runs never pay its import)."""
+def safe_reader(folder: Path, data: bytes | None = None) -> Any:
+    """DCP's file reader of ``folder`` whose ``.metadata`` is parsed once, here, with
+    :class:`_MetadataUnpickler`, from ``data`` (the bytes the caller checked against the
+    manifest) or else from the file, and never read again: DCP asks for the metadata again inside
+    ``dcp.load``, and a file swapped in between would otherwise be parsed unchecked.
+    (DCP is imported here, not with this module: replicated runs never pay its import.)
+
+    Raises:
+        CheckpointError: the metadata is not DCP's, or holds anything but tensors.
+    """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+    path = folder / ".metadata"
+    try:
+        raw = data if data is not None else path.read_bytes()
+        parsed = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a DCP metadata file ({exc})") from None
+    entries = getattr(parsed, "state_dict_metadata", None)
+    if not isinstance(parsed, Metadata) or not isinstance(entries, dict):
+        raise CheckpointError(f"{path}: not a DCP metadata file")
+    odd = [k for k, v in entries.items() if not isinstance(v, TensorStorageMetadata)]
+    if odd:
+        raise CheckpointError(f"{path}: holds non-tensor entries ({', '.join(map(str, odd[:3]))}): refused")
+    if getattr(parsed, "storage_meta", None) is None:
+        parsed.storage_meta = StorageMeta()
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            path = Path(self._get_metadata_path(kwargs.get("rank")))
-            try:
-                with open(path, "rb") as f:
-                    metadata: Metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"{path}: not a DCP metadata file ({exc})") from None
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
-            return metadata
+            parsed.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+            return parsed
 
     return SafeReader(folder)
+
+
+def checked_metadata(d: Path, manifest: dict[str, Any], site: str) -> bytes:
+    """The bytes of ``site``'s DCP ``.metadata`` in checkpoint ``d``, read once and checked
+    against the manifest's sha256 (the file may have changed since the checkpoint was verified).
+
+    Raises:
+        CheckpointError: it is missing, unlisted, or not what the manifest recorded.
+    """
+    name = f"site-{site}/.metadata"
+    want = manifest["files"].get(name)
+    try:
+        raw = (d / name).read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{d / name}: cannot read ({exc.strerror})") from None
+    if want is None or hashlib.sha256(raw).hexdigest() != want:
+        raise CheckpointError(f"{d / name}: not what the manifest recorded (changed since it was checked?)")
+    return raw
 
 
 def load_sharded(d: Path, manifest: dict[str, Any], where: SiteShards) -> dict[str, Any]:
@@ -154,7 +189,7 @@ def load_sharded(d: Path, manifest: dict[str, Any], where: SiteShards) -> dict[s
     from torch.distributed.tensor import empty as dtensor_empty
 
     skeleton = torch.load(d / f"rank{where.donor(manifest)}.pt", map_location="cpu", weights_only=True)
-    reader = safe_reader(d / f"site-{where.site}")
+    reader = safe_reader(d / f"site-{where.site}", checked_metadata(d, manifest, where.site))
     saved = reader.read_metadata().state_dict_metadata
     tensors: dict[str, DTensor] = {}
     for name in _placeholders(skeleton):

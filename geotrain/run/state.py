@@ -129,7 +129,7 @@ class RankObjects:
 
         def check(d: Path) -> None:
             if where is None:
-                ckpt.verify(d, world, me.rank, self.seal, self.allow_foreign)
+                ckpt.verify(d, world, me.rank, self.seal, self.allow_foreign, names=list(groups.topology.site_names))
             else:
                 manifests[d] = ckpt.verify_sharded(d, world, where, self.seal, self.allow_foreign)
 
@@ -165,6 +165,7 @@ class RankObjects:
         groups = self.comm.groups
         me = groups.me
         world = groups.topology.world_size
-        d = ckpt.save(root, step, self.state(step), me.rank, world, groups.world, keep, self.seal, self._shards())
+        names = list(groups.topology.site_names)
+        d = ckpt.save(root, step, self.state(step), me.rank, world, groups.world, keep, self.seal, self._shards(), names)
         if me.rank == 0:
             log(me, step, f"checkpoint {d}")

@@ -236,6 +236,9 @@ def _train(
         ckpt_root = ckpt_root / where.site
     resume = cfg.checkpoint.resume.replace("{site}", where.site) if cfg.checkpoint.resume else None
     start = objs.resume(resume, ckpt_root) if resume else 0
+    began = privacy.begin(start)  # the audit log: a fresh chain, or the interrupted run's carried on
+    if began:
+        log(where, start, began)
     if place.rejoined:  # heal from the syncer's model; data and schedule go on from the steps delivered
         assert isinstance(sync, AsyncDiLoCo)
         start = sync.rejoin_run()
