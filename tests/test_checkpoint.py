@@ -100,6 +100,8 @@ def test_sealed_manifest_refuses_edits_and_other_runs_checkpoints(tmp_path: Path
     secret_a, secret_b = tmp_path / "a.secret", tmp_path / "b.secret"
     secret_a.write_text("run-a-" + "x" * 20)
     secret_b.write_text("run-b-" + "y" * 20)
+    for f in (secret_a, secret_b):
+        f.chmod(0o600)  # (a secret file others may read is refused)
     run_a = tmp_path / "a"
     _train(run_a, "sync.H=3", "checkpoint.every=4", "train.steps=8", f"elastic.secret_file={secret_a}")
     d = run_a / "checkpoints" / "step-00000008"

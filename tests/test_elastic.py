@@ -265,7 +265,15 @@ def test_join_proof_binds_secret_round_nonce_and_prover(tmp_path: Path, monkeypa
         load_secret(ElasticConfig())
     f = tmp_path / "secret"
     f.write_text("x" * 40 + "\n")
+    f.chmod(0o644)  # readable by every user of the machine: refused, naming the mode
+    with pytest.raises(MembershipRefused, match="is open to other users \\(mode 644"):
+        load_secret(ElasticConfig(secret_file=str(f)))
+    f.chmod(0o600)
     assert load_secret(ElasticConfig(secret_file=str(f))) == b"x" * 40
+    if os.geteuid() == 0:  # another user's file, even if closed to others
+        os.chown(f, 4242, 4242)
+        with pytest.raises(MembershipRefused, match="owner uid 4242"):
+            load_secret(ElasticConfig(secret_file=str(f)))
 
 
 def test_fault_plan_respects_spacing() -> None:

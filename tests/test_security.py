@@ -166,3 +166,21 @@ def test_a_frame_altered_on_the_path_rolls_the_round_back(tmp_path: Path) -> Non
     s = read_summary(out)
     assert s["rounds_rolled_back"] == 1 and s["rounds_committed"] == 5 and s["consistent"]
     assert "a frame from site B failed authentication (payload MAC)" in proc.stdout
+
+
+def test_the_lighthouse_does_not_get_the_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It never needs the run secret: the Lighthouse the launcher starts is not handed it in its
+    environment (where any process of the user, or a crash dump, could read it)."""
+    from geotrain.config import ElasticConfig
+    from geotrain.elastic.lighthouse import LighthouseProcess
+
+    monkeypatch.setenv("GEOTRAIN_SECRET", "a-secret-the-lighthouse-must-not-hold")
+    monkeypatch.setenv("MY_SECRET", "another-secret-it-must-not-hold")
+    lh = LighthouseProcess(0, ElasticConfig(secret_env="MY_SECRET"), tmp_path / "lh.log")
+    lh.start()
+    try:
+        environ = Path(f"/proc/{lh.proc.pid}/environ").read_bytes()  # type: ignore[union-attr]
+    finally:
+        lh.stop()
+    assert b"GEOTRAIN_SECRET" not in environ and b"MY_SECRET" not in environ
+    assert b"GEOTRAIN_PARENT_PID" in environ  # (it is this process's environment, otherwise)

@@ -61,6 +61,12 @@ class PrivacyConfig(Section):
         description="L2 bound a pseudo-gradient is clipped to before fixed-point encoding (with dp.unit=site: dp.clip_norm).",
     )
     dp: DPConfig = Field(default_factory=DPConfig, description="Differential privacy.")
+    keys_dir: str | None = Field(
+        default=None,
+        description="Where each site keeps its Ed25519 audit signing key (<site>.key, 0600, kept across runs; <site>.pub "
+        "to publish). Default: $GEOTRAIN_KEYS_DIR, else ~/.geotrain/keys: outside the output folder whose logs it signs, "
+        "so whoever can write the logs does not also hold the key.",
+    )
     inject: list[str] = Field(
         default_factory=list,
         description="Failure injection for tests: 'SITE@ROUND:drop' withdraws the site's update after key agreement, "

@@ -45,10 +45,17 @@ def load_secret(cfg: ElasticConfig) -> bytes:
         MembershipRefused: neither holds a secret.
     """
     if cfg.secret_file:
+        path = Path(cfg.secret_file).expanduser()
         try:
-            data = Path(cfg.secret_file).expanduser().read_bytes().strip()
+            st = path.stat()
+            data = path.read_bytes().strip()
         except OSError as exc:
             raise MembershipRefused(f"elastic.secret_file: cannot read {cfg.secret_file} ({exc.strerror})") from None
+        if st.st_mode & 0o077 or st.st_uid != os.geteuid():
+            raise MembershipRefused(
+                f"elastic.secret_file: {cfg.secret_file} is open to other users (mode {st.st_mode & 0o777:o}, owner uid "
+                f"{st.st_uid}): make it this user's alone (chmod 600)"
+            )
     else:
         data = os.environ.get(cfg.secret_env, "").encode()
     if len(data) < 16:

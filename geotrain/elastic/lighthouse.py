@@ -84,7 +84,10 @@ class LighthouseProcess:
             str(self.cfg.min_sites),
         ]
         cmd += ["--heartbeat-timeout", str(self.cfg.heartbeat_timeout_s)]
-        env = {**os.environ, "GEOTRAIN_PARENT_PID": str(os.getpid())}
+        # the Lighthouse never needs the run secret: it does not get it (a process that reads its
+        # environment, or a crash dump of it, learns nothing)
+        secret_vars = {"GEOTRAIN_SECRET", self.cfg.secret_env}
+        env = {k: v for k, v in os.environ.items() if k not in secret_vars} | {"GEOTRAIN_PARENT_PID": str(os.getpid())}
         report = self.log.with_suffix(".address")
         report.unlink(missing_ok=True)
         if not self.port:

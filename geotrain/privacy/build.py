@@ -100,6 +100,12 @@ class Privacy:
         return out
 
 
+def keys_dir(cfg: PrivacyConfig) -> Path:
+    """Where the sites' audit signing keys live: ``privacy.keys_dir``, ``$GEOTRAIN_KEYS_DIR``, or
+    ``~/.geotrain/keys`` (outside any run's output folder)."""
+    return Path(cfg.keys_dir or os.environ.get("GEOTRAIN_KEYS_DIR") or Path.home() / ".geotrain" / "keys").expanduser()
+
+
 def build_privacy(
     cfg: PrivacyConfig,
     comm: Collectives,
@@ -117,7 +123,7 @@ def build_privacy(
     Args:
         comm: this rank's collectives (secure aggregation runs over them).
         model: wrapped for per-example gradients when ``cfg.dp.unit == 'example'``.
-        out: the run directory (the audit logs go there, the sites' signing keys under ``keys/``).
+        out: the run directory (the audit logs go there; the sites' signing keys in :func:`keys_dir`).
         seed: the run's public seed (the SecAgg+ graph of each round derives from it).
         steps: inner steps planned; ``rounds_planned``: cross-site aggregations planned.
         sample_rate: this rank's sampling rate (batch ÷ windows of its shard); the largest over
@@ -133,7 +139,7 @@ def build_privacy(
         dist.broadcast(nonce, src=0, group=groups.world)  # the run's nonce, in every site's genesis line
         if me.local_rank == 0:  # each site signs its own log with its own key; begun once resume is known
             path = out / ("audit.jsonl" if me.rank == 0 else f"audit-{me.site}.jsonl")
-            key = site_key(out / "keys" / f"{me.site}.key")
+            key = site_key(keys_dir(cfg) / f"{me.site}.key")
             audit = AuditChain(path, key, me.site, run_id, bytes(nonce.tolist()).hex(), start=False)
         aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit)
     example = None
