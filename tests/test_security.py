@@ -184,3 +184,61 @@ def test_the_lighthouse_does_not_get_the_secret(tmp_path: Path, monkeypatch: pyt
         lh.stop()
     assert b"GEOTRAIN_SECRET" not in environ and b"MY_SECRET" not in environ
     assert b"GEOTRAIN_PARENT_PID" in environ  # (it is this process's environment, otherwise)
+
+
+def _gather_rank(rank: int, victim: str) -> str:
+    import os
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from geotrain.comm.control import all_gather_json
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (os.remove, (victim,))
+
+    dist.init_process_group("gloo")
+    try:
+        if rank == 0:  # an honest rank gathers its control values
+            try:
+                all_gather_json({"hash": "ab"}, dist.group.WORLD)
+            except ValueError as exc:
+                return str(exc)
+            return "accepted"
+        # a peer that sends a pickle where the JSON goes, in the same collective's shape
+        data = pickle.dumps(Payload())
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.all_gather([torch.empty(longest, dtype=torch.uint8) for _ in range(2)], mine)
+        return "sent"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_peer_cannot_run_code_through_the_control_plane(tmp_path: Path) -> None:
+    """Control values that cross sites travel as JSON, never as pickles: a peer sending a pickle
+    that would delete a file is refused by name, and the file stays. No object collective (which
+    unpickles what peers send) is left on a group that crosses sites: the two left gather inside a
+    site, one trust domain."""
+    import re
+
+    from tests.helpers import REPO, run_ranks
+
+    victim = tmp_path / "victim"
+    victim.write_text("still here")
+    got = run_ranks(2, _gather_rank, str(victim))
+    assert got == ["rank 1 of the group sent a control value that is not JSON", "sent"] and victim.exists()
+    uses = []
+    for f in sorted((REPO / "geotrain").rglob("*.py")):
+        for line in f.read_text().splitlines():
+            if re.search(
+                r"\b(all_gather_object|broadcast_object_list|gather_object|scatter_object_list|send_object_list|recv_object_list)\(",
+                line,
+            ):
+                uses.append((f.relative_to(REPO).as_posix(), "group=self.intra" in line or "group=g.intra" in line))
+    assert uses == [("geotrain/elastic/member.py", True), ("geotrain/sync/quorum.py", True)], uses

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from geotrain.comm.control import all_gather_json
 from geotrain.elastic.auth import RunKeys
 from geotrain.errors import CheckpointError
 from geotrain.run.shards import SiteShards, hashed_by, split_dtensors
@@ -185,8 +186,7 @@ def _complete(
     """Gather every rank's file hashes (``mine``: name -> sha256); every rank writes the manifest
     (``header`` + the files, sealed when ``seal`` is given; the same bytes everywhere) beside its
     own file and prunes its own folder to ``keep``: no disk is assumed shared."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_json(mine, group)  # (JSON: the world group crosses sites)
     manifest: dict[str, Any] = {**header, "files": {name: h for part in everyone for name, h in part.items()}}
     if seal is not None:
         manifest["run"] = seal.run

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
+from geotrain.comm.control import all_gather_json
 from geotrain.data import RankData
 from geotrain.errors import StartMismatch
 from geotrain.privacy.build import Privacy
@@ -38,9 +39,7 @@ def check_same_start(model: nn.Module, group: dist.ProcessGroup) -> None:
     Raises:
         StartMismatch: names the ranks whose model differs from the group's first rank's.
     """
-    mine = params_hash(list(model.parameters()))
-    hashes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hashes, mine, group=group)
+    hashes = all_gather_json(params_hash(list(model.parameters())), group)
     differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
     if differ:
         raise StartMismatch(
@@ -133,10 +132,8 @@ class RankObjects:
             else:
                 manifests[d] = ckpt.verify_sharded(d, world, where, self.seal, self.allow_foreign)
 
-        def agree(value: Any) -> list[Any]:  # small control values: folder names, verdicts
-            values: list[Any] = [None] * world
-            dist.all_gather_object(values, value, group=groups.world)
-            return values
+        def agree(value: Any) -> list[Any]:  # small control values: folder names, verdicts (JSON, never pickles)
+            return all_gather_json(value, groups.world)
 
         d = ckpt.find(spec, root, world, check, agree, warn)
         if d is None:

@@ -21,10 +21,10 @@ from types import TracebackType
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
+from geotrain.comm.control import all_gather_json
 from geotrain.sync.guard import UpdateGuard
 
 
@@ -301,10 +301,9 @@ class SyncAlgorithm:
         return []
 
     def gather_records(self, record: Any) -> list[Any]:
-        """Every rank's ``record`` (a picklable object), on every rank (control plane, the world group)."""
-        gathered: list[Any] = [None] * self.comm.groups.topology.world_size
-        dist.all_gather_object(gathered, record, group=self.comm.groups.world)
-        return gathered
+        """Every rank's ``record`` (JSON: the world group crosses sites, so never a pickle), on every
+        rank (control plane, the world group)."""
+        return all_gather_json(record, self.comm.groups.world)
 
     def adapt_log(self) -> list[dict[str, Any]]:
         """``sync.adapt``: each round's measured link and the H and codec chosen for the next round."""
