@@ -1,6 +1,8 @@
-"""A process without the run secret that attacks an elastic run on loopback, for a bounded time
-(``python -m tests.forger LIGHTHOUSE SECONDS REPORT PID``; PID: the run's launcher). Every byte
-goes to 127.0.0.1, and only to the Lighthouse and the listeners of PID's process tree.
+"""Processes without the run secret that attack an elastic run on loopback, for a bounded time.
+Every byte goes to 127.0.0.1, and only to the Lighthouse and the listeners of the run's processes.
+
+``python -m tests.forger LIGHTHOUSE SECONDS REPORT PID`` (PID: the run's launcher) forges;
+``python -m tests.forger replay LIGHTHOUSE SECONDS REPORT SITE`` replays (:func:`replay`).
 
 What it tries (each round it sees), knowing only the Lighthouse's address:
 * a fake participant "Z" in the Lighthouse's quorum, claiming a huge committed-round count and
@@ -8,11 +10,12 @@ What it tries (each round it sees), knowing only the Lighthouse's address:
   request, "Z" makes malformed claims instead: a non-ASCII tag (one such request once stopped
   every site), claims of the wrong types, claims missing, a 100 KB hash (one name throughout: the
   Lighthouse waits for a heartbeating participant to rejoin, so a new name would only delay);
-* in every round store it learns from the quorum: the keys geotrain used to read before it had a
-  namespace (votes "0", views, heartbeat counters, ``refused/<site>``, nonces, proofs, Gloo
-  rendezvous keys), for this round's key and the next ones it can guess;
-* garbage bytes sent to every TCP listener of the run's processes (Gloo pairs included) but
-  the round stores it already wrote to.
+* in every round store it learns from the quorum, as a ``TCPStore`` client would: list the keys
+  (to learn the namespace), write votes "0", views, heartbeat counters, ``refused/<site>``,
+  nonces, proofs and Gloo rendezvous records for this round's key and the next ones it can guess,
+  delete keys, and write 2 MB values (a flood); then the same as a client of geotrain's own store
+  protocol with a wrong key. Every one of these must be refused (counted in ``store_refused``);
+* garbage bytes sent to every TCP listener of the run's processes (round stores and Gloo pairs).
 It writes what it did to REPORT (JSON) so the test knows the attack really ran.
 """
 
@@ -70,7 +73,7 @@ def main(lighthouse: str, seconds: float, report: str, victim: int) -> None:
     import torch.distributed as dist
     from torchft.coordination import LighthouseClient
 
-    done = {"quorums": 0, "store_writes": 0, "garbage_connections": 0, "errors": 0}
+    done = {"quorums": 0, "store_writes": 0, "store_refused": 0, "garbage_connections": 0, "errors": 0}
     stop = time.monotonic() + seconds
     fake_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     fake = f"127.0.0.1:{fake_store.port}"
@@ -103,8 +106,6 @@ def main(lighthouse: str, seconds: float, report: str, victim: int) -> None:
         {"tag": "a" * 64},
         {**claims, "hash": "h" * 100_000, "tag": "b" * 64},
     ]
-    stores: dict[str, dist.TCPStore] = {}
-    mine: set[int] = set()
     turn = 0
     while time.monotonic() < stop:
         data = claims if turn % 2 == 0 else malformed[(turn // 2) % len(malformed)]
@@ -128,43 +129,91 @@ def main(lighthouse: str, seconds: float, report: str, victim: int) -> None:
         sites = [p.replica_id for p in q.participants if p.replica_id != "Z"]
         keys = [f"{q.quorum_id + i}-{q.created.seconds}-{q.created.nanos}" for i in range(2)]
         for p in q.participants:
-            if p.replica_id == "Z":
+            if p.replica_id == "Z" or not isinstance(p.store_address, str) or ":" not in p.store_address:
                 continue
-            try:
-                if p.store_address not in stores:
-                    host, port = p.store_address.rsplit(":", 1)
-                    stores[p.store_address] = dist.TCPStore(
-                        host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2)
-                    )
-                    mine.add(int(port))  # a store is no Gloo pair: its garbage test is the writes
-                st = stores[p.store_address]
-                for key in keys:
-                    for s in sites:
-                        writes = {
-                            f"round/{key}/vote/{s}": "0",
-                            f"auth/{key}/view/{s}": "Z",
-                            f"auth/{key}/refused/{s}": "refused by Z",
-                            f"refused/{s}": "refused by Z",
-                            f"auth/{key}/nonce/{s}": "00",
-                            f"auth/{key}/proof/{s}/Z": "00",
-                            f"pg/{key}/0/0": "garbage",
-                            f"pg/{key}/0/1": "garbage",
-                        }
-                        for k, v in writes.items():
-                            st.set(k, v)
-                        st.add(f"round/{key}/hb/{s}/0", 1000)
-                        done["store_writes"] += len(writes) + 1
-            except Exception:
-                done["errors"] += 1
-        for _, port in listeners(victim)[:64]:  # garbage into the run's other listeners (Gloo pairs)
-            if port in mine:
-                continue
+            if _attack_store(p.store_address, keys, sites):
+                done["store_writes"] += 1
+            else:
+                done["store_refused"] += 1
+        for _, port in listeners(victim)[:64]:  # garbage into every listener of the run (stores, Gloo pairs)
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
                     c.sendall(b"\xde\xad\xbe\xef" * 64)
                 done["garbage_connections"] += 1
             except OSError:
                 pass
+        _write(report, done)
+    _write(report, done)
+
+
+def _attack_store(address: str, keys: list[str], sites: list[str]) -> bool:
+    """Whether any read, write or delete on the round store at ``address`` got through, first as a
+    ``TCPStore`` client, then speaking geotrain's store protocol with a wrong key."""
+    import torch.distributed as dist
+
+    from geotrain.comm.authstore import AuthStore
+
+    host, port = address.rsplit(":", 1)
+    got_in = False
+    with contextlib.suppress(Exception):
+        st = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=1))
+        with contextlib.suppress(Exception):
+            st.list_keys()  # type: ignore[attr-defined]
+            got_in = True
+        for key in keys:
+            for s in sites:
+                for k, v in {
+                    f"round/{key}/vote/{s}": "0",
+                    f"auth/{key}/view/{s}": "Z",
+                    f"auth/{key}/refused/{s}": "refused by Z",
+                    f"auth/{key}/nonce/{s}": "00",
+                    f"pg/{key}/0/0": "garbage",
+                    "flood": "x" * 2_000_000,
+                }.items():
+                    st.set(k, v)
+                    got_in = True
+        got_in = got_in or bool(st.delete_key(f"round/{keys[0]}/vote/{sites[0]}"))
+    with contextlib.suppress(Exception):
+        AuthStore(address, b"\0" * 32, 1.0).set("flood", b"x" * 1000)
+        got_in = True
+    return got_in
+
+
+def replay(lighthouse: str, seconds: float, report: str, site: str) -> None:
+    """Record ``site``'s quorum request as the Lighthouse hands it to anyone (its claims and member
+    tag), then send it again and again under ``site``'s name for ``seconds``. Claims replayed from
+    an earlier round once made the replayed site a healer that contributed zeros."""
+    from torchft.coordination import LighthouseClient
+
+    done = {"recorded": 0, "replays": 0, "errors": 0}
+    stop = time.monotonic() + seconds
+    client = LighthouseClient(f"http://{lighthouse}", connect_timeout=timedelta(seconds=2))
+    recorded = None
+    while recorded is None and time.monotonic() < stop:  # watch as a participant of no consequence
+        try:
+            q = client.quorum(replica_id="W", timeout=timedelta(seconds=3), address="", store_address="", step=0, data={})
+            recorded = next((p for p in q.participants if p.replica_id == site and p.data), None)
+        except Exception:
+            done["errors"] += 1
+            time.sleep(0.2)
+    if recorded is not None:
+        done["recorded"] = 1
+        _write(report, done)
+        time.sleep(1.0)  # let the run commit a few rounds: the recorded claims are now old
+    while recorded is not None and time.monotonic() < stop:
+        try:
+            client.quorum(
+                replica_id=site,
+                timeout=timedelta(seconds=2),
+                address=recorded.address,
+                store_address=recorded.store_address,
+                step=recorded.step,
+                world_size=recorded.world_size,
+                data=recorded.data,
+            )
+            done["replays"] += 1
+        except Exception:
+            done["errors"] += 1
         _write(report, done)
     _write(report, done)
 
@@ -178,4 +227,7 @@ def _write(report: str, done: dict[str, int]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    if sys.argv[1] == "replay":
+        replay(sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5])
+    else:
+        main(sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

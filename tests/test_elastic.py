@@ -247,17 +247,18 @@ def test_chaos_soak_completes_with_every_core_busy(tmp_path: Path) -> None:
     assert not any(_alive(pid) for pid in r["cpu_hog_pids"])  # the hogs were stopped
 
 
-def test_join_proof_binds_secret_round_nonce_and_prover(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_join_proof_binds_key_round_nonce_prover_and_claims(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from geotrain.elastic.auth import join_proof, load_secret
     from geotrain.errors import MembershipRefused
 
-    p = join_proof(b"s" * 32, "7-1-2", "nonce", "A")
-    assert p == join_proof(b"s" * 32, "7-1-2", "nonce", "A") and len(p) == 64
+    p = join_proof(b"s" * 32, "7-1-2", "nonce", "A", b"{}")
+    assert p == join_proof(b"s" * 32, "7-1-2", "nonce", "A", b"{}") and len(p) == 64
     for other in (
-        join_proof(b"t" * 32, "7-1-2", "nonce", "A"),
-        join_proof(b"s" * 32, "7-1-3", "nonce", "A"),
-        join_proof(b"s" * 32, "7-1-2", "nonce2", "A"),
-        join_proof(b"s" * 32, "7-1-2", "nonce", "B"),
+        join_proof(b"t" * 32, "7-1-2", "nonce", "A", b"{}"),
+        join_proof(b"s" * 32, "7-1-3", "nonce", "A", b"{}"),
+        join_proof(b"s" * 32, "7-1-2", "nonce2", "A", b"{}"),
+        join_proof(b"s" * 32, "7-1-2", "nonce", "B", b"{}"),
+        join_proof(b"s" * 32, "7-1-2", "nonce", "A", b'{"committed": 3}'),  # its claims are bound too
     ):
         assert other != p
     monkeypatch.setenv("GEOTRAIN_SECRET", "short")

@@ -307,6 +307,36 @@ def audit_verify_cmd(
         fail(f"audit verify: {len(findings)} finding(s) in {run_dir}", 1)
 
 
+@app.command("keys")
+def keys_cmd(
+    sites: Annotated[list[str], typer.Argument(help="The sites whose keys to make (if absent) and list.")],
+    keys_dir: Annotated[
+        Path | None,
+        typer.Option("--dir", help="The keys folder (default: $GEOTRAIN_KEYS_DIR or ~/.geotrain/keys, as privacy.keys_dir)."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the JSON here too (elastic.site_keys, audit verify --keys).")
+    ] = None,
+) -> None:
+    """Each site's own Ed25519 key, made in the keys folder if absent (<site>.key, mode 0600), and the
+    JSON {site: public key} that pins them: give it to every site as elastic.site_keys."""
+    import json
+
+    from geotrain.comm.identity import public_hex, site_key
+    from geotrain.config import PrivacyConfig
+    from geotrain.privacy.build import keys_dir as default_dir
+
+    folder = keys_dir or default_dir(PrivacyConfig())
+    try:
+        pinned = {s: public_hex(site_key(folder / f"{s}.key")) for s in sites}
+    except (OSError, ValueError) as exc:
+        fail(f"keys: {exc}")
+    text = json.dumps(pinned, indent=2)
+    console.print(text, markup=False, highlight=False)
+    if out is not None:
+        out.write_text(text + "\n")
+
+
 def main() -> None:
     app()
 

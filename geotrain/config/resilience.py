@@ -105,9 +105,18 @@ class ElasticConfig(Section):
     secret_file: str | None = Field(
         default=None, description="File holding the shared membership secret (instead of secret_env)."
     )
+    site_keys: str | None = Field(
+        default=None,
+        description="JSON file {site: Ed25519 public key hex} pinning every site's own key (geotrain keys prints it). Set: "
+        "each site signs its claims and votes in every round with its key (privacy.keys_dir/<site>.key) and the "
+        "frame keys come from signed ephemeral keys, so a site holding the secret cannot pose as another; read "
+        "again every round: a site whose entry is removed is left out and cannot rejoin. Unset: the shared secret only.",
+    )
 
     @model_validator(mode="after")
     def _timeouts(self) -> ElasticConfig:
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError("heartbeat_timeout_s: must exceed twice elastic.heartbeat_s")
+        if self.site_keys and not self.enabled:
+            raise ValueError("site_keys: pins the sites' keys of elastic mode; set elastic.enabled=true (or unset it)")
         return self

@@ -17,7 +17,6 @@ abandoned thread ends within that bound (a Gloo wait that times out closes its p
 from __future__ import annotations
 
 import contextlib
-import hmac
 import os
 import threading
 import time
@@ -29,12 +28,14 @@ import torch
 
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import round_group
-from geotrain.elastic.auth import TAG_BYTES, SealedStore, frame_tag
+from geotrain.elastic.auth import FrameCipher, SealedStore, sealed_size
 from geotrain.elastic.roundstore import Monitor
 from geotrain.elastic.view import RoundView
 from geotrain.errors import RoundFailed
 
-DATA_TAG, HEADER_TAG, HEAL_TAG, MAC_TAG, HEAL_MAC_TAG = 0, 1, 2, 4, 5
+HEAL_TAG = 2  # and 3: the healing state's size, then the state
+PIECE_TAG = 16  # a frame's piece j travels with tag PIECE_TAG + 2j, its arrival time with PIECE_TAG + 2j + 1
+PIECE = 4 << 20  # bytes of a frame sealed and sent at once
 
 
 class Exchange:
@@ -51,11 +52,12 @@ class Exchange:
         backstop: the timeout of one wait of ``nbytes`` among ``n`` sites.
         count: adds bytes sent across sites to the member's counter (under its lock).
         on_mid_round: called between the reduce-scatter and the all-gather (failure injection).
-        payload_key: every frame (ring chunk, healing state) carries an HMAC-SHA256 under this key,
-            bound to the round, sender, receiver, local rank and position; a frame that fails it
-            fails the round (:class:`RoundFailed` naming the sender) before it is used.
-        tamper: failure injection: alter this rank's outgoing frames after their MAC (an attacker
-            on the path).
+        Every frame (ring chunk, healing state) is encrypted and authenticated under the key of its
+        pair of sites in this round (``view.frame_keys``, :class:`FrameCipher`), bound to the
+        round, sender, receiver, local rank and position; a frame that fails to open fails the
+        round (:class:`RoundFailed` naming the sender) before it is used.
+        tamper: failure injection: alter this rank's outgoing frames after they were sealed (an
+            attacker on the path).
     """
 
     def __init__(
@@ -74,17 +76,17 @@ class Exchange:
         timeout_s: float,
         count: Callable[[int], None],
         on_mid_round: Callable[[], None] | None,
-        payload_key: bytes,
         tamper: bool = False,
     ) -> None:
         self.view, self.site, self.local, self.names, self.wan = view, site, local, names, wan
         self.monitor, self.store, self.shard, self.outgoing = monitor, store, shard, outgoing
         self.backstop, self.timeout_s, self.count, self.on_mid_round = backstop, timeout_s, count, on_mid_round
-        self.payload_key, self.tamper = payload_key, tamper
+        self.ciphers = {peer: FrameCipher(k) for peer, k in view.frame_keys.items()}
+        self.tamper = tamper
         self._seq = 0
-        self.forged: str | None = None  # the first frame that failed its MAC
-        self.mac_seconds = 0.0  # time spent computing and checking MACs (the cost of authentication)
-        self.verify_seconds = 0.0  # of which checking received frames (after arrival: on the critical path)
+        self.forged: str | None = None  # the first frame that failed to open
+        self.seal_seconds = 0.0  # time spent encrypting outgoing frames (before they leave: on the critical path)
+        self.open_seconds = 0.0  # time spent decrypting and checking received frames (also on the critical path)
         self.reused = group is not None
         self.group = group
         self.heal_blob: bytes | None = None  # set once the whole healing state has arrived
@@ -142,65 +144,92 @@ class Exchange:
 
     def _context(self, sender: int, receiver: int, what: str) -> bytes:
         admitted = self.view.admitted
-        return f"geotrain-frame|{self.view.key}|{admitted[sender]}|{admitted[receiver]}|{self.local}|{what}".encode()
+        return f"geotrain-frame|{self.view.round_id}|{admitted[sender]}|{admitted[receiver]}|{self.local}|{what}".encode()
 
-    def _mac(self, sender: int, receiver: int, what: str, data: torch.Tensor) -> bytes:
-        """The frame MAC of ``data`` from ``sender`` to ``receiver`` (group ranks), timed."""
+    def _seal(self, data: torch.Tensor, dst: int, what: str) -> torch.Tensor:
+        """``data`` encrypted for group rank ``dst`` (timed); altered afterwards under failure injection."""
         t0 = time.perf_counter()
-        tag = frame_tag(self.payload_key, self._context(sender, receiver, what), data)
-        self.mac_seconds += time.perf_counter() - t0
-        return tag
+        cipher = self.ciphers[self.view.admitted[dst]]
+        sealed = cipher.seal(self._context(self.view.admitted.index(self.site), dst, what), data)
+        self.seal_seconds += time.perf_counter() - t0
+        if self.tamper:
+            sealed[0] ^= 1
+        return sealed
 
-    def _tag(self, data: torch.Tensor, dst: int, what: str) -> torch.Tensor:
-        """The MAC this rank sends after ``data`` to ``dst``."""
-        tag = self._mac(self.view.admitted.index(self.site), dst, what, data)
-        return torch.frombuffer(bytearray(tag), dtype=torch.uint8)
-
-    def _altered(self, data: torch.Tensor) -> torch.Tensor:
-        """Failure injection: ``data`` with one bit flipped (after its MAC was computed)."""
-        data = data.clone()
-        data.view(torch.uint8)[0] ^= 1
-        return data
-
-    def _verify(self, data: torch.Tensor, tag: torch.Tensor, src: int, what: str) -> bool:
-        """Whether ``data`` is what site ``src`` sent. A frame that is not is remembered (the first
-        one fails the round once the ring has ended: the ring goes on so no peer is left waiting)."""
+    def _open(self, sealed: torch.Tensor, into: torch.Tensor, src: int, what: str) -> bool:
+        """Decrypt what site ``src`` sent into ``into``; False if it is not what ``src`` sealed. The
+        first such frame is remembered (it fails the round once the ring has ended: the ring goes
+        on so no peer is left waiting)."""
         t0 = time.perf_counter()
-        want = self._mac(src, self.view.admitted.index(self.site), what, data)
-        self.verify_seconds += time.perf_counter() - t0
-        if hmac.compare_digest(want, tag.numpy().tobytes()):
-            return True
-        if self.forged is None:
-            self.forged = f"a frame from site {self.view.admitted[src]} failed authentication (payload MAC)"
-        return False
+        cipher = self.ciphers[self.view.admitted[src]]
+        ok = cipher.open(self._context(src, self.view.admitted.index(self.site), what), sealed, into)
+        self.open_seconds += time.perf_counter() - t0
+        if not ok and self.forged is None:
+            self.forged = f"a frame from site {self.view.admitted[src]} failed authentication (AES-GCM tag)"
+        return ok
 
     def _send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        """One paced, authenticated exchange over the round group (group ranks = positions in
-        ``view.admitted``); ``recv`` is verified before the caller uses it. The outgoing MAC is
-        computed while the frame is in flight and follows it; the incoming one is checked once the
-        frame has (emulated) arrived, so its cost is on the round's critical path as on a real link."""
+        """One paced, encrypted exchange over the round group (group ranks = positions in
+        ``view.admitted``); ``recv`` is filled only from pieces that opened.
+
+        The frame travels in pieces of :data:`PIECE` bytes, each sealed on its own, so the cipher
+        overlaps the wire: a piece is sealed while the one before it is in flight, and a received
+        piece is opened once it has (emulated) arrived, while later ones are still on the way.
+        What the cipher adds to the critical path is then about one piece's sealing and one
+        piece's opening, unless the cipher is slower than the link."""
         pg = self.group
-        nbytes = send.numel() * send.element_size()
-        self.count(nbytes + TAG_BYTES)
         self._seq += 1
         what = f"ring{self._seq}"
-        works = [pg.recv([recv], src, DATA_TAG), pg.send([self._altered(send) if self.tamper else send], dst, DATA_TAG)]
-        arrival = self.wan.pace([(self.names.index(self.view.admitted[dst]), nbytes)])[0] if self.wan is not None else 0.0
-        tag_out = self._tag(send, dst, what)  # of the unaltered frame, while it is in flight
-        tag_in = torch.empty(TAG_BYTES, dtype=torch.uint8)
-        works += [pg.recv([tag_in], src, MAC_TAG), pg.send([tag_out], dst, MAC_TAG)]
-        if self.wan is None:
-            self._wait(works, nbytes)
-            self._verify(recv, tag_in, src, what)
-            return
-        header_in = torch.zeros(1, dtype=torch.float64)
-        works += [
-            pg.recv([header_in], src, HEADER_TAG),
-            pg.send([torch.tensor([arrival], dtype=torch.float64)], dst, HEADER_TAG),
-        ]
-        self._wait(works, nbytes)
-        self.wan.hold_until(float(header_in.item()))
-        self._verify(recv, tag_in, src, what)
+        out_u8, in_u8 = send.view(torch.uint8), recv.view(torch.uint8)
+        outs = list(range(0, max(1, out_u8.numel()), PIECE))
+        ins = list(range(0, max(1, in_u8.numel()), PIECE))
+        incoming: list[tuple[torch.Tensor, Any, torch.Tensor | None, Any]] = []
+        for j, k in enumerate(ins):  # every receive posted first
+            buf = torch.empty(sealed_size(min(PIECE, in_u8.numel() - k)), dtype=torch.uint8)
+            header = torch.zeros(1, dtype=torch.float64) if self.wan is not None else None
+            incoming.append(
+                (
+                    buf,
+                    pg.recv([buf], src, PIECE_TAG + 2 * j),
+                    header,
+                    pg.recv([header], src, PIECE_TAG + 2 * j + 1) if header is not None else None,
+                )
+            )
+        sent: list[Any] = []  # (works and the tensors they send, kept alive until done)
+        opened = 0
+
+        def open_ready(block: bool) -> int:
+            """Open the received pieces, in order, that have arrived (all of them if ``block``)."""
+            done = opened
+            while done < len(incoming):
+                buf, work, header, hwork = incoming[done]
+                ready = work.is_completed() and (hwork is None or hwork.is_completed())
+                if not block and (not ready or (header is not None and time.monotonic() < float(header.item()))):
+                    break
+                self._wait([work] if hwork is None else [work, hwork], buf.numel())
+                if header is not None and self.wan is not None:
+                    self.wan.hold_until(float(header.item()))
+                k = ins[done]
+                self._open(buf, in_u8[k : k + PIECE], src, f"{what}|{done}")
+                done += 1
+            return done
+
+        for i, k in enumerate(outs):
+            piece = self._seal(out_u8[k : k + PIECE], dst, f"{what}|{i}")
+            nbytes = piece.numel()
+            self.count(nbytes)
+            works = [pg.send([piece], dst, PIECE_TAG + 2 * i)]
+            if self.wan is not None:
+                arrival = self.wan.pace([(self.names.index(self.view.admitted[dst]), nbytes)])[0]
+                stamp = torch.tensor([arrival], dtype=torch.float64)
+                works.append(pg.send([stamp], dst, PIECE_TAG + 2 * i + 1))
+                sent.append(stamp)
+            sent.append((works, piece))
+            opened = open_ready(block=False)
+        opened = open_ready(block=True)
+        for item in sent:
+            if isinstance(item, tuple):
+                self._wait(item[0], item[1].numel())
 
     def _ring_sum(self) -> None:
         view, x = self.view, self.shard
@@ -220,8 +249,8 @@ class Exchange:
             self._send_recv(chunks[(i - s) % n], nxt, chunks[(i - s - 1) % n], prv)
 
     def _heal(self) -> None:
-        """The source sends its serialised state to every healer (same local rank); a healer keeps
-        the bytes for the main thread to load."""
+        """The source sends its serialised state to every healer (same local rank), encrypted; a
+        healer keeps the bytes for the main thread to load."""
         view, pg = self.view, self.group
         src = view.admitted.index(view.source)
         if self.site == view.source and self.outgoing is not None:
@@ -229,16 +258,17 @@ class Exchange:
             size = torch.tensor([state.numel()], dtype=torch.int64)
             for h in view.healers:
                 dst = view.admitted.index(h)
-                tag = self._tag(state, dst, f"heal{state.numel()}")
-                blob = self._altered(state) if self.tamper else state
-                works = [pg.send([size], dst, HEAL_TAG), pg.send([blob], dst, HEAL_TAG + 1), pg.send([tag], dst, HEAL_MAC_TAG)]
-                self._wait(works, blob.numel())
-                self.count(blob.numel() + 8 + TAG_BYTES)
+                blob = self._seal(state, dst, f"heal{state.numel()}")  # the size is bound into the context
+                self._wait([pg.send([size], dst, HEAL_TAG), pg.send([blob], dst, HEAL_TAG + 1)], blob.numel())
+                self.count(blob.numel() + 8)
         elif self.site in view.healers:
             size = torch.zeros(1, dtype=torch.int64)
             self._wait([pg.recv([size], src, HEAL_TAG)], 8)
-            blob = torch.empty(int(size.item()), dtype=torch.uint8)
-            tag = torch.empty(TAG_BYTES, dtype=torch.uint8)
-            self._wait([pg.recv([blob], src, HEAL_TAG + 1), pg.recv([tag], src, HEAL_MAC_TAG)], blob.numel())
-            if self._verify(blob, tag, src, f"heal{blob.numel()}"):  # the size is bound into the MAC
-                self.heal_blob = blob.numpy().tobytes()
+            n = int(size.item())
+            if not 0 < n <= 1 << 36:
+                raise RoundFailed(f"site {view.source} announced healing state of {n} bytes")
+            blob = torch.empty(sealed_size(n), dtype=torch.uint8)
+            self._wait([pg.recv([blob], src, HEAL_TAG + 1)], blob.numel())
+            state = torch.empty(n, dtype=torch.uint8)
+            if self._open(blob, state, src, f"heal{n}"):
+                self.heal_blob = state.numpy().tobytes()

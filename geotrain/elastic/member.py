@@ -6,15 +6,17 @@ average gradients inside the site as usual); sites meet once per DiLoCo outer ro
 1. **Quorum** (torchft's Lighthouse, through :mod:`geotrain.elastic.coordinator`): each
    site's local rank 0 heartbeats to the Lighthouse and asks it for the round's quorum,
    advertising its committed-round count, global-model hash, inner step and its round store
-   (a ``TCPStore`` it hosts). The Lighthouse answers once every heartbeating site has asked (or
-   drops a silent one after ``heartbeat_timeout_s``); fewer than ``min_sites`` → the site logs
-   that training is paused and asks again. If the Lighthouse is down, the round is postponed:
-   the site keeps doing inner steps and asks again every step until it is back.
-2. **Authentication** (:mod:`geotrain.elastic.auth`): in the round store every site proves knowledge of the shared secret by
-   HMAC-SHA256 over the other sites' fresh nonces (the secret never crosses the wire). A
-   site that cannot prove it is refused (told so through the store) and left out of the
-   round's process group.
-3. **Healing**: the *source* is the member with the most committed rounds (ties: the global
+   (an authenticated store it hosts, :mod:`geotrain.comm.authstore`). The Lighthouse answers
+   once every heartbeating site has asked (or drops a silent one after ``heartbeat_timeout_s``);
+   fewer than ``min_sites`` → the site logs that training is paused and asks again. If the
+   Lighthouse is down, the round is postponed: the site keeps doing inner steps and asks again
+   every step until it is back. The quorum is only a hint of who to meet and where
+   (:mod:`geotrain.elastic.hints`).
+2. **Meeting** (:mod:`geotrain.elastic.meeting`): in one site's round store every site proves
+   the run's key to every other over their fresh nonces and states what it holds as of this
+   round (the secret never crosses the wire); the sites agree on one view, whose digest names
+   the round. A site that cannot prove it is left out of the round's process group.
+3. **Healing**, decided from the claims made in the meeting: the *source* is the member with the most committed rounds (ties: the global
    hash most members hold, then the smallest name). Members whose (committed, hash) differ —
    a restarted site, or one that rolled back a round its peers committed — receive the
    source's state (global parameters, outer optimizer, counters, step, inner model/optimizer)
@@ -51,20 +53,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from geotrain.comm.authstore import AuthStore, AuthStoreServer
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.emulate.inprocess import WanEmulator
-from geotrain.comm.procs import listening_store
+from geotrain.comm.identity import Identity
 from geotrain.comm.topology import Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic import roundstore
-from geotrain.elastic.auth import RunKeys, SealedStore, authenticate, load_secret
+from geotrain.elastic.auth import RunKeys, SealedStore, load_secret
 from geotrain.elastic.coordinator import Coordinator
 from geotrain.elastic.exchange import Exchange
+from geotrain.elastic.hints import QuorumHints
+from geotrain.elastic.meeting import ballot, meet, said_yes
 from geotrain.elastic.roundstore import Monitor, wait_keys
-from geotrain.elastic.view import HealHooks, Member, RoundView, heal_source, healers, members_of
+from geotrain.elastic.view import HealHooks, Member, RoundView, heal_source
 from geotrain.errors import ElasticTimeout, MembershipRefused, RoundFailed
-
-REJECTED_LOGGED = 64  # distinct participant names that failed authentication, logged once each
 
 # --------------------------------------------------------------------------- one site's member
 
@@ -86,6 +89,8 @@ class SiteMember:
         log: writes one line to this rank's log.
         on_mid_round: called between the reduce-scatter and all-gather of the exchange
             (failure injection "in the middle of an all-reduce").
+        identity: makes this site's identity (its own key and the run's pinned keys:
+            ``elastic.site_keys``); None: the shared secret only.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class SiteMember:
         on_mid_round: Callable[[], None] | None = None,
         stats: CommStats | None = None,
         incarnation: int = 0,
+        identity: Callable[[], Identity] | None = None,
     ) -> None:
         self.cfg = cfg
         self.stats = stats if stats is not None else CommStats()
@@ -113,11 +119,8 @@ class SiteMember:
         self.slowest_link = (min((x.bandwidth_bps for x in links), default=1e9), max((x.latency_s for x in links), default=0.0))
         self.intra, self.wan, self.hooks, self.log = intra, wan, hooks, log
         self.on_mid_round = on_mid_round
-        self.secret = load_secret(self.cfg)
-        self.keys = RunKeys(self.secret)
+        self.keys = RunKeys(load_secret(self.cfg))  # the secret itself is not kept
         self.incarnation = incarnation
-        self.authenticated_peer = False  # this site has proved the secret with a peer in this run
-        self._rejected: set[str] = set()  # quorum participants whose member tag failed (logged once)
         # failure injection: the rounds (by step) whose outgoing frames are altered after their MAC
         self.tamper_steps: set[int] = set()
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
@@ -129,16 +132,24 @@ class SiteMember:
         self._current: dict[str, Any] = {}
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
-        self._stores: dict[str, dist.TCPStore] = {}
-        self._host_store: dist.TCPStore | None = None
+        self._stores: dict[str, AuthStore] = {}
+        self._host_store: AuthStoreServer | None = None
         self.coordinator: Coordinator | None = None
         addr = self.cfg.lighthouse or os.environ.get("GEOTRAIN_LIGHTHOUSE", "")
         if not addr:
             raise MembershipRefused("no Lighthouse address: set elastic.lighthouse (HOST:PORT)")
+        self.identity: Identity | None = None
+        identity_error = ""  # raised as MembershipRefused by rank 0 where every rank hears it
+        if local_rank == 0 and identity is not None:
+            try:
+                self.identity = identity()
+            except (ValueError, OSError) as exc:
+                identity_error = f"elastic.site_keys: {exc}"
+        self.hints = QuorumHints(site, self.names, self.keys, self.identity, identity_error, log)
         if local_rank == 0:
             bind = os.environ.get("GEOTRAIN_BIND_ADDR", "127.0.0.1")
-            self._host_store = listening_store(bind, self.cfg.collective_timeout_s)
-            self.coordinator = Coordinator(self.cfg, addr, site, workers, f"{bind}:{self._host_store.port}", log)
+            self._host_store = AuthStoreServer(bind, self.keys.store, log=log)
+            self.coordinator = Coordinator(self.cfg, addr, site, workers, self._host_store.address, log)
 
     @property
     def retry_seconds(self) -> float:
@@ -148,116 +159,108 @@ class SiteMember:
     def rendezvous(self, sites: int, timeout: float) -> list[str]:
         """Before the first step of a fresh run: wait until all ``sites`` sites are in one quorum (or
         ``timeout`` passes, then go on with those present), so no site trains rounds alone while
-        the others are still starting. Every rank returns the sites present."""
+        the others are still starting; then meet them once, so that a site started from another
+        initial model (seed, model settings, code) is refused before it trains, on claims made in
+        the meeting (a replayed quorum entry cannot fake a mismatch). Every rank returns the sites
+        present."""
         view = RoundView()
         if self.local == 0:
             deadline = time.monotonic() + timeout
-            mine = self.hooks.global_hash()
             try:
                 while True:
                     q = self._quorum(can_postpone=False)
-                    members = self._authentic(q)
+                    members = self.hints.usable(q)
                     present = sorted(m.site for m in members)
                     if len(present) >= sites or time.monotonic() > deadline:
                         break
                     time.sleep(self.cfg.heartbeat_s)
+                if len(present) > 1:
+                    self._decide(can_postpone=False)  # raises MembershipRefused on another initial model
             except (MembershipRefused, ElasticTimeout) as exc:
                 view = _fatal(exc)
             else:
                 self._last_members = view.admitted = present
                 self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
-                fresh = [m for m in members if not m.committed and not m.joining]  # not resumed sites
-                differ = sorted(m.site for m in fresh if m.hash != mine) if not self.hooks.committed() else []
-                if differ:  # fresh sites must start from one model (same seed, model config and code)
-                    view = _fatal(
-                        MembershipRefused(
-                            f"the initial model of site(s) {', '.join(differ)} differs from site {self.site}'s: every "
-                            "site needs the same train.seed, model settings and geotrain version"
-                        )
-                    )
         return self._broadcast(view).admitted
 
-    def _quorum(self, can_postpone: bool) -> Any:
-        assert self.coordinator is not None  # local rank 0
-        committed = self.hooks.committed()
-        claims: dict[str, Any] = {
+    def _claims(self) -> dict[str, Any]:
+        """What this site holds now (local rank 0): in its quorum request, and again inside the round."""
+        assert self.coordinator is not None
+        return {
             "hash": self.hooks.global_hash(),
             "step": self.hooks.step(),
             "joining": self.joining,
-            "committed": committed,
+            "committed": self.hooks.committed(),
             "store": self.coordinator.store_address,
             "incarnation": self.incarnation,
+            "session": self.hints.session,
         }
+
+    def _quorum(self, can_postpone: bool) -> Any:
+        assert self.coordinator is not None  # local rank 0
+        claims = self._claims()
         claims["tag"] = self.keys.member_tag(self.site, claims)
-        return self.coordinator.quorum(can_postpone, committed=committed, joining=self.joining, data=claims)
+        return self.coordinator.quorum(can_postpone, committed=claims["committed"], joining=self.joining, data=claims)
 
-    def _authentic(self, q: Any) -> list[Member]:
-        """The quorum's participants whose member tag verifies. A site that has never authenticated
-        a peer in this run, finds no other participant it can verify, and sees participants named
-        like sites of this run's topology stops: its secret differs from theirs (it cannot tell
-        that from impostors using those names; docs/SECURITY.md). Other names are only ignored."""
-        members, rejected = members_of(q, self.keys.member_ok)
-        for name in sorted(set(rejected) - self._rejected)[: max(0, REJECTED_LOGGED - len(self._rejected))]:
-            self.log(f"quorum participant {name!r} failed authentication (no valid member tag): ignored")
-            self._rejected.add(name)  # (at most REJECTED_LOGGED names are remembered: a forger may make up many)
-        known = [r for r in rejected if r in self.names and r != self.site]
-        if known and len(members) == 1 and not self.authenticated_peer:
-            raise MembershipRefused(
-                f"site {self.site!r} could not authenticate any other site in the quorum ({', '.join(known)}): the "
-                f"membership secret differs (elastic.secret_env / elastic.secret_file)"
-            )
-        if len(members) > 1:
-            self.authenticated_peer = True
-        return members
-
-    def _store(self, address: str) -> dist.TCPStore:
+    def _store(self, address: str) -> AuthStore:
         if address not in self._stores:
-            self._stores[address] = roundstore.connect(address, self.cfg.heartbeat_timeout_s)
+            self._stores[address] = roundstore.connect(address, self.keys.store, self.cfg.heartbeat_timeout_s)
         return self._stores[address]
 
+    def _forget_store(self, address: str) -> None:
+        """Reconnect next time (the store's host may be gone)."""
+        client = self._stores.pop(address, None)
+        if client is not None:
+            client.close()
+
     def _decide(self, can_postpone: bool) -> RoundView:
-        """Local rank 0: quorum, authentication, healing plan."""
+        """Local rank 0: quorum (who to meet, where), authentication and claims inside the round,
+        healing plan from those claims."""
         q = self._quorum(can_postpone)
         if q is None:
             return RoundView(postponed=True)
-        members = self._authentic(q)
-        names = sorted(m.site for m in members)
-        source = heal_source(members)
-        if source is None:  # every member is a restarted site without a state: nobody to heal from (yet)
+        hints = self.hints.usable(q)
+        names = sorted(m.site for m in hints)
+        if self.site not in names:  # our own request was displaced at the Lighthouse (by a replay): ask again
             return RoundView(postponed=True)
-        gone = [s for s in self._last_members if s not in names]
-        for s in gone:
-            self._event(s, "left quorum")
+        host = heal_source(hints)  # where to meet: the same on every site, since all see one quorum
+        if host is None:  # every member is a restarted site without a state: nobody to heal from (yet)
+            return RoundView(postponed=True)
+        for s in self._last_members:
+            if s not in names:
+                self._event(s, "left quorum")
         self._last_members = names
         key = f"{q.quorum_id}-{q.created.seconds}-{q.created.nanos}"
-        by = {m.site: m for m in members}
-        view = RoundView(key=key, members=members, source=source)
+        meeting = next(m.store for m in hints if m.site == host)
+        view = RoundView(key=key, meeting=meeting, members=hints)
         try:
-            auth = SealedStore(self._store(by[source].store), self.keys, f"auth/{key}")
-            admitted = authenticate(auth, key, self.site, names, self.secret, self.cfg.heartbeat_timeout_s, self.log)
-            # a slow site may be admitted by some and timed out by others: the round goes ahead
-            # only if every admitted site admitted the same set (else all of them roll back)
-            mine = ",".join(admitted)
-            auth.set(f"view/{self.site}", mine)
-            keys = [f"view/{s}" for s in admitted]
-            got = wait_keys(auth, keys, time.monotonic() + self.cfg.heartbeat_timeout_s * 2)
-            if len(got) != len(keys) or any(auth.get(k) != mine.encode() for k in keys):
-                view.error = f"round {key}: sites disagree on who was authenticated"
-                return view
-        except MembershipRefused:
-            raise
-        except Exception as exc:
-            view.error = f"round {key}: membership set-up failed ({type(exc).__name__}: {str(exc)[:120]})"
+            store = self._store(meeting)
+        except RoundFailed as exc:
+            view.error = str(exc)
             return view
-        if source not in admitted:
-            view.error = f"round {key}: the source site {source} was not authenticated"
-            return view
-        if len(admitted) < self.cfg.min_sites:  # the quorum had enough sites, but not all of them answered
-            view.error = f"round {key}: {len(admitted)} site(s) authenticated, fewer than elastic.min_sites={self.cfg.min_sites}"
-            return view
-        view.admitted = admitted
-        view.healers = healers(members, source, admitted)
+        view, members = meet(
+            store, self.keys, view, self.site, names, self._claims(), self.identity, self.cfg.heartbeat_timeout_s,
+            self.cfg.min_sites, self.log,
+        )  # fmt: skip
+        if view.error:
+            self._forget_store(meeting)
+        self.hints.proved(members)
+        if view.admitted:
+            self._same_initial_model(members)
         return view
+
+    def _same_initial_model(self, members: list[Member]) -> None:
+        """Fresh sites (no committed round, not restarted) must start from one model: same seed,
+        model settings and code. Checked on the claims made inside the round."""
+        if self.hooks.committed() or self.joining:
+            return
+        mine = self.hooks.global_hash()
+        differ = sorted(m.site for m in members if not m.committed and not m.joining and m.hash != mine)
+        if differ:
+            raise MembershipRefused(
+                f"the initial model of site(s) {', '.join(differ)} differs from site {self.site}'s: every "
+                "site needs the same train.seed, model settings and geotrain version"
+            )
 
     def _event(self, site: str, how: str) -> None:
         self.events.append({"site": site, "how": how, "time": time.monotonic(), "by": self.site})
@@ -332,22 +335,21 @@ class SiteMember:
         }
         if view.error:
             raise RoundFailed(view.error)
-        by = {m.site: m for m in view.members}
-        store = self._store(by[view.source].store)
+        store = self._store(view.meeting)
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
-        hb_store = SealedStore(
-            roundstore.connect(by[view.source].store, self.cfg.heartbeat_timeout_s), self.keys, f"round/{view.key}"
-        )
+        hb_client = roundstore.connect(view.meeting, self.keys.store, self.cfg.heartbeat_timeout_s)
+        hb_store = SealedStore(hb_client, self.keys, f"round/{view.round_id}", self.log)
         monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
         try:
             return self._exchange_and_vote(delta, view, store, monitor, contribute)
         finally:
             monitor.stop()
+            hb_client.close()
             if monitor.culprit:
                 self._event(monitor.culprit, "heartbeat timeout")
 
     def _exchange_and_vote(
-        self, delta: torch.Tensor, view: RoundView, store: dist.Store, monitor: Monitor, contribute: bool
+        self, delta: torch.Tensor, view: RoundView, store: AuthStore, monitor: Monitor, contribute: bool
     ) -> int:
         # the main thread prepares everything the exchange thread reads (it must not touch the model)
         finite = contribute and bool(torch.isfinite(delta).all())
@@ -362,7 +364,7 @@ class SiteMember:
             buf = io.BytesIO()
             torch.save(self.hooks.state(), buf)
             outgoing = buf.getvalue()
-        round_store = SealedStore(store, self.keys, f"round/{view.key}")  # the exchange's rendezvous and the votes
+        round_store = SealedStore(store, self.keys, f"round/{view.round_id}", self.log)  # rendezvous and votes
         stores = {m.site: m.store for m in view.members}
         members = tuple(f"{s}@{stores[s]}" for s in view.admitted)
         if self._pg is not None and self._pg[0] != members:
@@ -382,14 +384,13 @@ class SiteMember:
             self.cfg.collective_timeout_s,
             self._count,
             self.on_mid_round,
-            self.keys.payload,
             tamper=self.hooks.step() in self.tamper_steps,
         )
         x.start()
         finished = x.wait()
         self._current["exchange_s"] = time.monotonic() - self._current["start"] - self._current["quorum_s"]
-        self._current["mac_s"] = x.mac_seconds
-        self._current["mac_verify_s"] = x.verify_seconds
+        self._current["seal_s"] = x.seal_seconds
+        self._current["open_s"] = x.open_seconds
         ok = torch.ones(1)
         why = ""
         if not finished:
@@ -418,10 +419,10 @@ class SiteMember:
         committed = self._vote(round_store, view, monitor, bool(ok.item()))
         if not committed:
             self._drop_group()
-            self._stores.pop(stores[view.source], None)  # reconnect next time: its host may be gone
+            self._forget_store(view.meeting)
             reason = why or monitor.failed or "a participant did not confirm the round"
             if self.local == 0:
-                self.log(f"round {view.key} rolled back: {reason}")
+                self.log(f"round {view.key} rolled back: {reason} (round store {view.meeting})")
             raise RoundFailed(reason)
         count = int(round(float(ext[-1].item())))
         if count == 0:
@@ -452,18 +453,18 @@ class SiteMember:
         decision = torch.zeros(1)
         if self.local == 0:
             with contextlib.suppress(Exception):  # an unreachable store: no commit
-                prefix.set(f"vote/{self.site}", "1" if ok else "0")
+                prefix.set(f"vote/{self.site}", ballot(self.identity, view.round_id, self.site, ok))
                 if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
                     keys = [f"vote/{s}" for s in view.admitted]
-                    votes: dict[str, bytes | None] = {}
+                    yes: dict[str, bool] = {}
 
                     def said_no(k: str) -> bool:
-                        votes[k] = prefix.get(k)
-                        return votes[k] != b"1"
+                        yes[k] = said_yes(self.identity, view.round_id, k.split("/", 1)[1], prefix.get(k))
+                        return not yes[k]
 
                     deadline = time.monotonic() + self.cfg.collective_timeout_s
                     wait_keys(prefix, keys, deadline, monitor, stop_if=said_no)
-                    decision.fill_(float(all(votes.get(k) == b"1" for k in keys)))
+                    decision.fill_(float(all(yes.get(k, False) for k in keys)))
         dist.broadcast(decision, src=0, group=self.intra)
         return bool(decision.item())
 
@@ -480,3 +481,7 @@ class SiteMember:
         if self.coordinator is not None:
             self.coordinator.close()
         self._drop_group()
+        for address in list(self._stores):
+            self._forget_store(address)
+        if self._host_store is not None:
+            self._host_store.close()

@@ -1,5 +1,5 @@
-"""The round store: a ``TCPStore`` hosted by a site, where the sites of a round meet to
-authenticate, watch each other's heartbeats and vote.
+"""The round store: an authenticated store (:mod:`geotrain.comm.authstore`) hosted by a site,
+where the sites of a round meet to authenticate, watch each other's heartbeats and vote.
 
 Gloo waits cannot be interrupted, so every wait here polls: :func:`wait_keys` ends at its
 deadline, as soon as a present key settles it, or when the :class:`Monitor` has failed the round.
@@ -10,18 +10,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
+from geotrain.comm.authstore import AuthStore, StoreRefused
 from geotrain.errors import RoundFailed
 
 
-def connect(address: str, timeout: float) -> dist.TCPStore:
-    """A client of the store at ``HOST:PORT`` (every operation times out after ``timeout`` s)."""
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+def connect(address: str, key: bytes, timeout: float) -> AuthStore:
+    """A client of the round store at ``HOST:PORT``, authenticated with the run's store ``key``
+    (every operation times out after ``timeout`` s).
+
+    Raises:
+        RoundFailed: the store cannot be reached, or does not prove the key.
+    """
+    try:
+        return AuthStore(address, key, timeout)
+    except (StoreRefused, TimeoutError, OSError) as exc:
+        raise RoundFailed(f"round store {address}: {exc}") from None
 
 
 class Monitor:

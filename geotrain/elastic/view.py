@@ -1,7 +1,9 @@
-"""What a round is about, decided from the quorum alone: its members, the site the others heal
-from, and who heals. Pure functions, the same on every site given the same quorum. Only
-participants whose member tag verifies (:mod:`geotrain.elastic.auth`) are members: a process
-without the secret is never a source, whatever it claims.
+"""What a round is about: its members, the site the others heal from, and who heals. Pure
+functions, the same on every site given the same members. The Lighthouse's quorum only says who
+to meet and where (participants whose member tag verifies, :mod:`geotrain.elastic.auth`); the
+members, with what they hold, are the sites authenticated inside the round, with the claims they
+made there, bound to that round's fresh nonces: a process without the secret is never a source,
+and claims replayed from an earlier round decide nothing.
 
 The *source* is the member with the most committed rounds (ties: the global hash most of those
 members hold, then the smallest name) among those that hold a valid state: a *joining* member (a
@@ -29,13 +31,18 @@ class Member:
     committed: int
     hash: str
     joining: bool = False
+    incarnation: int = 0  # the site's process generation (a restarted site counts up)
+    session: str = ""  # random per process: tells a live process from a replay of an older one
 
 
 @dataclass
 class RoundView:
     """What every rank of a site knows about the round (decided by local rank 0, broadcast)."""
 
-    key: str = ""
+    key: str = ""  # the Lighthouse's name for the round (what the records call it)
+    round_id: str = ""  # the round's identity: digest of the admitted sites' nonces and claims
+    meeting: str = ""  # the round store the sites meet in
+    frame_keys: dict[str, bytes] = field(default_factory=dict)  # per peer site: this round's frame key
     members: list[Member] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
     source: str = ""
@@ -73,7 +80,11 @@ def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) ->
                 and data.get("store") == p.store_address
                 and isinstance(data.get("hash", ""), str)
             )
-            member = Member(p.replica_id, p.store_address, p.step, str(data.get("hash", "")), data.get("joining") is True)
+            inc, session = data.get("incarnation", 0), data.get("session", "")
+            ok = ok and type(inc) is int and isinstance(session, str)
+            member = Member(
+                p.replica_id, p.store_address, p.step, str(data.get("hash", "")), data.get("joining") is True, inc, session
+            )
         except Exception:  # noqa: BLE001 - whatever a forged participant is made of
             ok = False
         if not ok:
@@ -81,6 +92,12 @@ def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) ->
             continue
         members.append(member)
     return members, sorted(rejected)
+
+
+def member_from_claims(site: str, claims: dict[str, Any]) -> Member:
+    """A member as it described itself inside the round (claims checked by :func:`parse_claims`)."""
+    c = claims
+    return Member(site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"])
 
 
 def heal_source(members: list[Member]) -> str | None:

@@ -27,8 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from geotrain.comm.identity import public_hex, site_key
+
+__all__ = ["AuditChain", "public_hex", "site_key", "verify_chain", "verify_dir", "verify_logs"]
 
 GENESIS_PREV = "0" * 64
 AGREED = ("status", "participants", "survivors", "epsilon")  # what every site must record alike per round
@@ -40,27 +43,6 @@ def _canonical(body: dict[str, Any]) -> bytes:
 
 def _line_hash(line: str) -> str:
     return hashlib.sha256(line.encode()).hexdigest()
-
-
-def public_hex(key: Ed25519PrivateKey) -> str:
-    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
-
-
-def site_key(path: Path) -> Ed25519PrivateKey:
-    """The site's signing key at ``path`` (PEM, PKCS#8), made (mode 0600) with its ``.pub`` if absent."""
-    if path.exists():
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        if not isinstance(key, Ed25519PrivateKey):
-            raise ValueError(f"{path}: not an Ed25519 private key")
-        return key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    path.with_suffix(".pub").write_text(public_hex(key) + "\n")
-    return key
 
 
 class AuditChain:

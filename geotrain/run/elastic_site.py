@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from geotrain.comm.identity import Identity, site_key
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic.member import SiteMember
@@ -53,6 +54,7 @@ def join_elastic(
     where: RankInfo,
     incarnation: int,
     objs: RankObjects,
+    keys: Path,
 ) -> tuple[SiteMember, Callable[[int], None]]:
     """Join the elastic membership (:mod:`geotrain.elastic`); a restarted site (``incarnation`` > 0)
     heals from a live peer first. Returns the member and the per-step failure-injection hook.
@@ -63,6 +65,7 @@ def join_elastic(
             those after the step it healed at (the earlier ones happened to its predecessors).
         where: this rank's place in the whole run.
         objs: this rank's training state (healing reads and replaces it).
+        keys: the folder of the sites' own keys (``privacy.keys_dir``), for ``elastic.site_keys``.
     """
     sync, data, groups = objs.sync, objs.data, objs.comm.groups
     assert isinstance(sync, DiLoCo)  # the config allows elastic mode with diloco only
@@ -109,6 +112,7 @@ def join_elastic(
         on_mid_round=lambda: inject(sync.local_steps),
         stats=objs.comm.stats,
         incarnation=incarnation,
+        identity=_identity(cfg, where.site, keys),
     )
     member.tamper_steps = tamper
     if where.local_rank == 0:
@@ -136,3 +140,12 @@ def join_elastic(
     if where.local_rank == 0:
         live.touch()
     return member, inject
+
+
+def _identity(cfg: ElasticConfig, site: str, keys: Path) -> Callable[[], Identity] | None:
+    """How this site's identity is made where the run pins site keys (``elastic.site_keys``): its
+    key from the ``keys`` folder, checked against the pinned one."""
+    pinned = cfg.site_keys
+    if not pinned:
+        return None
+    return lambda: Identity(site, site_key(keys / f"{site}.key"), Path(pinned).expanduser())

@@ -41,7 +41,7 @@ from geotrain.data import build_rank_data, tokenizer_file, vocab_size
 from geotrain.elastic.auth import optional_secret
 from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, LaunchError, MembershipRefused, SyncerTimeout
 from geotrain.models import build_model, count_params, export_model
-from geotrain.privacy.build import build_privacy
+from geotrain.privacy.build import build_privacy, keys_dir
 from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import rank_record, run_summary
 from geotrain.report.trackers import open_tracker
@@ -253,7 +253,8 @@ def _train(
     member = None
     if place.elastic:
         faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
-        member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs)
+        keys = keys_dir(cfg.privacy)
+        member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs, keys)
         closing.callback(member.close)  # its heartbeat thread must not outlive the interpreter
         start = member.healed_at_step if member.healed_at_step is not None else start
     n_params = count_params(model)
