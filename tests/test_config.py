@@ -105,9 +105,15 @@ BAD = [
     (None, ["privacy.dp.clip_norm=-1"], "privacy.dp.clip_norm: Input should be greater than 0"),
     (
         None,
-        ["privacy.secure_aggregation=true", "privacy.threshold=3"],
-        "privacy.threshold: 3 is larger than the number of sites (2)",
+        ["privacy.secure_aggregation=true"],
+        "privacy.secure_aggregation: needs at least 3 sites, not 2 (with two, each site learns the other's update",
     ),
+    (
+        "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n",
+        ["privacy.secure_aggregation=true", "privacy.threshold=4"],
+        "privacy.threshold: 4 is larger than the number of sites (3)",
+    ),
+    (None, ["privacy.threshold=2"], "privacy.threshold: Input should be greater than or equal to 3"),
     (None, ["privacy.dp.unit=site"], "privacy.dp.noise_multiplier: set it or dp.epsilon"),
     (None, ["privacy.inject=[A@x:drop]"], "privacy.inject: item 0 ('A@x:drop'): expected SITE@ROUND:drop"),
     (None, ["privacy.secure_aggregation=true", "sync.algorithm=ddp"], "privacy.secure_aggregation: works on pseudo-gradients"),

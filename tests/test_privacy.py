@@ -79,7 +79,7 @@ def _private_average_rank(rank: int, secure: bool, noise: float | None):
     from geotrain.config import PrivacyConfig
     from geotrain.privacy.aggregation import PrivateAggregation
 
-    topo = uniform_topology(2, 2)
+    topo = uniform_topology(3, 1)  # secure aggregation needs 3 sites
     dp = {"unit": "site", "noise_multiplier": noise, "clip_norm": 50.0} if noise is not None else {}
     cfg = PrivacyConfig.model_validate({"secure_aggregation": secure, "dp": dp})
     with rank_comm(topo, "off") as (groups, comm):
@@ -91,28 +91,22 @@ def _private_average_rank(rank: int, secure: bool, noise: float | None):
 
 @pytest.mark.parametrize("secure", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_private_average_equals_mean_and_is_identical_on_every_rank(secure: bool) -> None:
-    res = run_ranks(4, _private_average_rank, secure, None, timeout=120)
-    want = (
-        torch.randn(5001, generator=torch.Generator().manual_seed(0))
-        + torch.randn(5001, generator=torch.Generator().manual_seed(1))
-    ) / 2
+    res = run_ranks(3, _private_average_rank, secure, None, timeout=120)
+    want = sum(torch.randn(5001, generator=torch.Generator().manual_seed(s)) for s in range(3)) / 3
     for n, got, eps in res:
-        assert n == 2 and eps is None
+        assert n == 3 and eps is None
         assert torch.allclose(torch.tensor(got), want, atol=1e-5)
-    assert all(r[1] == res[0][1] for r in res)  # bit-identical on all four ranks
+    assert all(r[1] == res[0][1] for r in res)  # bit-identical on every rank
 
 
 @pytest.mark.slow
 def test_site_level_noise_is_calibrated_and_accounted() -> None:
-    res = run_ranks(4, _private_average_rank, True, 0.4, timeout=120)
-    mean = (
-        torch.randn(5001, generator=torch.Generator().manual_seed(0))
-        + torch.randn(5001, generator=torch.Generator().manual_seed(1))
-    ) / 2
+    res = run_ranks(3, _private_average_rank, True, 0.4, timeout=120)
+    mean = sum(torch.randn(5001, generator=torch.Generator().manual_seed(s)) for s in range(3)) / 3
     n, got, eps = res[0]
     err = torch.tensor(got) - mean
-    # the sum carries N(0, (sigma*C)^2) per coordinate; the average over 2 sites half of it
-    assert float(err.std()) == pytest.approx(0.4 * 50.0 / 2, rel=0.06)
+    # the sum carries N(0, (sigma*C)^2) per coordinate; the average over 3 sites a third of it
+    assert float(err.std()) == pytest.approx(0.4 * 50.0 / 3, rel=0.06)
     assert eps is not None and eps > 0
     assert all(r[1] == got for r in res)
 
@@ -238,8 +232,8 @@ def test_streaming_with_secure_aggregation_rolls_back_a_failed_fragment(tmp_path
         "sync.fragments=2",
         "sync.tau=1",
         "privacy.secure_aggregation=true",
-        'privacy.inject=["A@1:drop"]',  # 2 sites, t = 2: one withdrawal fails that fragment's round
-        "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
+        'privacy.inject=["A@1:drop"]',  # 3 sites, t = 3: one withdrawal fails that fragment's round
+        "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]",
     )
     assert s["secagg"] and s["rounds_rolled_back"] == 1 and s["dropouts"] == 0
     assert len(set(s["global_param_hash"].values())) == 1
@@ -312,7 +306,7 @@ def test_a_resumed_private_run_carries_its_audit_chain_and_another_runs_log_is_c
     (a resume line, then the rounds after the checkpoint as attempt 1), every chain starts with the
     run's one nonce, and a site's log swapped for one of an earlier run (same key: keys are kept
     across runs in OUT/keys) is caught, though it verifies on its own."""
-    topology = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]"
+    topology = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]"
     run = tmp_path / "run"
     common = ["sync.H=2", "privacy.secure_aggregation=true", topology]
     train_cli(run, ["train.steps=6", "checkpoint.every=4", *common])

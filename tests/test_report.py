@@ -148,8 +148,8 @@ SECTIONS = ["runs", "loss", "sites", "bytes", "rounds", "guard", "privacy", "che
 
 @pytest.mark.slow
 def test_the_report_of_a_run_and_of_a_comparison_holds_their_own_numbers(tmp_path: Path) -> None:
-    """Two 2-site runs: one with a NaN update the guard leaves out and checkpoints, one with secure
-    aggregation and site-level DP. geotrain train writes each one's page; geotrain report compares
+    """Two runs: one of 2 sites with a NaN update the guard leaves out and checkpoints, one of 3
+    with secure aggregation and site-level DP. geotrain train writes each one's page; geotrain report compares
     them. Every number read back from the page equals its summary.json, and the page holds no URL."""
     import subprocess
     import sys
@@ -158,7 +158,9 @@ def test_the_report_of_a_run_and_of_a_comparison_holds_their_own_numbers(tmp_pat
     common = ["train.steps=8", "sync.H=2", "train.log_every=1", TWO]
     pa = train_cli(a, [*common, 'fault.nan=["B@2"]', "checkpoint.every=4"])
     assert f"report: {a / 'report.html'}" in " ".join(pa.stdout.split())
-    train_cli(b, [*common, "privacy.secure_aggregation=true", "privacy.dp.unit=site", "privacy.dp.noise_multiplier=0.01"])
+    three = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]"
+    private = ["privacy.secure_aggregation=true", "privacy.dp.unit=site", "privacy.dp.noise_multiplier=0.01"]
+    train_cli(b, [*common, three, *private])  # secure aggregation needs 3 sites
     page = tmp_path / "both.html"
     proc = subprocess.run(
         [sys.executable, "-m", "geotrain", "report", str(a), str(b), "--out", str(page)], capture_output=True, text=True

@@ -75,7 +75,7 @@ def _secure_sum(
     return decode_fixed(acc, fb), survivors
 
 
-@pytest.mark.parametrize("n,graph", [(2, "complete"), (5, "complete"), (12, "sparse")])
+@pytest.mark.parametrize("n,graph", [(3, "complete"), (5, "complete"), (12, "sparse")])
 def test_secure_sum_equals_plain_sum_within_fixed_point_bound(n: int, graph: str) -> None:
     ps, nb, t = _setup(n, graph)
     bound = 4.0
@@ -85,14 +85,15 @@ def test_secure_sum_equals_plain_sum_within_fixed_point_bound(n: int, graph: str
     got, _ = _secure_sum(ps, nb, t, xs, [], fb, bound)
     plain = torch.stack(xs).to(torch.float64).sum(0)
     err = float((got.to(torch.float64) - plain).abs().max())
-    assert err <= error_bound(n, fb), (err, error_bound(n, fb))
+    fp32 = float(torch.finfo(torch.float32).eps) * float(plain.abs().max()) / 2  # the decoded sum is fp32
+    assert err <= error_bound(n, fb) + fp32, (err, error_bound(n, fb), fp32)
     assert error_bound(n, fb) < 1e-5  # the bound itself is tight enough to matter
 
 
 def test_any_n_minus_t_dropouts_after_key_agreement_still_sum_the_survivors() -> None:
     n = 5
     ps, nb, t = _setup(n, "complete")
-    assert t == 3
+    assert t == 4  # more than two thirds of 5
     fb = frac_bits_for(n, 2.0)
     xs = [torch.randn(257, generator=torch.Generator().manual_seed(u)).clamp(-2, 2) for u in range(n)]
     for k in range(n - t + 1):
@@ -101,7 +102,7 @@ def test_any_n_minus_t_dropouts_after_key_agreement_still_sum_the_survivors() ->
             plain = sum(xs[u] for u in survivors)
             assert float((got - plain).abs().max()) <= error_bound(len(survivors), fb) + 1e-6, dropped
     with pytest.raises(SecAggAborted):  # n - t + 1 dropouts: too few shares
-        _secure_sum(ps, nb, t, xs, [0, 1, 2], fb, 2.0)
+        _secure_sum(ps, nb, t, xs, [0, 1], fb, 2.0)
 
 
 def test_sparse_graph_has_log_degree_and_changes_per_round() -> None:
@@ -221,6 +222,12 @@ def test_protocol_over_gloo_recovers_dropped_and_malformed_sites() -> None:
             assert float((torch.tensor(got) - plain).abs().max()) <= error_bound(len(want), fb) + 1e-6
 
 
+def test_a_site_with_invalid_keys_aborts_the_round_on_every_rank_never_the_run() -> None:
+    res = run_ranks(4, _aggregate_rank, 4, 1, {(1, 1): "bad-key"}, None, "complete", timeout=150)
+    for _, _, rounds, _ in res:
+        assert [r[0] for r in rounds] == ["ok", "aborted", "ok"], rounds  # the next round works again
+
+
 def test_protocol_below_threshold_aborts_cleanly_on_every_rank() -> None:
     inject = {(0, 1): "drop", (3, 1): "drop"}
     res = run_ranks(4, _aggregate_rank, 4, 1, inject, 3, "complete", timeout=150)
@@ -230,7 +237,7 @@ def test_protocol_below_threshold_aborts_cleanly_on_every_rank() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sites,graph,threshold", [(4, "complete", 2), (4, "complete", None), (8, "sparse", None)])
+@pytest.mark.parametrize("sites,graph,threshold", [(5, "complete", 3), (4, "complete", None), (8, "sparse", None)])
 def test_a_site_rejected_by_one_peer_only_never_makes_a_wrong_sum(sites: int, graph: str, threshold: int | None) -> None:
     # site 1 sends a corrupted key share to one neighbour only in round 1: that neighbour rejects
     # it, every other site (with the sparse graph: every non-neighbour) accepts it; summing what
@@ -244,7 +251,7 @@ def test_a_site_rejected_by_one_peer_only_never_makes_a_wrong_sum(sites: int, gr
     res = run_ranks(sites, _aggregate_rank, sites, 1, {(1, 1): f"bad-share:{victim}"}, threshold, graph, timeout=170)
     outcomes = {r[2][1][0] for r in res}
     assert len(outcomes) == 1, "every site must agree: all sum or all abort"
-    # with the default threshold of 4 complete sites, site 1's mask key has too few shares left
+    # with the default threshold of 4 complete sites (3), site 1's mask key has too few shares left
     assert outcomes == ({"aborted"} if (graph, threshold) == ("complete", None) else {"ok"})
     for site, _local, rounds, _ in res:
         assert [r[0] for r in rounds][::2] == ["ok", "ok"]
@@ -255,3 +262,42 @@ def test_a_site_rejected_by_one_peer_only_never_makes_a_wrong_sum(sites: int, gr
         assert malformed == ([1] if site == victim else [])  # only the victim knows why
         xs = [torch.randn(999, generator=torch.Generator().manual_seed(100 + s)).clamp(-3, 3) for s in survivors]
         assert float((torch.tensor(got) - sum(xs)).abs().max()) <= error_bound(len(survivors), fb) + 1e-6
+
+
+def test_default_threshold_is_over_two_thirds_and_never_below_three() -> None:
+    from geotrain.privacy.masking import MIN_SURVIVORS
+
+    for n in range(3, 40):
+        for graph in ("complete", "sparse"):
+            s = n if graph == "complete" else sparse_degree(n) + 1
+            t = default_threshold(n, graph)
+            assert t <= s and t >= MIN_SURVIVORS and (t > 2 * s / 3 or t == s), (n, graph, t)
+
+
+def test_invalid_public_keys_and_shares_abort_the_round_never_the_run() -> None:
+    """A zero or low-order X25519 key, or a key share that does not decrypt, drops its sender
+    (it cannot crash a site); a round that then cannot rebuild its masks aborts cleanly."""
+    n = 4
+    nb = neighbours(n, "complete", n - 1, b"seed")
+    ps = [Participant(u, n, 3, nb, 3, b"ctx") for u in range(n)]
+    low_order = bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")
+    for p in ps:
+        for q in ps:
+            blob = q.public_keys()
+            if q.me == 2:  # site 2 advertises a zero key and a low-order one
+                blob = bytes(32) + low_order
+            p.receive_keys(q.me, blob)
+    assert all(p.invalid == {2} for p in ps if p.me != 2)
+    for p in ps:
+        for v, blob in p.make_shares().items():  # no share is derived with site 2's keys
+            if v == 2:
+                continue
+            if p.me == 2:
+                with pytest.raises(ValueError):  # it cannot be read: dropped, never an uncaught error
+                    ps[v].receive_shares(2, blob)
+            else:
+                ps[v].receive_shares(p.me, blob)
+    q = encode_fixed(torch.ones(10), 16, 2.0)
+    ps[0].mask(q)  # masks skip the invalid site instead of raising
+    with pytest.raises((ValueError, OverflowError)):  # caught by the protocol: the round aborts
+        shamir_reconstruct({1: 2**300})  # a malformed revealed share does not fit a key

@@ -47,9 +47,9 @@ class PrivacyConfig(Section):
     )
     threshold: int | None = Field(
         default=None,
-        ge=2,
-        description="Shamir threshold t: shares needed to remove a dropped site's masks; a round needs t survivors. "
-        "Default: a majority of each sharing set.",
+        ge=3,
+        description="Shamir threshold t (at least 3): shares needed to remove a dropped site's masks; a round needs t "
+        "survivors. Default: more than two thirds of each sharing set (2s/3 + 1), at least 3.",
     )
     graph: Literal["complete", "sparse"] = Field(
         default="complete", description="Masking graph: complete (Bonawitz et al.) or sparse (SecAgg+, O(log n) neighbours)."

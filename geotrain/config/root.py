@@ -269,3 +269,14 @@ class Config(Section):
         if self.train.eval_every:
             return self.train.eval_every
         return self.sync.H if self.sync.algorithm != "ddp" else 25
+
+    @model_validator(mode="after")
+    def _secure_aggregation_sites(self) -> Config:
+        """Checked after every other rule, which name the setting that conflicts more precisely."""
+        n = len(self.topology.sites)
+        if self.privacy.secure_aggregation and n < 3:
+            raise ValueError(
+                f"privacy.secure_aggregation: needs at least 3 sites, not {n} (with two, each site learns the other's "
+                "update from the sum)"
+            )
+        return self

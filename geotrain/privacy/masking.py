@@ -124,10 +124,14 @@ def neighbours(n: int, graph: str, degree: int, round_seed: bytes) -> list[list[
     return out
 
 
+MIN_SURVIVORS = 3  # below this a sum gives a site away (with two, each learns the other's update)
+
+
 def default_threshold(n: int, graph: str) -> int:
-    """A strict majority of the sharing set (a site and its neighbours)."""
-    k = n - 1 if graph == "complete" else sparse_degree(n)
-    return max(2, (k + 1) // 2 + 1) if n > 1 else 1
+    """More than two thirds of the sharing set (a site and its neighbours: 2s/3 + 1), and never
+    fewer than :data:`MIN_SURVIVORS`; at most the whole sharing set."""
+    s = n if graph == "complete" else sparse_degree(n) + 1
+    return min(s, max(MIN_SURVIVORS, 2 * s // 3 + 1))
 
 
 class Participant:
@@ -146,13 +150,22 @@ class Participant:
         self.shares_b: dict[int, int] = {}  # owner -> my share of their self-mask seed
         self.shares_s: dict[int, int] = {}  # owner -> my share of their mask key
         self._pair_seeds: dict[int, bytes] = {}
+        self.invalid: set[int] = set()  # sites whose public keys are not valid X25519 keys (or low-order)
 
     # step 0
     def public_keys(self) -> bytes:
         return self.c_key.public_key().public_bytes(RAW, PUBLIC_RAW) + self.s_key.public_key().public_bytes(RAW, PUBLIC_RAW)
 
     def receive_keys(self, u: int, blob: bytes) -> None:
+        """Site ``u``'s two public keys. A key that gives an all-zero shared secret (zero, or a
+        low-order point) marks ``u`` invalid: no share or mask is derived with it, and the round
+        drops ``u``, then aborts when its mask key cannot be rebuilt to match."""
         self.c_pub[u], self.s_pub[u] = blob[:32], blob[32:64]
+        try:
+            for mine, theirs in ((self.c_key, blob[:32]), (self.s_key, blob[32:64])):
+                mine.exchange(X25519PublicKey.from_public_bytes(theirs))
+        except ValueError:
+            self.invalid.add(u)
 
     # step 1
     def sharing_set(self, u: int) -> list[int]:
@@ -175,12 +188,18 @@ class Participant:
         self.shares_b[self.me], self.shares_s[self.me] = sb[self.me + 1], ss[self.me + 1]
         out = {}
         for v in self.nbrs[self.me]:
+            if v in self.invalid:  # no channel to it: random bytes of the size it waits for
+                out[v] = os.urandom(self.share_message_bytes())
+                continue
             plain = sb[v + 1].to_bytes(SHARE_BYTES, "big") + ss[v + 1].to_bytes(SHARE_BYTES, "big")
             nonce = os.urandom(12)
             out[v] = nonce + self._channel(v).encrypt(nonce, plain, self._aad(self.me, v))
         return out
 
     def receive_shares(self, u: int, blob: bytes) -> None:
+        """Raises ``InvalidTag`` for a tampered share, ``ValueError`` for a site with invalid keys."""
+        if u in self.invalid:
+            raise ValueError(f"site {u} sent invalid public keys")
         plain = self._channel(u).decrypt(blob[:12], blob[12:], self._aad(u, self.me))  # raises on tampering
         self.shares_b[u] = int.from_bytes(plain[:SHARE_BYTES], "big")
         self.shares_s[u] = int.from_bytes(plain[SHARE_BYTES:], "big")
@@ -202,7 +221,8 @@ class Participant:
         acc = q.to(torch.int64)  # at most 2^31 per term, a few thousand terms: no int64 overflow
         acc.add_(prg(self.self_seed, start, q.numel()))
         for v in self.nbrs[self.me]:
-            acc.add_(prg(self.pair_seed(v), start, q.numel()), alpha=1 if self.me < v else -1)
+            if v not in self.invalid:
+                acc.add_(prg(self.pair_seed(v), start, q.numel()), alpha=1 if self.me < v else -1)
         return wrap(acc)
 
     # step 4

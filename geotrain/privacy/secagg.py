@@ -57,6 +57,7 @@ from geotrain.privacy.masking import (
     FLAG_DROPPED,
     HEADER,
     MAGIC,
+    MIN_SURVIVORS,
     PUBLIC_RAW,
     RAW,
     RING_BITS,
@@ -120,6 +121,11 @@ class SecureAggregator:
         self.graph = graph
         self.degree = self.n - 1 if graph == "complete" else sparse_degree(self.n)
         self.t = threshold if threshold is not None else default_threshold(self.n, graph)
+        if self.n < MIN_SURVIVORS or self.t < MIN_SURVIVORS:
+            raise ValueError(
+                f"privacy.secure_aggregation: needs at least {MIN_SURVIVORS} sites and privacy.threshold >= {MIN_SURVIVORS} "
+                f"(with two, each site learns the other's update from the sum)"
+            )
         if self.t > self.degree + 1:
             raise ValueError(
                 f"privacy.threshold: {self.t} is more than a site and its {self.degree} neighbours can hold "
@@ -151,7 +157,8 @@ class SecureAggregator:
 
         ``inject`` tests failure handling on this site: 'drop' withdraws its input after key
         agreement, 'malformed' sends frames with the wrong ring size, 'bad-share:J' corrupts only
-        the key share sent to participant J (so J rejects this site and the others accept it).
+        the key share sent to participant J (so J rejects this site and the others accept it),
+        'bad-key' advertises all-zero public keys.
         Raises SecAggAborted when fewer than ``threshold`` sites survive.
         """
         n, me = self.n, self.me
@@ -162,7 +169,7 @@ class SecureAggregator:
         p = Participant(me, n, round_id, nb, self.t, self.context)
         commit = hashlib.sha256(p.self_seed).digest()
         # 0. public keys and a commitment to the self-mask seed, to everyone
-        mine = p.public_keys() + commit
+        mine = (bytes(64) if inject == "bad-key" else p.public_keys()) + commit
         keys = self._exchange({v: mine for v in others}, {v: 96 for v in others})
         keys[me] = mine
         for v, blob in keys.items():
@@ -181,6 +188,10 @@ class SecureAggregator:
                 p.receive_shares(v, blob)
             except InvalidTag:  # excluded like a malformed update, through the agreed flags below
                 reasons[v] = "malformed: its key share failed authentication"
+            except ValueError:
+                reasons[v] = "malformed: its public keys are not valid X25519 keys"
+        for v in p.invalid - set(reasons):
+            reasons[v] = "malformed: its public keys are not valid X25519 keys"
         rep.extra_bytes += 96 * len(others) + size * len(nb[me])
         rep.key_agreement_seconds = time.perf_counter() - t0
         # 2. masked input, chunk j framed to participant j
@@ -224,7 +235,7 @@ class SecureAggregator:
         rep.survivors, rep.dropped = survivors, dropped
         rep.malformed = [u for u in dropped if reasons.get(u, "").startswith("malformed")]
         rep.notes = [f"site {u}: {r}" for u, r in sorted(reasons.items())]
-        if len(survivors) < self.t:
+        if len(survivors) < max(self.t, MIN_SURVIVORS):  # a sum of fewer than 3 gives a site away
             raise SecAggAborted(f"round {round_id}: {len(survivors)} of {n} sites survived, threshold is {self.t}")
         # only the agreed survivors' frames enter the sum: a site accepted here but rejected by a
         # peer is dropped everywhere, and its masks are not removed, so its frame must not count
@@ -251,7 +262,11 @@ class SecureAggregator:
             if u in survivors or (u in dropped and any(u in nb[s] for s in survivors)):
                 if len(points) < self.t:
                     raise SecAggAborted(f"round {round_id}: only {len(points)} shares for site {u}, threshold is {self.t}")
-                secret = shamir_reconstruct(dict(list(points.items())[: self.t]))
+                try:
+                    secret = shamir_reconstruct(dict(list(points.items())[: self.t]))
+                    rebuilt = X25519PrivateKey.from_private_bytes(secret) if u not in survivors else None
+                except (ValueError, OverflowError):  # a malformed share: the round rolls back, the run goes on
+                    raise SecAggAborted(f"round {round_id}: the shares revealed for site {u} are malformed") from None
                 if u in survivors:
                     if hashlib.sha256(secret).digest() != commits[u]:
                         raise SecAggAborted(
@@ -259,8 +274,8 @@ class SecureAggregator:
                         )
                     seeds[u] = secret
                 else:
-                    pub = X25519PrivateKey.from_private_bytes(secret).public_key().public_bytes(RAW, PUBLIC_RAW)
-                    if pub != p.s_pub[u]:
+                    assert rebuilt is not None
+                    if rebuilt.public_key().public_bytes(RAW, PUBLIC_RAW) != p.s_pub[u]:
                         raise SecAggAborted(
                             f"round {round_id}: the reconstructed mask key of site {u} does not match its public key"
                         )
