@@ -14,7 +14,7 @@ from geotrain.bench.privacy import bench_key_agreement, bench_overhead, print_pr
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_overhead_and_key_agreement_measure_and_print() -> None:
-    o = bench_overhead(sites=2, reps=1, latency_s=0.005, H=4, step_reps=2, numel=20_001)
+    o = bench_overhead(sites=3, reps=1, latency_s=0.005, H=4, step_reps=2, numel=20_001)  # secure aggregation needs 3
     assert set(o["checks"]) == {"bytes_ratio", "aggregation_time_ratio", "cpu_ratio", "round_time_ratio"}
     # the masked payload is as big as the fp32 ring's; the protocol adds only small messages
     assert 1.0 < o["checks"]["bytes_ratio"] < 1.1

@@ -492,3 +492,83 @@ def test_the_watch_names_a_rank_that_stopped_beating(monkeypatch: pytest.MonkeyP
     beat.stop()
     time.sleep(0.8)
     assert sorted(watch.silent([0, 1])) == [0, 1]
+
+
+def _mailbox_rank(rank: int) -> Any:
+    from geotrain.comm.mailbox import Mailbox
+    from geotrain.comm.session import rank_comm
+    from tests.helpers import uniform_topology
+
+    with rank_comm(uniform_topology(2, 1), "off") as (_groups, comm):
+        box = Mailbox(comm, dist.new_group([0, 1]), 1)
+        if rank == 1:
+            early = box.receive(0, 0.2)  # nothing sent yet: times out, its receive stays pending
+            dist.barrier()
+            got = [box.receive(0, 10.0) for _ in range(2)]
+            return early is None, [m.fields[0] if m is not None else None for m in got]
+        dist.barrier()
+        for i in (1.0, 2.0):
+            box.send(1, [i], torch.empty(0))
+        box.flush()
+        return None
+
+
+@pytest.mark.timeout(90)
+def test_a_timed_out_receive_never_swallows_the_next_message() -> None:
+    """A receive that timed out used to leave a thread that took the next message: the caller then
+    got the message after it (or nothing). Now the next receive waits for that same receive."""
+    from tests.helpers import run_ranks
+
+    res = run_ranks(2, _mailbox_rank, timeout=60)
+    assert res[1] == (True, [1.0, 2.0]), res[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_is_gone_is_waited_out_logged_never_spun_on(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A channel's or a watch's store that went away: a receive waits its timeout out (it used to
+    return at once, so its callers' loops spun at 100% CPU), a listener backs off, and both say
+    so once; the watch stops counting silence, logs it, and gives up with StoreLost past its bound
+    (an unreachable store used to make every rank look alive forever, without a word)."""
+    from geotrain.comm import alive
+    from geotrain.comm.alive import SilenceWatch, StoreLost
+    from geotrain.comm.procs import host_store
+
+    monkeypatch.setattr(alive, "_client", lambda period_s: alive.run_store(0.5))  # reconnections give up sooner
+    server = listening_store("127.0.0.1", 10.0)
+    port = server.port
+
+    def connect() -> Any:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
+
+    syncer = StoreChannel(connect, send="x/down", recv="x/up", fields=3, src=5)
+    assert syncer.receive(0.1) is None  # its client connects while the store is up
+    del server  # the store's server stops (nothing else holds it)
+    time.sleep(0.3)
+    t = time.monotonic()
+    assert syncer.receive(1.0) is None and time.monotonic() - t >= 0.9  # waited out, not returned at once
+    got: queue.Queue[Message] = queue.Queue()
+    cpu = time.process_time()
+    thread = syncer.listen(got, lambda m: True)
+    time.sleep(1.5)
+    syncer.close()
+    thread.join(5.0)  # a reconnection in progress ends within its client's timeout (2 s here)
+    assert time.process_time() - cpu < 0.6 and not thread.is_alive()  # no spinning while the store is gone
+    assert "the run's store failed while waiting" in capsys.readouterr().err
+
+    store, _ = host_store(timeout_s=30)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    watch = SilenceWatch([0], 0.05, 0.3)
+    watch.outage_limit_s = 1.0
+    assert watch.silent([0]) == {}
+    del store
+    time.sleep(0.4)
+    assert watch.silent([0]) == {}  # unknown, not silent (and not alive by default either: logged)
+    assert "rendezvous store cannot be read" in capsys.readouterr().err
+    deadline = time.monotonic() + 30
+    with pytest.raises(StoreLost, match="has not answered for"):
+        while time.monotonic() < deadline:
+            watch.silent([0])
+            time.sleep(0.05)

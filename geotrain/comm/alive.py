@@ -77,32 +77,75 @@ class Heartbeat:
         self._thread.join(timeout=2 * self.period_s + 1.0)
 
 
+class StoreLost(RuntimeError):
+    """The run's rendezvous store has not answered for longer than the watch's bound."""
+
+
 class SilenceWatch:
     """Which ranks have not beaten for ``limit_s``, on this process's clock. Call :meth:`silent`
-    often; it reads the store at most once per ``period_s``."""
+    often; it reads the store at most once per ``period_s``.
+
+    While the store cannot be read nobody's silence can be measured: the outage is logged when it
+    starts and ends, does not count as anyone's silence, and ends in :class:`StoreLost` once it
+    lasts ``10 * limit_s`` (at least 60 s). Before, an unreachable store made every rank count as
+    alive forever, without a word."""
 
     def __init__(self, ranks: Sequence[int], period_s: float, limit_s: float) -> None:
         self.period_s, self.limit_s = period_s, limit_s
+        self.outage_limit_s = max(60.0, 10 * limit_s)
         now = time.monotonic()
         self._count = {r: -1 for r in ranks}
         self._since = {r: now for r in ranks}  # a rank that has not beaten yet has until limit_s from now
         self._read_at = 0.0
         self._store: Any = None
+        self._down_since: float | None = None  # when the store stopped answering
+
+    def _read(self, ranks: Sequence[int], now: float) -> dict[int, int] | None:
+        """Every rank's counter, or None while the store cannot be read (logged)."""
+        try:
+            if self._store is None:
+                self._store = _client(self.period_s)
+            counts = {r: int(self._store.add(_key(r), 0)) for r in ranks}  # reads that never block on a missing key
+        except Exception as exc:  # noqa: BLE001 - the store is unreachable or closed its connection
+            self._store = None  # a new client at the next read: a store's client does not reconnect
+            if self._down_since is None:
+                self._down_since = now
+                print(
+                    f"geotrain: the run's rendezvous store cannot be read ({str(exc).splitlines()[0][:120]}): ranks' "
+                    f"silence is not measured until it answers (at most {self.outage_limit_s:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif now - self._down_since > self.outage_limit_s:
+                raise StoreLost(
+                    f"the run's rendezvous store has not answered for {now - self._down_since:.0f} s: liveness cannot be measured"
+                ) from None
+            return None
+        if self._down_since is not None:  # the outage is nobody's silence
+            gap = now - self._down_since
+            for r in self._since:
+                self._since[r] += gap
+            print(f"geotrain: the run's rendezvous store answers again after {gap:.1f} s", file=sys.stderr, flush=True)
+            self._down_since = None
+        return counts
 
     def silent(self, ranks: Sequence[int]) -> dict[int, float]:
-        """Of ``ranks``, each one silent for at least ``limit_s``: its silence in seconds."""
+        """Of ``ranks``, each one silent for at least ``limit_s``: its silence in seconds.
+
+        Raises:
+            StoreLost: the store has not answered for ``outage_limit_s``.
+        """
         now = time.monotonic()
         if now - self._read_at >= self.period_s:
             self._read_at = now
-            try:
-                if self._store is None:
-                    self._store = _client(self.period_s)
-                counts = {r: int(self._store.add(_key(r), 0)) for r in ranks}  # reads that never block on a missing key
-            except Exception:  # noqa: BLE001 - the store is unreachable: nobody counts as silent for it
-                counts = {r: self._count[r] + 1 for r in ranks}
+            counts = self._read(ranks, now)
+            if counts is None:
+                return {}
             for r, count in counts.items():
                 if count != self._count[r]:
                     self._count[r], self._since[r] = count, now
+        if self._down_since is not None:
+            return {}
         return {r: now - self._since[r] for r in ranks if now - self._since[r] >= self.limit_s}
 
     def restart(self, ranks: Sequence[int]) -> None:

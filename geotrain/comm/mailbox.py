@@ -27,6 +27,7 @@ collectives, so they are exactly as authenticated as the rest of the run.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +106,8 @@ class Mailbox:
         self.header_len = 2 + fields
         self._sending: list[tuple[int, dist.Work, torch.Tensor]] = []
         self._failed: set[int] = set()  # destinations a send to failed since the last flush
+        # per source: the receive a timed-out receive() left pending (its message is the next one)
+        self._pending: dict[int, queue.Queue[Message]] = {}
 
     def arrival(self, dst: int, nbytes: int) -> float:
         """When ``nbytes`` sent now to global rank ``dst`` arrive (:func:`link_arrival`; 0 inside the site)."""
@@ -193,13 +196,18 @@ class Mailbox:
 
     def receive(self, src: int, timeout_s: float) -> Message | None:
         """The next message from ``src``, held until its emulated arrival (a lost one at once, if
-        ``src`` dies first); None after ``timeout_s`` (the receive then stays pending in its
-        thread: the caller is expected to stop)."""
-        got: queue.Queue[Message] = queue.Queue()
-        threading.Thread(target=lambda: got.put(self._receive_or_lost(src)), name=f"mailbox-{src}", daemon=True).start()
+        ``src`` dies first); None after ``timeout_s``. A receive that timed out stays pending in
+        its thread, and the next call for ``src`` waits for that same receive: a message is never
+        taken by a receive nobody waits for any more."""
+        got = self._pending.pop(src, None)
+        if got is None:
+            got = queue.Queue()
+            box = got
+            threading.Thread(target=lambda: box.put(self._receive_or_lost(src)), name=f"mailbox-{src}", daemon=True).start()
         try:
             msg = got.get(timeout=timeout_s)
         except queue.Empty:
+            self._pending[src] = got
             return None
         self.arrived(msg)
         return msg
@@ -269,6 +277,7 @@ class StoreChannel:
         self._sent = self._received = 0
         self._store: Any = None
         self._stop = threading.Event()
+        self._failing = False  # the store failed (not a timeout) on the last try: logged once per outage
 
     def _client(self) -> Any:
         """This end's client of the store (made at its first use; the listener thread has its own)."""
@@ -286,12 +295,22 @@ class StoreChannel:
         self._sent += 1
 
     def _next(self, store: Any, timeout_s: float) -> Message | None:
-        """The next message once it is in the store (not held to its arrival); None after ``timeout_s``."""
+        """The next message once it is in the store (not held to its arrival); None after
+        ``timeout_s``. A store that fails (rather than times out) is waited out for the rest of
+        ``timeout_s``, never retried at once: a store that is gone must not make a loop spin."""
         key = f"{self.recv_prefix}/{self._received}"
+        t0 = time.monotonic()
         try:
             store.wait([key], timedelta(seconds=timeout_s))
-        except Exception:  # noqa: BLE001 - torch raises DistStoreError (or a timeout RuntimeError) on a wait that ran out
+        except dist.DistStoreError:  # the wait ran out
             return None
+        except Exception as exc:  # noqa: BLE001 - the store is unreachable or closed its connection
+            if not self._failing:
+                self._failing = True
+                print(f"geotrain: the run's store failed while waiting for {key} ({exc}); retrying", file=sys.stderr, flush=True)
+            self._stop.wait(max(0.0, timeout_s - (time.monotonic() - t0)))
+            return None
+        self._failing = False
         data = store.get(key)
         store.delete_key(key)
         self._received += 1
@@ -307,6 +326,8 @@ class StoreChannel:
         msg = self._next(self._client(), timeout_s)
         if msg is not None:
             Mailbox.arrived(msg)
+        elif self._failing:
+            self._store = None  # a new client next time: a store's client does not reconnect
         return msg
 
     def listen(self, into: queue.Queue[Message], last: Callable[[Message], bool]) -> threading.Thread:
@@ -314,9 +335,17 @@ class StoreChannel:
         client) that stops after the message ``last`` says is the last, or at :meth:`close`."""
 
         def run() -> None:
-            store = self.connect()
+            store = None
             while not self._stop.is_set():
+                if store is None:
+                    try:
+                        store = self.connect()
+                    except Exception:  # noqa: BLE001 - the store is down: try again shortly
+                        self._stop.wait(0.5)
+                        continue
                 msg = self._next(store, 0.5)
+                if msg is None and self._failing:
+                    store = None  # a new client next time: a store's client does not reconnect
                 if msg is not None:
                     into.put(msg)
                     if last(msg):
@@ -327,5 +356,6 @@ class StoreChannel:
         return thread
 
     def close(self) -> None:
-        """Stop listening (within half a second)."""
+        """Stop listening: within half a second, or while the store is down within a reconnection's
+        timeout (the client that ``connect`` makes)."""
         self._stop.set()

@@ -452,7 +452,7 @@ class SiteMember:
         admitted site voted yes. The site's ranks agree on the result."""
         decision = torch.zeros(1)
         if self.local == 0:
-            with contextlib.suppress(Exception):  # an unreachable store: no commit
+            try:
                 prefix.set(f"vote/{self.site}", ballot(self.identity, view.round_id, self.site, ok))
                 if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
                     keys = [f"vote/{s}" for s in view.admitted]
@@ -465,6 +465,13 @@ class SiteMember:
                     deadline = time.monotonic() + self.cfg.collective_timeout_s
                     wait_keys(prefix, keys, deadline, monitor, stop_if=said_no)
                     decision.fill_(float(all(yes.get(k, False) for k in keys)))
+            except RoundFailed as exc:  # a peer went silent while the votes were read: no commit
+                self.log(f"round {view.key}: the vote ended without a decision ({exc}): no commit")
+            except Exception as exc:  # noqa: BLE001 - the store failed: no commit, and the reason is in the log
+                first = str(exc).splitlines()[0][:160] if str(exc) else ""
+                self.log(
+                    f"round {view.key}: the vote failed ({type(exc).__name__}: {first}; round store {view.meeting}): no commit"
+                )
         dist.broadcast(decision, src=0, group=self.intra)
         return bool(decision.item())
 
