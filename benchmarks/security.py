@@ -15,7 +15,7 @@
 
 Prints a table, writes JSON.
 
-    python benchmarks/security.py [--rounds 10] [--reps 5] [--json benchmarks/results/security.json]
+    python benchmarks/security.py [--rounds 10] [--reps 9] [--json benchmarks/results/security.json]
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--h", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     exchanges = [exchange_64mib(g, args.reps) for g in (1.0, 10.0, 0.0)]

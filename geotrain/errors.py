@@ -37,6 +37,13 @@ class SecAggAborted(RoundFailed):
     """Secure aggregation cannot complete (too few survivors or shares); nothing of it was applied."""
 
 
+# What a peer, the network or a store can make a round raise: the round rolls back and the run
+# goes on. torch.distributed's errors (Gloo's included) are RuntimeErrors; sockets raise OSErrors.
+# Anything else (a TypeError, a KeyError, an AssertionError) is a bug in this process: it must stop
+# the process with its traceback, not roll the round back as if a peer had failed.
+ROUND_FAILURES: tuple[type[BaseException], ...] = (RuntimeError, OSError, EOFError)
+
+
 class RoundPostponed(Exception):
     """Elastic mode: the membership coordinator is down; keep training and try again next step."""
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -340,6 +341,13 @@ def test_the_round_store_serves_only_holders_of_the_key() -> None:
                 break
         else:
             raise AssertionError("the store grew past its bound")
+        # a wait ends as soon as the key is written (the server holds each request up to MAX_WAIT_S)
+        late = AuthStore(server.address, key, 5)
+        threading.Timer(0.3, lambda: late.set("ns/round/1/late", "x")).start()
+        t0 = time.monotonic()
+        assert good.present(["ns/round/1/vote/A", "ns/round/1/late"], 0.01) == [True, False]
+        good.wait(["ns/round/1/late"])
+        assert 0.25 < time.monotonic() - t0 < 2.0
         # old rounds are pruned: two newer scopes retire round 1
         good.set("ns/round/2/vote/A", "1")
         good.set("ns/round/3/vote/A", "1")
@@ -439,3 +447,37 @@ def test_a_revoked_site_is_left_out_and_the_run_goes_on(tmp_path: Path) -> None:
     assert "has no key in" in text, stdout[-3000:]
     s = read_summary(out)
     assert "A" in s["survivors"] and "B" in s["survivors"] and "C" not in s["survivors"] and s["consistent"], s
+
+
+def test_a_bug_in_a_round_stops_the_site_a_failing_store_rolls_the_round_back() -> None:
+    """A round's failures from peers, the network or the store roll it back; a bug in this process
+    (here: claims that cannot be written) stops it with its own error. Before, every exception
+    became a rolled-back round, so a bug showed as a run that never synced."""
+    from geotrain.elastic.meeting import meet
+    from geotrain.elastic.view import RoundView
+
+    keys = RunKeys(SECRET)
+    server = AuthStoreServer("127.0.0.1", keys.store)
+    client = AuthStore(server.address, keys.store, 2)
+    claims = {"hash": "h", "step": 0, "joining": False, "committed": 0, "store": server.address, "incarnation": 0, "session": "s"}
+    lines: list[str] = []
+    with pytest.raises(TypeError):
+        meet(
+            client,
+            keys,
+            RoundView(key="k1", meeting=server.address),
+            "A",
+            ["A"],
+            {**claims, "hash": {1}},
+            None,
+            0.5,
+            1,
+            lines.append,
+        )
+    view, members = meet(
+        client, keys, RoundView(key="k2", meeting=server.address), "A", ["A"], claims, None, 0.5, 1, lines.append
+    )
+    assert not view.error and view.admitted == ["A"] and members[0].site == "A"
+    server.close()
+    view, _ = meet(client, keys, RoundView(key="k3", meeting=server.address), "A", ["A"], claims, None, 0.5, 1, lines.append)
+    assert "membership set-up failed" in view.error

@@ -18,7 +18,8 @@ the host's memory. No maintained store authenticates its clients, so this one do
   kind) are kept, older ones are deleted as new ones appear.
 
 :class:`AuthStore` is the client, a ``torch.distributed.Store``: Gloo runs its rendezvous through
-it (waits poll, so one connection serves several threads and no wait holds it).
+it (a wait is a series of requests the server answers as soon as a key is written, or after
+:data:`MAX_WAIT_S`, so one connection serves several threads and no wait holds it for long).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ MAX_CONNECTIONS = 256
 HANDSHAKE_S = 5.0
 MAGIC = b"GTS1"
 _FRAME = MAX_VALUE + 4096  # the largest sealed message either side reads
-SET, GET, ADD, CHECK, CAS, DELETE, COUNT = range(7)
+SET, GET, ADD, CHECK, CAS, DELETE, COUNT, PRESENT = range(8)
+MAX_WAIT_S = 0.05  # the longest a PRESENT request waits on the server (a connection serves several threads)
 OK, MISSING, REFUSED = range(3)
 
 
@@ -136,6 +138,7 @@ class AuthStoreServer:
         self._scopes: OrderedDict[str, set[str]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified on every write: PRESENT waits on it
         self._conns: set[socket.socket] = set()
         self._logged: set[str] = set()
         self.refused = 0  # connections that failed the handshake
@@ -216,6 +219,16 @@ class AuthStoreServer:
             raise ValueError("malformed request")
         op, args = req[0][0], req[1:]
         with self._lock:
+            if op == PRESENT and args:  # which of the keys are there, once one that was not is (or after the wait)
+                names = [a.decode(errors="replace") for a in args[1:]]
+                try:
+                    wait_s = min(MAX_WAIT_S, max(0.0, float(args[0])))
+                except ValueError:
+                    return _fields(bytes([REFUSED]), b"present: a malformed wait")
+                absent = [n for n in names if n not in self._data]
+                if absent and wait_s > 0:
+                    self._changed.wait_for(lambda: any(n in self._data for n in absent), timeout=wait_s)
+                return _fields(bytes([OK]), bytes(int(n in self._data) for n in names))
             if op == GET and len(args) == 1:
                 v = self._data.get(args[0].decode(errors="replace"))
                 return _fields(bytes([OK]), v) if v is not None else _fields(bytes([MISSING]))
@@ -267,6 +280,7 @@ class AuthStoreServer:
         self._data[key] = value
         self._scopes[scope].add(key)
         self._bytes += grow
+        self._changed.notify_all()
         return ""
 
     def _delete(self, key: str) -> bool:
@@ -330,7 +344,10 @@ class AuthStore(dist.Store):
     def _call(self, op: int, *args: bytes) -> list[bytes]:
         with self._lock:
             self._ch.send(_fields(bytes([op]), *args))
-            got = _parse(self._ch.recv())
+            try:
+                got = _parse(self._ch.recv())
+            except ValueError:
+                raise StoreRefused(f"round store {self.address}: a malformed answer") from None
         if not got or len(got[0]) != 1:
             raise StoreRefused(f"round store {self.address}: a malformed answer")
         if got[0][0] == REFUSED:
@@ -360,6 +377,16 @@ class AuthStore(dist.Store):
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
         return self._call(CHECK, *(k.encode() for k in keys))[0][0] == OK
 
+    def present(self, keys: list[str], wait_s: float = 0.0) -> list[bool]:
+        """Which of ``keys`` are set, in one request; if some are not, the server waits up to
+        ``wait_s`` (at most :data:`MAX_WAIT_S`) for one of them to be written, so a waiting loop
+        needs no sleep of its own and hears of a key as soon as it is written."""
+        got = self._call(PRESENT, repr(float(wait_s)).encode(), *(k.encode() for k in keys))
+        flags = got[1] if len(got) > 1 else b""
+        if len(flags) != len(keys):
+            raise StoreRefused(f"round store {self.address}: a malformed answer")
+        return [bool(f) for f in flags]
+
     def delete_key(self, key: str) -> bool:  # type: ignore[override]
         return self._call(DELETE, key.encode())[0][0] == OK
 
@@ -369,7 +396,6 @@ class AuthStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
         limit = timeout.total_seconds() if timeout is not None else self._timeout
         deadline = time.monotonic() + limit
-        while not self.check(keys):
+        while not all(self.present(keys, min(MAX_WAIT_S, max(0.0, deadline - time.monotonic())))):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"round store {self.address}: {', '.join(keys)[:200]} not set within {limit:.0f}s")
-            time.sleep(0.005)

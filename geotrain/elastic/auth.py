@@ -238,6 +238,10 @@ class SealedStore:
     def check(self, keys: list[str]) -> bool:
         return bool(self.raw.check([self.prefix + k for k in keys]))
 
+    def present(self, keys: list[str], wait_s: float = 0.0) -> list[bool]:
+        """Which of ``keys`` are set (one request; the store may wait ``wait_s`` for one)."""
+        return list(self.raw.present([self.prefix + k for k in keys], wait_s))  # type: ignore[attr-defined]
+
     def gloo_prefix(self, scope: str) -> dist.Store:
         """A store under the namespace for Gloo's own rendezvous keys: its values are not sealed
         (Gloo reads them itself), so the store under it must be an authenticated one

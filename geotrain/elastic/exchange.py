@@ -93,6 +93,7 @@ class Exchange:
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._done = self._abandoned = False
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="cross-site-exchange")
 
     # ------------------------------------------------------------------ main thread
@@ -103,8 +104,9 @@ class Exchange:
     def wait(self) -> bool:
         """Wait until the exchange ends or a peer goes silent; False: the exchange is abandoned
         (the thread may still run; it will abort its own group)."""
-        while self._thread.is_alive() and self.monitor.failed is None:
-            self._thread.join(timeout=0.01)
+        self.monitor.woken.append(self._ended)  # woken by the thread's end or by a peer's silence
+        while not self._ended.is_set() and self.monitor.failed is None:
+            self._ended.wait(1.0)
         with self._lock:
             if not self._done:
                 self._abandoned = True
@@ -132,6 +134,7 @@ class Exchange:
             with self._lock:
                 self._done = True
                 abandoned = self._abandoned
+            self._ended.set()
             if abandoned and not self.reused and self.group is not None:
                 with contextlib.suppress(Exception):
                     self.group.abort()

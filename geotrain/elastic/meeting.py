@@ -30,7 +30,7 @@ from geotrain.elastic.auth import (
 )
 from geotrain.elastic.roundstore import wait_keys
 from geotrain.elastic.view import Member, RoundView, heal_source, healers, member_from_claims
-from geotrain.errors import MembershipRefused
+from geotrain.errors import ROUND_FAILURES, MembershipRefused
 
 
 def meet(
@@ -70,7 +70,7 @@ def meet(
             return view, []
     except MembershipRefused:
         raise
-    except Exception as exc:
+    except ROUND_FAILURES as exc:  # a peer, the network or the store; a bug is not caught here
         view.error = f"round {view.key}: membership set-up failed ({type(exc).__name__}: {str(exc)[:160]})"
         return view, []
     members = [member_from_claims(s, c) for s, (c, _) in proved.items()]

@@ -67,7 +67,7 @@ from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import ballot, meet, said_yes
 from geotrain.elastic.roundstore import Monitor, wait_keys
 from geotrain.elastic.view import HealHooks, Member, RoundView, heal_source
-from geotrain.errors import ElasticTimeout, MembershipRefused, RoundFailed
+from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
 
@@ -174,8 +174,13 @@ class SiteMember:
                     if len(present) >= sites or time.monotonic() > deadline:
                         break
                     time.sleep(self.cfg.heartbeat_s)
-                if len(present) > 1:
-                    self._decide(can_postpone=False)  # raises MembershipRefused on another initial model
+                while len(present) > 1:  # meet once; MembershipRefused on another initial model
+                    met = self._decide(can_postpone=False)
+                    if set(met.admitted) >= set(present):
+                        break
+                    if time.monotonic() > deadline:
+                        self.log("rendezvous: no meeting with every site before the first step; the first round checks")
+                        break
             except (MembershipRefused, ElasticTimeout) as exc:
                 view = _fatal(exc)
             else:
@@ -401,8 +406,8 @@ class SiteMember:
             self._pg = (members, x.group) if x.group is not None else None
             if x.error is not None:
                 ok.zero_()
-                if isinstance(x.error, MembershipRefused):
-                    raise x.error
+                if isinstance(x.error, MembershipRefused) or not isinstance(x.error, ROUND_FAILURES):
+                    raise x.error  # refused, or a bug in the exchange: stop, do not roll back as if a peer failed
                 first = str(x.error).splitlines()[0][:100] if str(x.error) else type(x.error).__name__
                 why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
         if x.heal_blob is not None:  # complete: the source's state at the start of this round

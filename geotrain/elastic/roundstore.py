@@ -1,8 +1,9 @@
 """The round store: an authenticated store (:mod:`geotrain.comm.authstore`) hosted by a site,
 where the sites of a round meet to authenticate, watch each other's heartbeats and vote.
 
-Gloo waits cannot be interrupted, so every wait here polls: :func:`wait_keys` ends at its
-deadline, as soon as a present key settles it, or when the :class:`Monitor` has failed the round.
+Gloo waits cannot be interrupted, so every wait here is a series of bounded requests: :func:`wait_keys`
+ends at its deadline, as soon as a present key settles it, or when the :class:`Monitor` has failed
+the round.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from geotrain.comm.authstore import AuthStore, StoreRefused
+from geotrain.comm.authstore import MAX_WAIT_S, AuthStore, StoreRefused
 from geotrain.errors import RoundFailed
 
 
@@ -43,6 +44,7 @@ class Monitor:
         self.interval, self.timeout = interval, timeout
         self.failed: str | None = None
         self.culprit: str | None = None
+        self.woken: list[threading.Event] = []  # set when the round fails (a waiter sleeps on one of them)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat-monitor")
         self._thread.start()
@@ -73,6 +75,8 @@ class Monitor:
     def _fail(self, why: str, who: str | None) -> None:
         self.culprit = who.split("/")[0] if who else None
         self.failed = why
+        for event in self.woken:
+            event.set()
 
     def check(self) -> None:
         """Raise :class:`RoundFailed` if a peer went silent."""
@@ -91,16 +95,17 @@ def wait_keys(
     monitor: Monitor | None = None,
     stop_if: Callable[[str], bool] | None = None,
 ) -> list[str]:
-    """The keys present by ``deadline`` (polling, so a heartbeat failure ends it early), or as
-    soon as a present key satisfies ``stop_if``."""
+    """The keys present by ``deadline``, or as soon as a present key satisfies ``stop_if``. One
+    request asks for every pending key; the store answers as soon as one of them is written, or
+    after :data:`~geotrain.comm.authstore.MAX_WAIT_S` (so a heartbeat failure ends the wait within
+    that), never by a sleep and a request per key."""
     pending = list(keys)
     while pending and time.monotonic() < deadline:
-        present = [k for k in pending if store.check([k])]
+        flags = store.present(pending, min(MAX_WAIT_S, max(0.0, deadline - time.monotonic())))
+        present = [k for k, here in zip(pending, flags, strict=True) if here]
         pending = [k for k in pending if k not in present]
         if stop_if is not None and any(stop_if(k) for k in present):
             break
         if monitor is not None:
             monitor.check()
-        if pending:
-            time.sleep(0.005)
     return [k for k in keys if k not in pending]
