@@ -20,6 +20,8 @@ the host's memory. No maintained store authenticates its clients, so this one do
 :class:`AuthStore` is the client, a ``torch.distributed.Store``: Gloo runs its rendezvous through
 it (a wait is a series of requests the server answers as soon as a key is written, or after
 :data:`MAX_WAIT_S`, so one connection serves several threads and no wait holds it for long).
+Every answer is checked before it is used: a malformed one raises :class:`StoreRefused`, which
+costs the round, never the run.
 """
 
 from __future__ import annotations
@@ -33,15 +35,19 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
+from geotrain.comm.procs import listening_socket
+
 MAX_VALUE = 1 << 20  # every value geotrain writes is under 1 KB (addresses, nonces, proofs, votes)
 MAX_BYTES = 64 << 20
 MAX_KEYS = 65_536
+MAX_KEY = 4096  # characters in a key name
 MAX_CONNECTIONS = 256
 HANDSHAKE_S = 5.0
 MAGIC = b"GTS1"
@@ -73,6 +79,15 @@ def _parse(body: bytes) -> list[bytes]:
         out.append(body[i + 4 : i + 4 + n])
         i += 4 + n
     return out
+
+
+def _refused(why: str) -> bytes:
+    return _fields(bytes([REFUSED]), why.encode())
+
+
+def _scope(key: str) -> str:
+    """A key's scope: its first three ``/`` parts (namespace, kind, round)."""
+    return "/".join(key.split("/")[:3])
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -131,9 +146,9 @@ class AuthStoreServer:
         log: where refused connections are reported (once per reason).
     """
 
-    def __init__(self, host: str, key: bytes, keep_scopes: int = 32, log: object = None) -> None:
+    def __init__(self, host: str, key: bytes, keep_scopes: int = 32, log: Callable[[str], None] | None = None) -> None:
         self.key, self.keep_scopes = key, keep_scopes
-        self._log = log if callable(log) else None
+        self._log = log
         self._data: dict[str, bytes] = {}
         self._scopes: OrderedDict[str, set[str]] = OrderedDict()
         self._bytes = 0
@@ -142,11 +157,7 @@ class AuthStoreServer:
         self._conns: set[socket.socket] = set()
         self._logged: set[str] = set()
         self.refused = 0  # connections that failed the handshake
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(128)
+        self._sock = listening_socket(host, 128)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="authstore-accept").start()
@@ -224,7 +235,7 @@ class AuthStoreServer:
                 try:
                     wait_s = min(MAX_WAIT_S, max(0.0, float(args[0])))
                 except ValueError:
-                    return _fields(bytes([REFUSED]), b"present: a malformed wait")
+                    return _refused("present: a malformed wait")
                 absent = [n for n in names if n not in self._data]
                 if absent and wait_s > 0:
                     self._changed.wait_for(lambda: any(n in self._data for n in absent), timeout=wait_s)
@@ -241,22 +252,22 @@ class AuthStoreServer:
                 return _fields(bytes([OK if found else MISSING]))
             if op == SET and len(args) == 2:
                 why = self._put(args[0].decode(errors="replace"), args[1])
-                return _fields(bytes([REFUSED]), why.encode()) if why else _fields(bytes([OK]))
+                return _refused(why) if why else _fields(bytes([OK]))
             if op == ADD and len(args) == 2:
                 k = args[0].decode(errors="replace")
                 try:
                     n = int(self._data.get(k, b"0")) + int(args[1])
                 except ValueError:
-                    return _fields(bytes([REFUSED]), b"add: the value is not an integer")
+                    return _refused("add: the value is not an integer")
                 why = self._put(k, str(n).encode())
-                return _fields(bytes([REFUSED]), why.encode()) if why else _fields(bytes([OK]), str(n).encode())
+                return _refused(why) if why else _fields(bytes([OK]), str(n).encode())
             if op == CAS and len(args) == 3:
                 k = args[0].decode(errors="replace")
                 cur = self._data.get(k)
                 if (cur is None and args[1] == b"") or cur == args[1]:
                     why = self._put(k, args[2])
                     if why:
-                        return _fields(bytes([REFUSED]), why.encode())
+                        return _refused(why)
                     cur = args[2]
                 return _fields(bytes([OK]), cur if cur is not None else args[1])
         raise ValueError("malformed request")
@@ -266,9 +277,11 @@ class AuthStoreServer:
         it was refused, or an empty string."""
         old = self._data.get(key)
         grow = len(key) + len(value) - (len(key) + len(old) if old is not None else 0)
-        if len(value) > MAX_VALUE or len(key) > 4096:
+        if len(value) > MAX_VALUE:
             return f"a value of {len(value)} bytes (at most {MAX_VALUE})"
-        scope = "/".join(key.split("/")[:3])
+        if len(key) > MAX_KEY:
+            return f"a key of {len(key)} characters (at most {MAX_KEY})"
+        scope = _scope(key)
         if scope not in self._scopes:
             self._scopes[scope] = set()
             while len(self._scopes) > self.keep_scopes:
@@ -288,7 +301,7 @@ class AuthStoreServer:
         if v is None:
             return False
         self._bytes -= len(key) + len(v)
-        scope = self._scopes.get("/".join(key.split("/")[:3]))
+        scope = self._scopes.get(_scope(key))
         if scope is not None:
             scope.discard(key)
         return True
@@ -299,7 +312,8 @@ class AuthStoreServer:
 
 class AuthStore(dist.Store):
     """A client of an :class:`AuthStoreServer` at ``HOST:PORT``; every operation is bounded by
-    ``timeout_s`` (a blocking ``get`` or ``wait`` polls until then).
+    ``timeout_s`` (a blocking ``get`` or ``wait`` asks again, each request held by the server at
+    most :data:`MAX_WAIT_S`, until then).
 
     Raises:
         StoreRefused: the server did not prove the key (not our store), or refused a request.
@@ -354,6 +368,18 @@ class AuthStore(dist.Store):
             raise StoreRefused(f"round store {self.address} refused: {got[1].decode(errors='replace') if len(got) > 1 else ''}")
         return got
 
+    def _value(self, got: list[bytes]) -> bytes:
+        """The value an OK answer carries (a store holding the key may still answer badly)."""
+        if got[0][0] != OK or len(got) != 2:
+            raise StoreRefused(f"round store {self.address}: a malformed answer")
+        return got[1]
+
+    def _number(self, got: list[bytes]) -> int:
+        try:
+            return int(self._value(got))
+        except ValueError:
+            raise StoreRefused(f"round store {self.address}: a malformed answer") from None
+
     @staticmethod
     def _b(x: str | bytes) -> bytes:
         return x.encode() if isinstance(x, str) else bytes(x)
@@ -364,15 +390,15 @@ class AuthStore(dist.Store):
     def get(self, key: str) -> bytes:  # type: ignore[override]
         self.wait([key])
         got = self._call(GET, key.encode())
-        if got[0][0] != OK:
+        if got[0][0] == MISSING:
             raise TimeoutError(f"round store {self.address}: key {key!r} was deleted")
-        return got[1]
+        return self._value(got)
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
-        return int(self._call(ADD, key.encode(), str(int(amount)).encode())[1])
+        return self._number(self._call(ADD, key.encode(), str(int(amount)).encode()))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:  # type: ignore[override]
-        return self._call(CAS, key.encode(), self._b(expected), self._b(desired))[1]
+        return self._value(self._call(CAS, key.encode(), self._b(expected), self._b(desired)))
 
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
         return self._call(CHECK, *(k.encode() for k in keys))[0][0] == OK
@@ -381,8 +407,7 @@ class AuthStore(dist.Store):
         """Which of ``keys`` are set, in one request; if some are not, the server waits up to
         ``wait_s`` (at most :data:`MAX_WAIT_S`) for one of them to be written, so a waiting loop
         needs no sleep of its own and hears of a key as soon as it is written."""
-        got = self._call(PRESENT, repr(float(wait_s)).encode(), *(k.encode() for k in keys))
-        flags = got[1] if len(got) > 1 else b""
+        flags = self._value(self._call(PRESENT, repr(float(wait_s)).encode(), *(k.encode() for k in keys)))
         if len(flags) != len(keys):
             raise StoreRefused(f"round store {self.address}: a malformed answer")
         return [bool(f) for f in flags]
@@ -391,7 +416,7 @@ class AuthStore(dist.Store):
         return self._call(DELETE, key.encode())[0][0] == OK
 
     def num_keys(self) -> int:  # type: ignore[override]
-        return int(self._call(COUNT)[1])
+        return self._number(self._call(COUNT))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
         limit = timeout.total_seconds() if timeout is not None else self._timeout

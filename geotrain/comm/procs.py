@@ -39,6 +39,18 @@ def host_store(host: str = "127.0.0.1", timeout_s: float = 300.0, attempt: int =
     return store, {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
 
 
+def listening_socket(host: str, backlog: int) -> socket.socket:
+    """A TCP socket listening on ``host`` only (IPv4 or IPv6), at a port the kernel picks."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def listening_store(host: str, timeout_s: float) -> Any:
     """A ``TCPStore`` server listening on ``host`` only, at a port the kernel picks.
 
@@ -50,11 +62,8 @@ def listening_store(host: str, timeout_s: float) -> Any:
 
     import torch.distributed as dist
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = listening_socket(host, 512)
     try:
-        sock.bind((host, 0))
-        sock.listen(512)
         port = sock.getsockname()[1]
         store = dist.TCPStore(
             host,

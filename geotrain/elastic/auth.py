@@ -238,6 +238,10 @@ class SealedStore:
     def check(self, keys: list[str]) -> bool:
         return bool(self.raw.check([self.prefix + k for k in keys]))
 
+    def peek(self, key: str) -> bytes | None:
+        """:meth:`get` if ``key`` is set now, else None (never waits for it)."""
+        return self.get(key) if self.check([key]) else None
+
     def present(self, keys: list[str], wait_s: float = 0.0) -> list[bool]:
         """Which of ``keys`` are set (one request; the store may wait ``wait_s`` for one)."""
         return list(self.raw.present([self.prefix + k for k in keys], wait_s))  # type: ignore[attr-defined]
@@ -300,12 +304,12 @@ def authenticate(
     for k in got:
         peer = k.rsplit("/", 1)[1]
         proof = store.get(k)
-        raw = store.get(f"claims/{peer}") if store.check([f"claims/{peer}"]) else None
+        raw = store.peek(f"claims/{peer}")
         theirs_claims = parse_claims(raw) if raw is not None and len(raw) <= MAX_CLAIMS else None
         valid = proof is not None and raw is not None and peer in nonces and theirs_claims is not None
         if valid and hmac.compare_digest(proof.decode(errors="replace"), join_proof(join_key, key, nonce, peer, raw)):  # type: ignore[union-attr,arg-type]
             if identity is not None:
-                sig = store.get(f"sig/{site}/{peer}") if store.check([f"sig/{site}/{peer}"]) else None
+                sig = store.peek(f"sig/{site}/{peer}")
                 signed = sig.decode(errors="replace") if sig is not None else None
                 if not identity.verify(peer, _proof_message(key, nonce, peer, raw), signed):  # type: ignore[arg-type]
                     log(f"site {peer!r} did not sign its claims with its pinned key (elastic.site_keys) in round {key}: left out")

@@ -199,23 +199,22 @@ class Exchange:
                 )
             )
         sent: list[Any] = []  # (works and the tensors they send, kept alive until done)
-        opened = 0
+        opened = 0  # the received pieces opened so far, in order
 
-        def open_ready(block: bool) -> int:
+        def open_ready(block: bool) -> None:
             """Open the received pieces, in order, that have arrived (all of them if ``block``)."""
-            done = opened
-            while done < len(incoming):
-                buf, work, header, hwork = incoming[done]
+            nonlocal opened
+            while opened < len(incoming):
+                buf, work, header, hwork = incoming[opened]
                 ready = work.is_completed() and (hwork is None or hwork.is_completed())
                 if not block and (not ready or (header is not None and time.monotonic() < float(header.item()))):
                     break
                 self._wait([work] if hwork is None else [work, hwork], buf.numel())
                 if header is not None and self.wan is not None:
                     self.wan.hold_until(float(header.item()))
-                k = ins[done]
-                self._open(buf, in_u8[k : k + PIECE], src, f"{what}|{done}")
-                done += 1
-            return done
+                k = ins[opened]
+                self._open(buf, in_u8[k : k + PIECE], src, f"{what}|{opened}")
+                opened += 1
 
         for i, k in enumerate(outs):
             piece = self._seal(out_u8[k : k + PIECE], dst, f"{what}|{i}")
@@ -228,8 +227,8 @@ class Exchange:
                 works.append(pg.send([stamp], dst, PIECE_TAG + 2 * i + 1))
                 sent.append(stamp)
             sent.append((works, piece))
-            opened = open_ready(block=False)
-        opened = open_ready(block=True)
+            open_ready(block=False)
+        open_ready(block=True)
         for item in sent:
             if isinstance(item, tuple):
                 self._wait(item[0], item[1].numel())

@@ -59,7 +59,7 @@ class Monitor:
                 beat += 1
                 self.store.set(f"hb/{self.me}", str(beat))
                 for p in self.peers:
-                    raw = self.store.get(f"hb/{p}") if self.store.check([f"hb/{p}"]) else None
+                    raw = self.store.peek(f"hb/{p}")
                     v = int(raw) if raw is not None else -1
                     if v > seen[p][0]:
                         seen[p] = (v, now)
