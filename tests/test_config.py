@@ -80,11 +80,7 @@ BAD = [
         [],
         "sync.within_site: not combined with sites of different sizes [2, 1] yet",
     ),
-    (
-        "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}]\nelastic: {enabled: true}\n",
-        [],
-        "elastic.enabled: not combined with sites of different sizes [2, 1] yet",
-    ),
+    (None, ["elastic.enabled=true", "sync.codec=powersgd"], "sync.codec: PowerSGD's factors are all-reduced over a fixed world"),
     ("- just\n- a list\n", [], "must hold a mapping"),
     (None, ["optim.betas=[0.9]"], "optim.betas"),
     (

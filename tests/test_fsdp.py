@@ -166,6 +166,70 @@ def test_sharded_checkpoint_of_streaming_with_a_codec_in_flight(tmp_path: Path) 
     assert one["final_eval_loss"] == pytest.approx(full["final_eval_loss"], abs=0.05)
 
 
+THREE_SITES_TWO_REGIONS = [
+    "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]",
+    "topology.regions=[{name: eu, sites: [A, B]}, {name: us, sites: [C]}]",
+    "sync.region_every=2",
+    "sync.H=3",
+    "run.baseline=none",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tiers_under_fsdp_equal_replicated_tiers_and_resume_exactly(tmp_path: Path) -> None:
+    """Two tiers over FSDP shards: the region reducer sums each rank's shard with the same local
+    rank of its region's sites; the run ends where replicated tiers end, and a checkpoint taken
+    between a region round and a world round (step 9: a region round, the world round at 12) resumes bit for bit."""
+    rep, rep_w = _run(tmp_path, "rep", ["train.steps=12", *THREE_SITES_TWO_REGIONS])
+    fs, fs_w = _run(tmp_path, "fsdp", ["train.steps=12", "checkpoint.every=3", *THREE_SITES_TWO_REGIONS] + FSDP)
+    _same(rep_w, fs_w, rtol=1e-5, atol=1e-6)
+    _one_model(fs)
+    assert fs["region_rounds"] == rep["region_rounds"] == 4 and fs["inter_region_bytes"] == rep["inter_region_bytes"]
+    ck = tmp_path / "fsdp" / "checkpoints" / "step-00000009"
+    same, same_w = _run(tmp_path, "same", ["train.steps=12", f"checkpoint.resume={ck}", *THREE_SITES_TWO_REGIONS] + FSDP)
+    assert same["global_param_hash"] == fs["global_param_hash"]
+    _same(fs_w, same_w, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_adaptive_pace_and_network_adaptation_under_fsdp(tmp_path: Path) -> None:
+    """Adaptive pace (a site at half speed runs fewer inner steps per round, token-weighted) and
+    sync.adapt (H chosen from the measured 10 Mbit/s link) over FSDP shards: each ends on one model."""
+    three = ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]", "run.baseline=none"]
+    pace, _ = _run(
+        tmp_path,
+        "pace",
+        [*three, "train.steps=30", "sync.H=6", "sync.pace=adaptive", "topology.sites.2.compute_speed=0.4"] + FSDP,
+    )
+    _one_model(pace)
+    rounds = pace["pace"]["log"] if isinstance(pace["pace"], dict) else pace["pace"]
+    assert any(r["steps"][2] < r["steps"][0] for r in rounds[1:]), rounds  # the slow site ran fewer steps
+    adapt, _ = _run(
+        tmp_path,
+        "adapt",
+        [*three, "train.steps=40", "sync.H=10", "sync.adapt={target: 0.9}", "topology.links.inter.bandwidth_bps=1e7"] + FSDP,
+    )
+    _one_model(adapt)
+    log = adapt["adapt"]["log"] if isinstance(adapt["adapt"], dict) else adapt["adapt"]
+    assert log[0]["params"] == sum(p.numel() for p in build_model(load_config(None, TINY + TWO_BLOCKS).model, 256).parameters())
+    assert log[0]["changed"] and log[0]["next"]["H"] > 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_blocks_under_fsdp_train_like_eager_ones(tmp_path: Path) -> None:
+    """train.compile with FSDP compiles each block's forward before fully_shard (torchtitan's
+    order): the parameters keep their names, and the run ends where the eager one ends."""
+    common = ["train.steps=8", "sync.H=4", "run.baseline=none"]
+    eager, eager_w = _run(tmp_path, "eager", common + FSDP)
+    compiled, compiled_w = _run(tmp_path, "compiled", [*common, "train.compile=true"] + FSDP)
+    _same(eager_w, compiled_w, rtol=1e-4, atol=1e-5)
+    _one_model(compiled)
+    assert "each block compiled before fully_shard" in (tmp_path / "compiled" / "logs" / "rank0.log").read_text()
+
+
 def _dcp_keys(folder: Path, prefix: str) -> list[str]:
     import torch.distributed.checkpoint as dcp
 
@@ -267,7 +331,6 @@ def test_dcp_metadata_is_parsed_once_from_checked_bytes_and_holds_tensors_only(t
         "elastic.enabled=true",
         "privacy.secure_aggregation=true",
         "sync.allreduce=flat",
-        "train.compile=true",
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(setting: str) -> None:

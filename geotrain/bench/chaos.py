@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from geotrain.config import Config
+from geotrain.config.load import model_from_data
 
 
 def plan_faults(sites: list[str], rounds: int, H: int, failures: int, spacing: int, seed: int) -> list[tuple[str, int, str]]:
@@ -52,12 +53,29 @@ def plan_faults(sites: list[str], rounds: int, H: int, failures: int, spacing: i
     return plan
 
 
-def chaos_config(sites: int, rounds: int, H: int, failures: int, seed: int, restart_after: float, spacing: int) -> Config:
+def chaos_config(
+    sites: int,
+    rounds: int,
+    H: int,
+    failures: int,
+    seed: int,
+    restart_after: float,
+    spacing: int,
+    workers: int = 1,
+    overrides: list[str] | None = None,
+) -> Config:
+    """The soak's config: ``sites`` sites of ``workers`` each, a failure plan drawn from ``seed``,
+    then ``overrides`` (``KEY=VALUE``, as ``geotrain train --set``: any combination to soak).
+
+    Raises:
+        ConfigError: an override names a bad field or value (one line).
+    """
     names = [chr(ord("A") + i) for i in range(sites)]
     plan = plan_faults(names, rounds, H, failures, spacing, seed)
-    return Config.model_validate(
+    return model_from_data(
+        Config,
         {
-            "topology": {"sites": [{"name": n, "workers": 1} for n in names]},
+            "topology": {"sites": [{"name": n, "workers": workers} for n in names]},
             "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
             "train": {"steps": rounds * H, "batch_size": 8, "eval_every": 0, "log_every": 100_000, "eval_batches": 4},
             "optim": {"warmup_steps": 0},
@@ -69,7 +87,8 @@ def chaos_config(sites: int, rounds: int, H: int, failures: int, seed: int, rest
                 "hang": [f"{s}@{step}" for s, step, k in plan if k == "hang"],
                 "restart_after": restart_after,
             },
-        }
+        },
+        overrides,
     )
 
 
@@ -110,12 +129,14 @@ def run_chaos(
     console_print: Any = print,
     hogs: int = 0,
     hog_seconds: float = 3600.0,
+    workers: int = 1,
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run the soak (with ``hogs`` busy-looping processes beside it); the report (also the
     summary's essentials)."""
     from geotrain.launch.local import launch_local
 
-    cfg = chaos_config(sites, rounds, H, failures, seed, restart_after, spacing)
+    cfg = chaos_config(sites, rounds, H, failures, seed, restart_after, spacing, workers, overrides)
     with cpu_hogs(hogs, hog_seconds) as hog_pids:
         summary = launch_local(cfg, out, console_print=console_print)
     injected = [f for f in summary["failures"] if f["kind"] in ("kill", "hang")]
@@ -125,6 +146,9 @@ def run_chaos(
         "cpu_hogs": hogs,
         "cpu_hog_pids": hog_pids,
         "sites": sites,
+        "workers": workers,
+        "overrides": list(overrides or []),
+        "codec": cfg.sync.codec,
         "H": H,
         "rounds_planned": rounds,
         "failures_planned": len(cfg.fault.kill) + len(cfg.fault.hang),

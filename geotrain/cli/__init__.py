@@ -263,17 +263,25 @@ def chaos(
         str, typer.Option("--cpu-hogs", help="Busy-looping processes beside the soak, comma-separated (a run each); 0: quiet.")
     ] = "0",
     restart_after: Annotated[float, typer.Option(min=0, max=600, help="Seconds until a failed site restarts.")] = 1.0,
+    workers: Annotated[int, typer.Option(min=1, max=8, help="Workers per site.")] = 1,
+    overrides: SetOpt = None,
 ) -> None:
-    """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency."""
-    from geotrain.bench.chaos import chaos_table, run_soaks
+    """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency.
+    ``--set`` soaks any combination (e.g. ``--set sync.codec=int8``)."""
+    from geotrain.bench.chaos import chaos_config, chaos_table, run_soaks
 
     seed_list, hog_list = ints(seeds, "--seeds", 0, 2**31), ints(cpu_hogs, "--cpu-hogs", 0, 64)
     try:
+        chaos_config(sites, rounds, H, failures, 0, restart_after, 6, workers, overrides)  # one-line errors before any run
+    except ConfigError as exc:
+        fail(str(exc))
+    try:
         kw = {"sites": sites, "rounds": rounds, "H": H, "failures": failures, "restart_after": restart_after}
-        report = run_soaks(out, seed_list, hog_list, console_print=None, **kw)
+        report = run_soaks(out, seed_list, hog_list, console_print=None, workers=workers, overrides=overrides, **kw)
     except LaunchError as exc:
         fail(f"chaos run failed: {exc}", 1)
-    table = chaos_table(report, f"chaos: {sites} sites, {rounds} rounds of H={H}")
+    extra = "".join(f", {o}" for o in overrides or [])
+    table = chaos_table(report, f"chaos: {sites} sites x {workers}, {rounds} rounds of H={H}{extra}")
     wide(120).print(table)
     write_json(report, json_out or out / "chaos.json")
     if not all(r["consistent"] for r in report["runs"]):

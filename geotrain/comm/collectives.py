@@ -427,16 +427,15 @@ class Collectives:
         """
         self._check(x)
         if sharded:
-            assert not region, "multi-tier sync runs replicated sites"
-            self._timed(self._shard_across, x, codec, ef)
+            self._timed(self._shard_across, x, codec, ef, region)
         else:
             self._timed(self._site_pipeline, x, codec, ef, False, region)
 
-    def _shard_across(self, x: torch.Tensor, codec: Codec | None, ef: Residual | None) -> None:
+    def _shard_across(self, x: torch.Tensor, codec: Codec | None, ef: Residual | None, region: bool = False) -> None:
         if codec is None:
-            self._laned(x, lambda c, lane: self._across(c, lane, None, None))
+            self._laned(x, lambda c, lane: self._across(c, lane, None, None, region))
         else:
-            self._across(x, self.lanes[0], codec, ef)
+            self._across(x, self.lanes[0], codec, ef, region)
 
     def site_values(self, value: float, region: bool = False) -> list[float]:
         """Every site's ``value`` (one float per site, the same on every rank of a site), in site

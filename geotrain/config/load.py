@@ -138,6 +138,12 @@ def load_yaml_model(root: type[M], path: str | Path | None, overrides: list[str]
         if not isinstance(loaded, dict):
             raise ConfigError(f"{option}: the file must hold a mapping of sections ({', '.join(root.model_fields)})")
         data = loaded
+    return model_from_data(root, data, overrides)
+
+
+def model_from_data(root: type[M], data: dict[str, Any], overrides: list[str] | None = None) -> M:
+    """Validate ``root`` from ``data`` (a mapping of sections, left unchanged) plus ``KEY=VALUE``
+    overrides, with :func:`load_yaml_model`'s rules and one-line errors."""
     data = copy.deepcopy(data)
     if overrides:  # so an override can reach into defaults, e.g. topology.sites.0.workers=4
         with contextlib.suppress(ValidationError):  # a root with required keys: overrides apply to the file only

@@ -123,8 +123,7 @@ class Config(Section):
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
             (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
-            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
-            (self.privacy.secure_aggregation or self.privacy.dp.unit != "none", "privacy", "turn privacy off"),
+            (self.privacy.secure_aggregation or self.privacy.dp.unit == "site", "privacy", "turn privacy off"),
             (self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
         ]
         _refuse(refused, "sync.region_every")
@@ -143,8 +142,7 @@ class Config(Section):
             ),
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
-            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
-            (p.secure_aggregation or p.dp.unit != "none", "privacy", "turn privacy off"),
+            (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
             (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
         ]
         _refuse(refused, "sync.adapt")
@@ -168,8 +166,7 @@ class Config(Section):
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
-            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
-            (p.secure_aggregation or p.dp.unit != "none", "privacy", "turn privacy off"),
+            (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
             (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
         ]
@@ -184,11 +181,10 @@ class Config(Section):
         refused = [
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
-            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
             (
-                p.secure_aggregation or p.dp.unit != "none",
+                p.secure_aggregation or p.dp.unit == "site",
                 "privacy",
-                "set privacy.secure_aggregation=false, privacy.dp.unit=none",
+                "set privacy.secure_aggregation=false, privacy.dp.unit=none or example",
             ),
             (
                 self.sync.pace == "adaptive" and bool(self.checkpoint.every or self.checkpoint.resume),
@@ -205,9 +201,8 @@ class Config(Section):
             return
         p = self.privacy
         refused = [
-            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
-            (p.dp.unit != "none", "privacy.dp.unit", "set privacy.dp.unit=none"),
+            (p.dp.unit == "site", "privacy.dp.unit", "set privacy.dp.unit=none or example"),
             (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
         ]
@@ -224,7 +219,6 @@ class Config(Section):
             (p.dp.unit != "none", "privacy.dp.unit", "set privacy.dp.unit=none"),
             (self.sync.allreduce == "flat", "sync.allreduce", "use sync.allreduce=hierarchical"),
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
-            (self.train.compile, "train.compile", "set train.compile=false"),
         ]
         _refuse(refused, "sync.within_site=fsdp", " (or sync.within_site=replicate)")
 
@@ -236,9 +230,12 @@ class Config(Section):
             raise ValueError(f"elastic.min_sites: {e.min_sites} is more than the number of sites ({n})")
         if self.sync.algorithm != "diloco":
             raise ValueError("sync.algorithm: elastic mode runs diloco (allowed: diloco)")
-        if self.sync.codec != "none":
-            raise ValueError("sync.codec: elastic mode averages fp32 pseudo-gradients; set sync.codec=none")
-        if self.privacy.secure_aggregation or self.privacy.dp.unit != "none":
+        if self.sync.codec == "powersgd":
+            raise ValueError(
+                "sync.codec: PowerSGD's factors are all-reduced over a fixed world; in elastic mode use a byte codec "
+                "(bf16, fp16, int8, int4, fp4, topk, sparseloco) or none"
+            )
+        if self.privacy.secure_aggregation or self.privacy.dp.unit == "site":
             raise ValueError("privacy: not combined with elastic mode yet; set elastic.enabled=false")
         if self.checkpoint.resume not in (None, "auto"):
             raise ValueError("checkpoint.resume: elastic sites resume from their own checkpoints; use auto (or none)")

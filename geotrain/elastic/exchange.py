@@ -29,6 +29,7 @@ import torch
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import round_group
 from geotrain.elastic.auth import FrameCipher, SealedStore, sealed_size
+from geotrain.elastic.commit import TRAILER, Encoder
 from geotrain.elastic.roundstore import Monitor
 from geotrain.elastic.view import RoundView
 from geotrain.errors import RoundFailed
@@ -40,15 +41,22 @@ PIECE = 4 << 20  # bytes of a frame sealed and sent at once
 
 class Exchange:
     """One round's exchange for one local rank: [create the round group], [send or receive the
-    healing state], ring-sum ``shard`` with the same local rank of every admitted site.
+    healing state], sum ``shard`` with the same local rank of every admitted site: an fp32 ring,
+    or, with a ``codec``, encoded (:meth:`_coded_sum`).
 
     Args:
         view: the round (admitted sites in group-rank order, source, healers).
         site, local: this site and local rank.
         names: every site of the run (link emulation indices).
         group: the round group to reuse (same membership as last round), or None to create one in ``store``.
-        shard: this rank's part of the vector to sum (the thread sums into it).
+        shard: this rank's part of the vector to sum (the thread sums into it); its last
+            :data:`TRAILER` elements are this site's weight in the round and 1 if it contributes
+            (both 0 if not), summed exactly.
         outgoing: the source's serialised state for the healers (the source only).
+        heals: this rank takes part in healing (local rank 0: the state crosses once per site).
+        codec: encode what crosses sites (None: fp32); with ``error_feedback``, ``residual`` (this
+            rank's, or None) is added before encoding and the new one is left in
+            :attr:`residual` for the main thread to keep if the round commits.
         backstop: the timeout of one wait of ``nbytes`` among ``n`` sites.
         count: adds bytes sent across sites to the member's counter (under its lock).
         on_mid_round: called between the reduce-scatter and the all-gather (failure injection).
@@ -77,12 +85,18 @@ class Exchange:
         count: Callable[[int], None],
         on_mid_round: Callable[[], None] | None,
         tamper: bool = False,
+        heals: bool = True,
+        codec: Encoder | None = None,
+        error_feedback: bool = False,
+        residual: torch.Tensor | None = None,
     ) -> None:
         self.view, self.site, self.local, self.names, self.wan = view, site, local, names, wan
         self.monitor, self.store, self.shard, self.outgoing = monitor, store, shard, outgoing
         self.backstop, self.timeout_s, self.count, self.on_mid_round = backstop, timeout_s, count, on_mid_round
         self.ciphers = {peer: FrameCipher(k) for peer, k in view.frame_keys.items()}
-        self.tamper = tamper
+        self.tamper, self.heals, self.codec = tamper, heals, codec
+        self.error_feedback, self.residual = error_feedback, residual
+        self.raw_bytes = 0  # what an fp32 ring would have sent for the same sum (the codec's reference)
         self._seq = 0
         self.forged: str | None = None  # the first frame that failed to open
         self.seal_seconds = 0.0  # time spent encrypting outgoing frames (before they leave: on the critical path)
@@ -124,8 +138,12 @@ class Exchange:
                     self.timeout_s,
                     os.environ.get("GEOTRAIN_BIND_ADDR"),  # the cross-site address (geotrain site --bind)
                 )
-            self._heal()
-            self._ring_sum()
+            if self.heals:
+                self._heal()
+            if self.codec is None:
+                self._ring_sum()
+            else:
+                self._coded_sum(self.codec)
             if self.forged is not None:
                 raise RoundFailed(self.forged)
         except BaseException as exc:  # reported to the main thread
@@ -240,6 +258,8 @@ class Exchange:
         nxt, prv = (i + 1) % n, (i - 1) % n
         chunks = x.tensor_split(n)
         scratch = torch.empty_like(chunks[0])
+        # an fp32 ring sends every chunk but its own, then every chunk but the next one's
+        self.raw_bytes += 4 * (2 * x.numel() - chunks[i].numel() - chunks[nxt].numel())
         for s in range(n - 1):
             into = chunks[(i - s - 2) % n]
             buf = scratch[: into.numel()]
@@ -263,6 +283,7 @@ class Exchange:
                 blob = self._seal(state, dst, f"heal{state.numel()}")  # the size is bound into the context
                 self._wait([pg.send([size], dst, HEAL_TAG), pg.send([blob], dst, HEAL_TAG + 1)], blob.numel())
                 self.count(blob.numel() + 8)
+                self.raw_bytes += blob.numel() + 8  # the same with or without a codec
         elif self.site in view.healers:
             size = torch.zeros(1, dtype=torch.int64)
             self._wait([pg.recv([size], src, HEAL_TAG)], 8)
@@ -274,3 +295,93 @@ class Exchange:
             state = torch.empty(n, dtype=torch.uint8)
             if self._open(blob, state, src, f"heal{n}"):
                 self.heal_blob = state.numpy().tobytes()
+
+    def _coded_sum(self, codec: Encoder) -> None:
+        """Sum the shard over the admitted sites sending only ``codec``-encoded values, as the
+        lock-step reducer does (:meth:`geotrain.comm.collectives.Collectives._coded_all_reduce`):
+
+        * ``scatter`` codecs: site j owns chunk j; every site sends its encoding of chunk j to j
+          (error feedback keeps what the encoding lost), the owner adds them to its own fp32 chunk,
+          encodes the sum once and sends it to every site; all decode the same bytes, so every
+          site ends with the same values;
+        * ``gather`` codecs (top-k, SparseLoCo): every site sends its encoding of the whole shard
+          to every other, and each decodes and adds them in the order of ``view.admitted``.
+
+        The shard's :data:`TRAILER` (weight, count) travels beside the codes as fp32: the number
+        that divides the sum is exact. Pairs are visited as offsets d = 1..n-1 (send to
+        i+d, receive from i-d), one encrypted frame each way, like the ring's steps.
+        """
+        view, ext = self.view, self.shard
+        n = len(view.admitted)
+        i = view.admitted.index(self.site)
+        if n == 1:  # alone in the round: nothing crosses, nothing is encoded (the residual waits, as in lock-step)
+            return
+        x, weight = ext[:-TRAILER], ext[-TRAILER:]
+        contributes = bool(float(weight[-1].item()))
+        if self.residual is not None and contributes:
+            x.add_(self.residual)
+        meant = x.clone() if self.error_feedback and contributes else None
+
+        tail = 4 * TRAILER
+
+        def frame(codes: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.cat([codes, w.to(torch.float32).view(torch.uint8)])
+
+        def received(numel: int) -> torch.Tensor:
+            return torch.empty(codec.encoded_nbytes(numel) + tail, dtype=torch.uint8)
+
+        def unpack(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return buf[:-tail], buf[-tail:].clone().view(torch.float32)
+
+        sent = torch.zeros_like(x)  # what the peers will decode from this site (for error feedback)
+        if codec.reduce == "gather":
+            codes = codec.encode(x)
+            codec.decode(codes, x.numel(), sent)
+            got: dict[int, torch.Tensor] = {i: frame(codes, weight)}
+            for d in range(1, n):
+                buf = received(x.numel())
+                self._send_recv(got[i], (i + d) % n, buf, (i - d) % n)
+                got[(i - d) % n] = buf
+                self.raw_bytes += 4 * x.numel()
+                if d == 1 and self.on_mid_round is not None:  # some peers have this site's update, others not
+                    self.on_mid_round()
+            total, tmp = torch.zeros(TRAILER), torch.empty_like(x)
+            x.zero_()
+            for j in range(n):  # the same order on every site: bit-identical sums
+                codes_j, w = unpack(got[j])
+                x.add_(codec.decode(codes_j, x.numel(), tmp))
+                total += w
+        else:
+            chunks, spent = x.tensor_split(n), sent.tensor_split(n)
+            mine, total = chunks[i], weight.clone()
+            tmp = torch.empty_like(mine)
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for d in range(1, n):  # reduce-scatter, encoded
+                dst, src = (i + d) % n, (i - d) % n
+                codes = codec.encode(chunks[dst])
+                codec.decode(codes, chunks[dst].numel(), spent[dst])
+                buf = received(mine.numel())
+                self._send_recv(frame(codes, weight), dst, buf, src)
+                self.raw_bytes += 4 * chunks[dst].numel()
+                parts.append(unpack(buf))
+            for codes_j, w in parts:
+                mine.add_(codec.decode(codes_j, mine.numel(), tmp))
+                total += w
+            if self.on_mid_round is not None:
+                self.on_mid_round()
+            summed = codec.encode(mine)  # the owner keeps the decoded sum too: every site holds the same
+            codec.decode(summed, mine.numel(), mine)
+            ours = frame(summed, total)
+            for d in range(1, n):  # all-gather of the encoded sums
+                dst, src = (i + d) % n, (i - d) % n
+                buf = received(chunks[src].numel())
+                self._send_recv(ours, dst, buf, src)
+                self.raw_bytes += 4 * mine.numel()
+                codes_j, _ = unpack(buf)
+                codec.decode(codes_j, chunks[src].numel(), chunks[src])
+            if meant is not None:  # the chunk this site owns never crossed encoded: no error on it
+                spent[i].copy_(meant.tensor_split(n)[i])
+        # error feedback: what this site meant to send minus what its peers decoded (a site that
+        # sent nothing keeps none, as in lock-step rounds)
+        self.residual = meant.sub_(sent) if meant is not None else None
+        weight.copy_(total)

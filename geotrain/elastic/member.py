@@ -1,41 +1,27 @@
 """One site's part in the elastic rounds: sites that die, hang or come back without stopping the others.
 
-In elastic mode (``elastic.enabled``) every site is its own torch.distributed job (its ranks
-average gradients inside the site as usual); sites meet once per DiLoCo outer round:
+In elastic mode (``elastic.enabled``) every site is its own torch.distributed job; sites meet
+once per DiLoCo outer round. A round is built from parts, each in its own module:
 
-1. **Quorum** (torchft's Lighthouse, through :mod:`geotrain.elastic.coordinator`): each
-   site's local rank 0 heartbeats to the Lighthouse and asks it for the round's quorum,
-   advertising its committed-round count, global-model hash, inner step and its round store
-   (an authenticated store it hosts, :mod:`geotrain.comm.authstore`). The Lighthouse answers
-   once every heartbeating site has asked (or drops a silent one after ``heartbeat_timeout_s``);
-   fewer than ``min_sites`` → the site logs that training is paused and asks again. If the
-   Lighthouse is down, the round is postponed: the site keeps doing inner steps and asks again
-   every step until it is back. The quorum is only a hint of who to meet and where
-   (:mod:`geotrain.elastic.hints`).
-2. **Meeting** (:mod:`geotrain.elastic.meeting`): in one site's round store every site proves
-   the run's key to every other over their fresh nonces and states what it holds as of this
-   round (the secret never crosses the wire); the sites agree on one view, whose digest names
-   the round. A site that cannot prove it is left out of the round's process group.
-3. **Healing**, decided from the claims made in the meeting: the *source* is the member with the most committed rounds (ties: the global
-   hash most members hold, then the smallest name). Members whose (committed, hash) differ —
-   a restarted site, or one that rolled back a round its peers committed — receive the
-   source's state (global parameters, outer optimizer, counters, step, inner model/optimizer)
-   over the round's process group and contribute zeros to this round; after it, they are
-   bit-identical to the others.
-4. **All-reduce**: each local rank sums its 1/G shard of the pseudo-gradient with the same
-   local rank of every admitted site (a ring over a fresh Gloo group per membership), the
-   site all-gathers; the last element counts the contributing sites. Every wait polls a
-   heartbeat monitor (a counter per rank in the round store): a SIGSTOPped or dead peer aborts
-   the round within ``heartbeat_timeout_s``, not a collective timeout.
-5. **Commit**: the site's ranks agree the exchange succeeded, then every site writes its vote
-   to the round store and waits for all votes; any missing or negative vote rolls the round
-   back (the caller restores global parameters; nothing is half-applied). A site that saw all
-   votes commits; if a peer was cut off while reading them it rolled back, and step 3 heals
-   it at the next round, so survivors are always bit-identical again one round later.
+1. **membership**: local rank 0 asks torchft's Lighthouse for the round's quorum
+   (:mod:`geotrain.elastic.coordinator`), a hint of who to meet and where
+   (:mod:`geotrain.elastic.hints`); fewer than ``min_sites`` pauses training, a Lighthouse that
+   is down postpones the round (inner steps go on, it is asked again every step);
+2. **meeting** (:mod:`geotrain.elastic.meeting`): in one site's authenticated round store
+   (:mod:`geotrain.comm.authstore`) every site proves the run's key over fresh nonces and
+   claims what it holds; one agreed view names the round, its heal source and its healers
+   (:mod:`geotrain.elastic.view`); a site that cannot prove it is left out;
+3. **exchange** (:mod:`geotrain.elastic.exchange`, a thread): healing state from the source to
+   the healers (once per site), then each carrying local rank sums its part of the
+   pseudo-gradient with the same local rank of every admitted site, fp32 or encoded, weighted;
+   every wait watches the peers' heartbeats (:class:`geotrain.elastic.roundstore.Monitor`);
+4. **commit** (:mod:`geotrain.elastic.commit`): the site's ranks agree, every site writes a
+   signed vote, and any missing or negative vote rolls the round back everywhere (the caller
+   restores the global parameters; error feedback keeps its old residual). A site that missed
+   a commit is healed at the next round, so survivors are bit-identical again one round later.
 
-The Lighthouse is not a silent single point of failure: sites keep training while it is down
-and carry on when it is restarted (the launcher supervises it:
-:class:`geotrain.elastic.lighthouse.LighthouseProcess`).
+docs/ELASTIC.md describes the protocol, its bounds and what was measured; the Lighthouse is
+supervised by the launcher (:class:`geotrain.elastic.lighthouse.LighthouseProcess`).
 """
 
 from __future__ import annotations
@@ -61,12 +47,13 @@ from geotrain.comm.topology import Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic import roundstore
 from geotrain.elastic.auth import RunKeys, SealedStore, load_secret
+from geotrain.elastic.commit import TRAILER, Contribution, Encoder, Feedback, gather_site, share_in_site, span, vote
 from geotrain.elastic.coordinator import Coordinator
 from geotrain.elastic.exchange import Exchange
 from geotrain.elastic.hints import QuorumHints
-from geotrain.elastic.meeting import ballot, meet, said_yes
-from geotrain.elastic.roundstore import Monitor, wait_keys
-from geotrain.elastic.view import HealHooks, Member, RoundView, heal_source
+from geotrain.elastic.meeting import meet
+from geotrain.elastic.roundstore import Monitor
+from geotrain.elastic.view import HealHooks, RoundView, heal_source, same_initial_model
 from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
@@ -124,6 +111,10 @@ class SiteMember:
         # failure injection: the rounds (by step) whose outgoing frames are altered after their MAC
         self.tamper_steps: set[int] = set()
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
+        self.raw_bytes = 0  # what fp32 rings would have sent for the same sums (the codec's reference)
+        # the local ranks that carry a part across sites: as many as the smallest site has
+        self.carriers = topology.carriers
+        self.workers = list(topology.workers)
         self._bytes_lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # failures this site detected
         self.healed_at_step: int | None = None
@@ -250,22 +241,9 @@ class SiteMember:
         if view.error:
             self._forget_store(meeting)
         self.hints.proved(members)
-        if view.admitted:
-            self._same_initial_model(members)
+        if view.admitted and not self.hooks.committed() and not self.joining:
+            same_initial_model(self.site, self.hooks.global_hash(), members)
         return view
-
-    def _same_initial_model(self, members: list[Member]) -> None:
-        """Fresh sites (no committed round, not restarted) must start from one model: same seed,
-        model settings and code. Checked on the claims made inside the round."""
-        if self.hooks.committed() or self.joining:
-            return
-        mine = self.hooks.global_hash()
-        differ = sorted(m.site for m in members if not m.committed and not m.joining and m.hash != mine)
-        if differ:
-            raise MembershipRefused(
-                f"the initial model of site(s) {', '.join(differ)} differs from site {self.site}'s: every "
-                "site needs the same train.seed, model settings and geotrain version"
-            )
 
     def _event(self, site: str, how: str) -> None:
         self.events.append({"site": site, "how": how, "time": time.monotonic(), "by": self.site})
@@ -299,28 +277,51 @@ class SiteMember:
                 self._pg[1].abort()
             self._pg = None
 
-    def round(self, delta: torch.Tensor, can_postpone: bool = True, *, contribute: bool = True) -> int | None:
+    def round(
+        self,
+        delta: torch.Tensor,
+        can_postpone: bool = True,
+        *,
+        contribute: bool = True,
+        weight: float = 1.0,
+        codec: Encoder | None = None,
+        residual: Feedback | None = None,
+    ) -> int | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
-        sites in place; the number of sites that contributed. None: postponed (Lighthouse down).
-        ``contribute=False`` (the update guard withdrew it): this site sends zeros.
+        sites in place, each site weighted by ``weight`` (its tokens, or 1); the number of sites
+        that contributed. None: postponed (Lighthouse down). ``contribute=False`` (the update
+        guard withdrew it): this site sends zeros. ``codec``: what crosses sites is encoded, with
+        this rank's error feedback ``residual`` (updated only if the round commits).
 
         Raises:
             RoundFailed: the round cannot commit on every participant; roll it back.
             MembershipRefused: this site failed authentication.
         """
-        t0, sent0 = time.monotonic(), self.inter_bytes
+        t0, sent0, raw0 = time.monotonic(), self.inter_bytes, self.raw_bytes
         try:
-            return self._round(delta, can_postpone, t0, contribute)
+            return self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual))
         finally:  # the training thread was blocked on the wide area all along
-            seconds, sent = time.monotonic() - t0, self.inter_bytes - sent0
+            seconds = time.monotonic() - t0
             st = self.stats
-            st.inter_bytes += sent
-            st.inter_raw_bytes += sent
+            st.inter_bytes += self.inter_bytes - sent0
+            st.inter_raw_bytes += self.raw_bytes - raw0
             st.comm_seconds += seconds
             st.wan_wait_seconds += seconds
             st.network_seconds += seconds
 
-    def _round(self, delta: torch.Tensor, can_postpone: bool, t0: float, contribute: bool) -> int | None:
+    def weight(self, steps: int) -> float:
+        """This site's tokens in a round of ``steps`` inner steps (its workers x steps) where the
+        run's sites differ in size; 1 where they are alike, so a round is the plain mean (the same
+        bits as an unweighted run)."""
+        return float(self.workers[self.site_index] * steps) if len(set(self.workers)) > 1 else 1.0
+
+    @property
+    def carries(self) -> bool:
+        """This local rank carries a part of the pseudo-gradient across sites: one of the first
+        ``carriers`` (the smallest site's size), so the same local rank exists at every site."""
+        return self.local < self.carriers
+
+    def _round(self, delta: torch.Tensor, can_postpone: bool, t0: float, what: Contribution) -> int | None:
         view = RoundView()
         if self.local == 0:
             try:
@@ -341,12 +342,14 @@ class SiteMember:
         if view.error:
             raise RoundFailed(view.error)
         store = self._store(view.meeting)
+        if not self.carries:  # nothing crosses sites from this rank: no exchange, no heartbeats to watch
+            return self._exchange_and_vote(delta, view, store, None, what)
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
         hb_client = roundstore.connect(view.meeting, self.keys.store, self.cfg.heartbeat_timeout_s)
         hb_store = SealedStore(hb_client, self.keys, f"round/{view.round_id}", self.log)
         monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
         try:
-            return self._exchange_and_vote(delta, view, store, monitor, contribute)
+            return self._exchange_and_vote(delta, view, store, monitor, what)
         finally:
             monitor.stop()
             hb_client.close()
@@ -354,27 +357,95 @@ class SiteMember:
                 self._event(monitor.culprit, "heartbeat timeout")
 
     def _exchange_and_vote(
-        self, delta: torch.Tensor, view: RoundView, store: AuthStore, monitor: Monitor, contribute: bool
+        self, delta: torch.Tensor, view: RoundView, store: AuthStore, monitor: Monitor | None, what: Contribution
     ) -> int:
         # the main thread prepares everything the exchange thread reads (it must not touch the model)
-        finite = contribute and bool(torch.isfinite(delta).all())
+        finite = what.contribute and bool(torch.isfinite(delta).all())
         if not finite:
-            self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if contribute else "update guard)"))
-        ext = torch.zeros(delta.numel() + 1)  # Gloo: CPU, also under NCCL; the last element counts contributors
-        if self.site not in view.healers and finite:
-            ext[:-1].copy_(delta.detach().to("cpu", torch.float32))
-            ext[-1] = 1.0
+            self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if what.contribute else "update guard)"))
+        contributes = finite and self.site not in view.healers
+        lo, hi = span(delta.numel(), self.local, self.carriers)
+        carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
+        if contributes and self.carries:
+            values = carry[:-TRAILER]
+            values.copy_(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
+            if what.weight != 1.0:
+                values.mul_(what.weight)
+            carry[-TRAILER:] = torch.tensor([what.weight, 1.0])
         outgoing = None
-        if self.site == view.source and view.healers:
+        if self.site == view.source and view.healers and self.local == 0:
             buf = io.BytesIO()
             torch.save(self.hooks.state(), buf)
             outgoing = buf.getvalue()
         round_store = SealedStore(store, self.keys, f"round/{view.round_id}", self.log)  # rendezvous and votes
+        ok, why, heal_blob = torch.ones(1), "", None
+        x: Exchange | None = None
+        if monitor is not None:
+            x = self._exchange(view, monitor, round_store, carry, outgoing, what)
+            x.start()
+            finished = x.wait()
+            self._current["exchange_s"] = time.monotonic() - self._current["start"] - self._current["quorum_s"]
+            self._current["seal_s"] = x.seal_seconds
+            self._current["open_s"] = x.open_seconds
+            self.raw_bytes += x.raw_bytes
+            if not finished:
+                ok.zero_()
+                why = monitor.failed or "aborted"
+                self._drop_group()
+            else:
+                self._pg = (self._members(view), x.group) if x.group is not None else None
+                if x.error is not None:
+                    ok.zero_()
+                    if isinstance(x.error, MembershipRefused) or not isinstance(x.error, ROUND_FAILURES):
+                        raise x.error  # refused, or a bug in the exchange: stop, do not roll back as if a peer failed
+                    first = str(x.error).splitlines()[0][:100] if str(x.error) else type(x.error).__name__
+                    why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
+            heal_blob = x.heal_blob
+        if self.site in view.healers:  # complete: the source's state at the start of this round
+            heal_blob = share_in_site(heal_blob, self.local, self.G, self.intra)
+            if heal_blob is not None:
+                self._load_healing(heal_blob, view.source)
+                if what.residual is not None:  # a healed site starts its error feedback afresh
+                    what.residual.tensor = None
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
+        if ok.item() and self.G > 1:  # the site's ranks gather the carried parts
+            carry = gather_site(carry, delta.numel(), self.carriers, self.G, self.intra)
+        committed = vote(
+            round_store, view, monitor, bool(ok.item()), site=self.site, local=self.local, identity=self.identity,
+            intra=self.intra, timeout_s=self.cfg.collective_timeout_s, log=self.log,
+        )  # fmt: skip
+        if not committed:
+            self._drop_group()
+            self._forget_store(view.meeting)
+            reason = why or (monitor.failed if monitor is not None else None) or "a participant did not confirm the round"
+            if self.local == 0:
+                self.log(f"round {view.key} rolled back: {reason} (round store {view.meeting})")
+            raise RoundFailed(reason)
+        if x is not None and what.residual is not None and self.site not in view.healers:
+            what.residual.tensor = x.residual  # the round committed: keep what its encoding left out
+        total, count = (float(v) for v in carry[-TRAILER:].tolist())
+        if count < 0.5 or total <= 0:
+            raise RoundFailed("no site contributed to the round")
+        delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total)
+        self._current["contributors"] = int(round(count))
+        self._current["weight"] = total
+        return self._current["contributors"]
+
+    def _members(self, view: RoundView) -> tuple[str, ...]:
         stores = {m.site: m.store for m in view.members}
-        members = tuple(f"{s}@{stores[s]}" for s in view.admitted)
+        return tuple(f"{s}@{stores[s]}" for s in view.admitted)
+
+    def _exchange(
+        self, view: RoundView, monitor: Monitor, round_store: SealedStore, carry: torch.Tensor, outgoing: bytes | None,
+        what: Contribution,
+    ) -> Exchange:  # fmt: skip
+        members = self._members(view)
         if self._pg is not None and self._pg[0] != members:
             self._drop_group()  # a new membership gets a new group (a restarted site has a new store address)
-        x = Exchange(
+        residual = what.residual.tensor if what.residual is not None else None
+        if residual is not None and residual.numel() != carry.numel() - TRAILER:
+            raise ValueError(f"error-feedback residual of {residual.numel()} values for a part of {carry.numel() - TRAILER}")
+        return Exchange(
             view,
             self.site,
             self.local,
@@ -383,58 +454,18 @@ class SiteMember:
             monitor,
             round_store,
             self._pg[1] if self._pg is not None else None,
-            self._shard(ext),
+            carry,
             outgoing,
             lambda nbytes: self._backstop(nbytes, len(view.admitted)),
             self.cfg.collective_timeout_s,
             self._count,
             self.on_mid_round,
             tamper=self.hooks.step() in self.tamper_steps,
+            heals=self.local == 0,
+            codec=what.codec,
+            error_feedback=what.residual is not None,
+            residual=residual,
         )
-        x.start()
-        finished = x.wait()
-        self._current["exchange_s"] = time.monotonic() - self._current["start"] - self._current["quorum_s"]
-        self._current["seal_s"] = x.seal_seconds
-        self._current["open_s"] = x.open_seconds
-        ok = torch.ones(1)
-        why = ""
-        if not finished:
-            ok.zero_()
-            why = monitor.failed or "aborted"
-            self._drop_group()
-        else:
-            self._pg = (members, x.group) if x.group is not None else None
-            if x.error is not None:
-                ok.zero_()
-                if isinstance(x.error, MembershipRefused) or not isinstance(x.error, ROUND_FAILURES):
-                    raise x.error  # refused, or a bug in the exchange: stop, do not roll back as if a peer failed
-                first = str(x.error).splitlines()[0][:100] if str(x.error) else type(x.error).__name__
-                why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
-        if x.heal_blob is not None:  # complete: the source's state at the start of this round
-            self._load_healing(x.heal_blob, view.source)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
-        if ok.item() and self.G > 1:  # Gloo's all-gather wants equal parts: pad the last shard
-            c = -(-ext.numel() // self.G)
-            mine = torch.zeros(c)
-            shard = self._shard(ext)
-            mine[: shard.numel()] = shard
-            gathered = [torch.empty(c) for _ in range(self.G)]
-            dist.all_gather(gathered, mine, group=self.intra)
-            ext.copy_(torch.cat(gathered)[: ext.numel()])
-        committed = self._vote(round_store, view, monitor, bool(ok.item()))
-        if not committed:
-            self._drop_group()
-            self._forget_store(view.meeting)
-            reason = why or monitor.failed or "a participant did not confirm the round"
-            if self.local == 0:
-                self.log(f"round {view.key} rolled back: {reason} (round store {view.meeting})")
-            raise RoundFailed(reason)
-        count = int(round(float(ext[-1].item())))
-        if count == 0:
-            raise RoundFailed("no site contributed to the round")
-        delta.copy_(ext[:-1].to(delta.device)).div_(count)
-        self._current["contributors"] = count
-        return count
 
     def _load_healing(self, blob: bytes, source: str) -> None:
         """Main thread: load the state a source sent. From now on this site holds a valid state (the
@@ -446,39 +477,6 @@ class SiteMember:
         self.joining = False
         if self.local == 0:
             self.log(f"healed from {source}: {state['committed']} committed rounds, step {state['step']}")
-
-    def _shard(self, x: torch.Tensor) -> torch.Tensor:
-        """This local rank's contiguous 1/G of ``x`` (ceil-sized parts; the last may be shorter)."""
-        c = -(-x.numel() // self.G)
-        return x[self.local * c : min(x.numel(), (self.local + 1) * c)]
-
-    def _vote(self, prefix: SealedStore, view: RoundView, monitor: Monitor, ok: bool) -> bool:
-        """Local rank 0 writes this site's vote and reads everyone's; the round commits only if every
-        admitted site voted yes. The site's ranks agree on the result."""
-        decision = torch.zeros(1)
-        if self.local == 0:
-            try:
-                prefix.set(f"vote/{self.site}", ballot(self.identity, view.round_id, self.site, ok))
-                if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
-                    keys = [f"vote/{s}" for s in view.admitted]
-                    yes: dict[str, bool] = {}
-
-                    def said_no(k: str) -> bool:
-                        yes[k] = said_yes(self.identity, view.round_id, k.split("/", 1)[1], prefix.get(k))
-                        return not yes[k]
-
-                    deadline = time.monotonic() + self.cfg.collective_timeout_s
-                    wait_keys(prefix, keys, deadline, monitor, stop_if=said_no)
-                    decision.fill_(float(all(yes.get(k, False) for k in keys)))
-            except RoundFailed as exc:  # a peer went silent while the votes were read: no commit
-                self.log(f"round {view.key}: the vote ended without a decision ({exc}): no commit")
-            except Exception as exc:  # noqa: BLE001 - the store failed: no commit, and the reason is in the log
-                first = str(exc).splitlines()[0][:160] if str(exc) else ""
-                self.log(
-                    f"round {view.key}: the vote failed ({type(exc).__name__}: {first}; round store {view.meeting}): no commit"
-                )
-        dist.broadcast(decision, src=0, group=self.intra)
-        return bool(decision.item())
 
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:
         """Record the round's outcome (after the caller applied or rolled it back): one JSON line."""

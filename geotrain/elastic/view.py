@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from geotrain.errors import MembershipRefused
+
 
 @dataclass
 class Member:
@@ -117,3 +119,19 @@ def healers(members: list[Member], source: str, admitted: list[str]) -> list[str
     by = {m.site: m for m in members}
     ref = (by[source].committed, by[source].hash)
     return [s for s in admitted if (by[s].committed, by[s].hash) != ref or by[s].joining]
+
+
+def same_initial_model(site: str, mine: str, members: list[Member]) -> None:
+    """A fresh site (no committed round, not restarted) must start from the model every other
+    fresh member claims inside the round (``mine``: its global hash): same seed, model settings
+    and code.
+
+    Raises:
+        MembershipRefused: naming the sites whose initial model differs.
+    """
+    differ = sorted(m.site for m in members if not m.committed and not m.joining and m.hash != mine)
+    if differ:
+        raise MembershipRefused(
+            f"the initial model of site(s) {', '.join(differ)} differs from site {site}'s: every "
+            "site needs the same train.seed, model settings and geotrain version"
+        )

@@ -32,11 +32,16 @@ def block_list(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str, *, reshard_root: bool = False) -> None:
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, precision: str, *, reshard_root: bool = False, compile_blocks: bool = False
+) -> None:
     """Apply ``fully_shard`` to every block and then to the root, in place, on ``mesh``.
 
     Args:
         precision: 'bf16' computes in bf16 (FSDP's policy; reductions and kept shards fp32).
+        compile_blocks: compile each block's forward before it is sharded (``train.compile``), as
+            torchtitan does: FSDP's all-gather and reduce-scatter hooks stay outside the compiled
+            code, and the parameters keep their names (the block is not wrapped).
         reshard_root: free the root's gathered parameters after forward too (for a model that only
             evaluates: nothing gathered outlives a forward, so shards written between forwards are
             always what the next one sees).
@@ -48,6 +53,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, precision: str, *, reshard_r
         reduce_dtype=torch.float32 if precision == "bf16" else None,
     )
     for block in block_list(model):
+        if compile_blocks:
+            block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root or None)
 

@@ -180,7 +180,7 @@ def _train(
     template = copy_on(eval_model, "meta") if fsdp and me.rank == 0 and cfg.train.save_final else None
     if fsdp:  # HSDP: sharded over the site's workers (docs/SCALE.md); the evaluation copy too
         assert groups.mesh is not None
-        shard_model(model, groups.mesh, cfg.train.precision)
+        shard_model(model, groups.mesh, cfg.train.precision, compile_blocks=cfg.train.compile)
         shard_model(eval_model, groups.mesh, cfg.train.precision, reshard_root=True)
     own = cfg.topology.sites[where.site_index].corpus
     if own is not None and not Path(own).exists():  # checked here: it may exist on this site's machine only
@@ -196,7 +196,7 @@ def _train(
         site_corpus=cfg.topology.sites[where.site_index].corpus,
     )
     data.micro_batches = cfg.train.grad_accum
-    if cfg.train.compile:  # in place: the same parameters under the same names, for sync and checkpoints
+    if cfg.train.compile and not fsdp:  # in place: the same parameters under the same names, for sync and checkpoints
         model.compile()
     optimizer, scheduler = build_optimizer(cfg.optim, model, cfg.train.steps)
     if cfg.train.timeline:
@@ -271,6 +271,9 @@ def _train(
     if me.rank == 0:
         log(me, 0, f"{cfg.sync.algorithm} on {place.world.describe()}, {n_params:,} parameters, {threads} thread(s)/rank")
         log(me, 0, f"inter-site links: {describe_links(place.full, comm.wan)}")
+        if cfg.train.compile:
+            how = "each block compiled before fully_shard" if fsdp else "the whole model compiled"
+            log(me, 0, f"train.compile: {how}")
 
     def after_step(step: int) -> None:
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:

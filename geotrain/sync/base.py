@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from geotrain.codecs import Codec, Residual
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.control import all_gather_json
 from geotrain.sync.guard import UpdateGuard
@@ -65,13 +66,27 @@ class RoundMembership(Protocol):
         """How long to wait before retrying a postponed round."""
         ...
 
-    def round(self, delta: torch.Tensor, *, contribute: bool = True) -> int | None:
-        """Average ``delta`` over the admitted sites (``contribute=False``: this site withdraws its
-        own and takes the others' average); None when postponed.
+    def round(
+        self,
+        delta: torch.Tensor,
+        *,
+        contribute: bool = True,
+        weight: float = 1.0,
+        codec: Codec | None = None,
+        residual: Residual | None = None,
+    ) -> int | None:
+        """Average ``delta`` over the admitted sites, each weighted by ``weight``
+        (``contribute=False``: this site withdraws its own and takes the others' average),
+        encoded with ``codec`` and this rank's error feedback ``residual``; None when postponed.
 
         Raises:
             RoundFailed: roll the round back.
         """
+        ...
+
+    def weight(self, steps: int) -> float:
+        """This site's weight in a round of ``steps`` inner steps: its tokens where the sites differ
+        in size and sync.weight_by_tokens is set, else 1 (equal sites: a plain mean)."""
         ...
 
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:

@@ -54,7 +54,8 @@ class DiLoCo(OuterSync):
         self.clock = RoundClock(comm, self.H, cfg.pace == "adaptive")
         self.adapter: NetworkAdapter | None = None  # sync.adapt: H and codec follow the measured network
         if cfg.adapt is not None:
-            self.adapter = NetworkAdapter(cfg.adapt, comm, sum(s.numel() for s in shapes), self.H, cfg.codec)
+            # the formula's P is the whole pseudo-gradient (under FSDP too: the site's shards carry all of it)
+            self.adapter = NetworkAdapter(cfg.adapt, comm, sum(p.numel() for p in self.params), self.H, cfg.codec)
             # one reducer per codec chosen (fixed-width codecs: no state to carry between them)
             self._reducers: dict[str, SiteReducer] = {cfg.codec: self.reducer}
 

@@ -93,7 +93,14 @@ class OuterSync(SyncAlgorithm):
             return
         if self.elastic is not None:  # the guard judges this site's own update (see sync.guard)
             contribute = self.guard is None or self.guard.own_update_ok(delta, key, round_id, site)
-            if self.elastic.round(delta, contribute=contribute) is None:
+            got = self.elastic.round(
+                delta,
+                contribute=contribute,
+                weight=self.elastic.weight(steps) if self.weight_by_tokens else 1.0,
+                codec=reducer.codec,
+                residual=reducer.residual,
+            )
+            if got is None:
                 raise RoundPostponed(f"round {round_id}")
             return
         if self.num_sites == 1:

@@ -142,13 +142,15 @@ class AsyncDiLoCo(DiLoCo):
             )
         self.residual = Residual() if self.codec is not None and cfg.uses_error_feedback else None
         self.syncer: QuorumSyncer | None = None
+        # FSDP: the syncer holds whole tensors; the first site's ranks gather its initial model together
+        initial = self.full_tensors(self.global_params) if self.sharded and rejoin is None and self.site_index == 0 else None
         if rejoin is None and g.me.rank == self.leaders[0]:
             assert self.mailbox is not None
             self.syncer = QuorumSyncer(
                 cfg.quorum,
                 cfg.weight_by_tokens,
                 self.full.workers,
-                self.global_params,
+                initial if initial is not None else self.global_params,
                 self._outer_optimizer,
                 cfg,
                 self.mailbox,
@@ -170,6 +172,7 @@ class AsyncDiLoCo(DiLoCo):
         self._site_steps, self._elapsed = 0, 0.0  # the syncer's last answer: this site's steps delivered, its seconds
         self._done = False
         self._finished = False
+        self._held: torch.Tensor | None = None  # FSDP with a codec: the whole model this site holds
 
     def add_compute(self, seconds: float) -> None:
         if self._t0 is None:
@@ -224,6 +227,7 @@ class AsyncDiLoCo(DiLoCo):
         """
         assert self.rejoin is not None
         answer = None
+        self._hold()
         if self.leader:
             store = self._run_store()
             incarnation = int(store.add(join_key(self.site_index), 1))
@@ -291,10 +295,11 @@ class AsyncDiLoCo(DiLoCo):
         """Deliver this round's update (final: the last one, possibly of no steps), take the global
         model the syncer sends back, and go on from it."""
         steps = self._steps_in_round
-        delta = pseudo_gradient(self.global_params, self.local_params())
+        delta = self._whole(pseudo_gradient(self.global_params, self.local_params()))
         if (self.full.site_names[self.site_index], self.rounds) in self.nan_at:  # failure injection
             delta.fill_(float("nan"))
         t0 = time.perf_counter()
+        self._hold()
         answer = None
         if self.leader:
             payload = delta if steps else delta[:0]
@@ -316,7 +321,7 @@ class AsyncDiLoCo(DiLoCo):
         g = self.comm.groups
         # version, world steps, stop, next round's H, live sites, sites ever lost, this site's steps, the syncer's seconds
         control = torch.zeros(8, dtype=torch.float64)
-        theta = torch.empty(sum(p.numel() for p in self.global_params), dtype=torch.float32)
+        theta = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32)  # whole (FSDP: every shard)
         if answer is not None:
             fields, theta = answer
             time_up = bool(self._max_seconds) and self._t0 is not None and time.perf_counter() - self._t0 >= self._max_seconds
@@ -327,7 +332,7 @@ class AsyncDiLoCo(DiLoCo):
                 if self.leader:
                     for r in g.intra_ranks[1:]:
                         self.comm._count(r, t.numel() * t.element_size())
-        for gp, v in zip(self.global_params, views_like(theta, self.global_params), strict=True):
+        for gp, v in zip(self.global_params, self._own(theta), strict=True):
             gp.copy_(v)
         for p, gp in zip(self.local_params(), self.global_params, strict=True):
             p.copy_(gp)
@@ -338,6 +343,33 @@ class AsyncDiLoCo(DiLoCo):
         self.lost_sites = [s for s in range(n) if s not in mask_sites(float(control[4]), n)]
         self.ever_lost = mask_sites(float(control[5]), n)
         self._site_steps, self._elapsed = int(control[6]), float(control[7])
+
+    def _whole(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat vector laid out like :meth:`local_params`, whole: under FSDP the site's ranks
+        all-gather their shards (every rank calls it together); else ``flat`` itself."""
+        if not self.sharded:
+            return flat
+        return torch.cat([t.reshape(-1) for t in self.full_tensors(views_like(flat, self.local_params()))])
+
+    def _own(self, theta: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's part of each parameter in the whole flat ``theta`` (FSDP: its shards, cut
+        where FSDP cuts them, without communication)."""
+        if not self.sharded:
+            return views_like(theta, self.global_params)
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        whole = views_like(theta, list(self.params))
+        return [
+            distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None).to_local() if isinstance(p, DTensor) else w
+            for w, p in zip(whole, self.params, strict=True)
+        ]
+
+    def _hold(self) -> None:
+        """FSDP with a codec: the syncer answers with an encoded change from the model the site
+        holds, which the leader needs whole; the site's ranks gather it before the leader asks."""
+        self._held = None
+        if self.sharded and self.codec is not None:
+            self._held = self._whole(torch.cat([p.reshape(-1) for p in self.global_params]))
 
     def _encode(self, delta: torch.Tensor) -> tuple[torch.Tensor, int | None, float]:
         """The update's payload, the fp32 bytes it stands for, and the header's encoded flag:
@@ -358,7 +390,7 @@ class AsyncDiLoCo(DiLoCo):
         if not msg.fields[7]:
             return msg.fields, msg.floats()
         assert self.codec is not None
-        held = torch.cat([p.detach().reshape(-1) for p in self.global_params])
+        held = self._held if self._held is not None else torch.cat([p.detach().reshape(-1) for p in self.global_params])
         return msg.fields, held + self.codec.decode(msg.payload, held.numel())
 
     def _syncer_name(self) -> str:

@@ -66,7 +66,7 @@ class TieredDiLoCo(DiLoCo):
         self.every = cfg.region_every
         self.region_sites = [s for s in range(topo.num_sites) if topo.same_region(s, me)]
         self.region_params = [g.clone() for g in self.global_params]
-        self.region_reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], region=True)
+        self.region_reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], sharded=self.sharded, region=True)
         outer = cfg.tier_outer
         self.region_optimizer = _averaging(self.region_params) if outer == "world" else self._outer_optimizer(self.region_params)
         if outer == "region":
@@ -86,17 +86,17 @@ class TieredDiLoCo(DiLoCo):
         region or both) and its round count."""
         return {
             **super().checkpoint_state(),
-            "region_params": [r.clone() for r in self.region_params],
-            "region_outer": self.region_optimizer.state_dict(),
+            "region_params": self.shards_out(self.region_params) if self.sharded else [r.clone() for r in self.region_params],
+            "region_outer": self.optim_out(self.region_optimizer.state_dict()),
             "region_rounds": self.region_rounds,
         }
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
-        for r, saved in zip(self.region_params, state["region_params"], strict=True):
+        for r, saved in zip(self.region_params, self.shards_in(state["region_params"]), strict=True):
             r.copy_(saved)
-        self.region_optimizer.load_state_dict(state["region_outer"])
+        self.region_optimizer.load_state_dict(self.optim_in(state["region_outer"]))
         self.region_rounds = int(state["region_rounds"])
         self.region_reducer.load_state_dict(self.reducer_in(state["region_reducer"]))
 

@@ -1,0 +1,145 @@
+"""The end of an elastic round on one site: its ranks agree, vote and take the result.
+
+What this module holds, all called by every rank of the site:
+
+* :class:`Contribution`: what a site puts into a round (its update's weight, the codec and this
+  rank's error feedback);
+* :func:`span`: which values of the pseudo-gradient a local rank carries across sites (the first
+  ``carriers`` ranks, a contiguous part each, so the same local rank exists at every site);
+* :func:`share_in_site`: the healing state, received once per site by local rank 0, handed to
+  the site's other ranks;
+* :func:`gather_site`: the carried parts of the round's sum, gathered back into the whole vector
+  on every rank of the site;
+* :func:`vote`: local rank 0 writes the site's signed vote and reads everyone's; the round
+  commits only if every admitted site said yes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from geotrain.comm.identity import Identity
+from geotrain.elastic.auth import SealedStore
+from geotrain.elastic.meeting import ballot, said_yes
+from geotrain.elastic.roundstore import Monitor, wait_keys
+from geotrain.elastic.view import RoundView
+from geotrain.errors import RoundFailed
+
+TRAILER = 2  # a carried part ends with the site's weight and its contributor count (fp32, never encoded)
+
+
+class Encoder(Protocol):
+    """A byte codec (:class:`geotrain.codecs.Codec`), as the exchange uses it."""
+
+    @property
+    def reduce(self) -> str:
+        """'scatter' (the owner of a chunk re-encodes its sum) or 'gather' (every site sends its own)."""
+        ...
+
+    def encoded_nbytes(self, n: int) -> int: ...
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class Feedback(Protocol):
+    """A rank's error-feedback state (:class:`geotrain.codecs.Residual`)."""
+
+    tensor: torch.Tensor | None
+
+
+@dataclass
+class Contribution:
+    """What this site puts into a round: whether it contributes, its weight, the codec and this
+    rank's error feedback."""
+
+    contribute: bool = True
+    weight: float = 1.0
+    codec: Encoder | None = None
+    residual: Feedback | None = None
+
+
+def span(n: int, local: int, carriers: int) -> tuple[int, int]:
+    """The values ``[lo, hi)`` of a vector of ``n`` that local rank ``local`` carries across
+    sites: a contiguous, ceil-sized 1/carriers of it; empty beyond the carriers."""
+    c = -(-n // carriers)
+    return (min(n, local * c), min(n, (local + 1) * c)) if local < carriers else (n, n)
+
+
+def share_in_site(blob: bytes | None, local: int, workers: int, intra: Any) -> bytes | None:
+    """Local rank 0's healing bytes (complete, or None) to every rank of the site: the state
+    crosses sites once per site, not once per rank."""
+    if workers == 1:
+        return blob
+    size = torch.tensor([len(blob) if blob is not None and local == 0 else 0], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=intra)
+    n = int(size.item())
+    if not n:
+        return None
+    if local == 0:
+        assert blob is not None
+        dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0, group=intra)
+        return blob
+    data = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=intra)
+    return data.numpy().tobytes()
+
+
+def gather_site(carry: torch.Tensor, n: int, carriers: int, workers: int, intra: Any) -> torch.Tensor:
+    """The whole summed vector of ``n`` values followed by the :data:`TRAILER`, on every rank of
+    the site, from each carrier's ``carry`` (its part, then the trailer). Gloo's all-gather wants
+    equal parts: each is padded to the largest."""
+    c = -(-n // carriers) + TRAILER
+    mine = torch.zeros(c)
+    mine[: carry.numel() - TRAILER] = carry[:-TRAILER]
+    mine[-TRAILER:] = carry[-TRAILER:]
+    gathered = [torch.empty(c) for _ in range(workers)]
+    dist.all_gather(gathered, mine, group=intra)
+    parts = [gathered[j][: hi - lo] for j, (lo, hi) in enumerate(span(n, j, carriers) for j in range(carriers))]
+    return torch.cat([*parts, gathered[0][-TRAILER:]])
+
+
+def vote(
+    prefix: SealedStore,
+    view: RoundView,
+    monitor: Monitor | None,
+    ok: bool,
+    *,
+    site: str,
+    local: int,
+    identity: Identity | None,
+    intra: Any,
+    timeout_s: float,
+    log: Callable[[str], None],
+) -> bool:
+    """Local rank 0 writes this site's vote and reads everyone's; the round commits only if every
+    admitted site voted yes. The site's ranks agree on the result."""
+    decision = torch.zeros(1)
+    if local == 0:
+        try:
+            prefix.set(f"vote/{site}", ballot(identity, view.round_id, site, ok))
+            assert monitor is not None  # local rank 0 always carries a part, so it watches its peers
+            if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
+                keys = [f"vote/{s}" for s in view.admitted]
+                yes: dict[str, bool] = {}
+
+                def said_no(k: str) -> bool:
+                    yes[k] = said_yes(identity, view.round_id, k.split("/", 1)[1], prefix.get(k))
+                    return not yes[k]
+
+                wait_keys(prefix, keys, time.monotonic() + timeout_s, monitor, stop_if=said_no)
+                decision.fill_(float(all(yes.get(k, False) for k in keys)))
+        except RoundFailed as exc:  # a peer went silent while the votes were read: no commit
+            log(f"round {view.key}: the vote ended without a decision ({exc}): no commit")
+        except Exception as exc:  # noqa: BLE001 - the store failed: no commit, and the reason is in the log
+            first = str(exc).splitlines()[0][:160] if str(exc) else ""
+            log(f"round {view.key}: the vote failed ({type(exc).__name__}: {first}; round store {view.meeting}): no commit")
+    dist.broadcast(decision, src=0, group=intra)
+    return bool(decision.item())

@@ -1,0 +1,161 @@
+"""Capabilities together: which pairs of the 16 settings a lab combines load, the refusals that
+remain are exactly those docs/COMPOSE.md gives a reason for, and elastic rounds carry codecs and
+sites of different sizes (real processes on 127.0.0.1, a site killed mid-round)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from geotrain.config import load_config
+from tests.helpers import REPO, read_summary, train_cli
+from tests.test_elastic import records
+
+# the 16 settings of issue 41, each loading alone on three sites of two workers
+SITES3 = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]"
+SETTINGS: dict[str, list[str]] = {
+    "streaming": ["sync.algorithm=streaming"],
+    "int8": ["sync.codec=int8"],
+    "sparseloco": ["sync.codec=sparseloco"],
+    "fsdp": ["sync.within_site=fsdp"],
+    "elastic": ["elastic.enabled=true"],
+    "quorum": ["sync.quorum={sites: 2}"],
+    "tiers": ["topology.regions=[{name: eu, sites: [A, B]}, {name: us, sites: [C]}]", "sync.region_every=2"],
+    "adapt": ["sync.adapt={target: 0.9}"],
+    "pace": ["sync.pace=adaptive"],
+    "unequal": ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]"],
+    "secagg": ["privacy.secure_aggregation=true"],
+    "dp-example": ["privacy.dp.unit=example", "privacy.dp.noise_multiplier=1.0"],
+    "checkpoint": ["checkpoint.every=50"],
+    "muon": ["optim.name=muon"],
+    "bf16": ["train.precision=bf16"],
+    "compile": ["train.compile=true"],
+}
+
+
+def _refusal(overrides: list[str]) -> str | None:
+    try:
+        load_config(None, [SITES3, *overrides])
+    except ValueError as exc:
+        return str(exc).splitlines()[-1]
+    return None
+
+
+def pairs() -> tuple[int, dict[tuple[str, str], str]]:
+    """How many pairs of settings that each load alone were tried, and the refused ones with
+    their one-line errors (a pair that sets one field twice, like two codecs, is no pair)."""
+    tried, refused = 0, {}
+    for a, b in itertools.combinations(SETTINGS, 2):
+        fields = [{o.split("=")[0] for o in SETTINGS[x]} for x in (a, b)]
+        if fields[0] & fields[1]:
+            continue
+        tried += 1
+        why = _refusal(SETTINGS[a] + SETTINGS[b])
+        if why is not None:
+            refused[(a, b)] = why
+    return tried, refused
+
+
+def documented() -> set[tuple[str, str]]:
+    """The refused pairs docs/COMPOSE.md lists, each in a table row ``| a | b | reason |``."""
+    text = (REPO / "docs" / "COMPOSE.md").read_text()
+    section = text.split("## Pairs still refused", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w-]+)` \| `([\w-]+)` \|", section, flags=re.M)
+    return {(a, b) for a, b in rows}
+
+
+def test_every_setting_loads_alone() -> None:
+    assert {k: _refusal(v) for k, v in SETTINGS.items()} == dict.fromkeys(SETTINGS)
+
+
+def test_refused_pairs_are_exactly_the_documented_ones() -> None:
+    tried, refused = pairs()
+    assert tried == 119
+    assert set(refused) == documented(), sorted(set(refused) ^ documented())
+    # the count the docs state is the count the config refuses
+    text = (REPO / "docs" / "COMPOSE.md").read_text()
+    assert f"**{len(refused)} of the 119 pairs**" in text
+    for why in refused.values():  # every refusal is one line that starts with the field it names
+        assert re.match(r"[a-z_.]+: \S", why) and "\n" not in why, why
+
+
+THREE_UNEQUAL = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
+ELASTIC = ["elastic.enabled=true", "sync.H=10", "train.eval_every=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_elastic_int8_sites_of_different_sizes_kill_restart_heal(tmp_path: Path) -> None:
+    """Elastic rounds with int8 across sites of 2, 1 and 1 workers (token-weighted): B is
+    SIGKILLed between the reduce-scatter and the all-gather, the round rolls back everywhere, B's
+    new incarnation heals from a live site and every site ends on one model."""
+    out = tmp_path / "run"
+    train_cli(
+        out, [*ELASTIC, "sync.codec=int8", "train.steps=70", 'fault.kill=["B@30"]', "fault.restart_after=0.5"], THREE_UNEQUAL
+    )
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"] and s["hashes_agree_within_sites"]
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 30
+    a = records(out, "A")
+    committed = [r for r in a if r["outcome"] == "committed"]
+    # token weights: A's 2 workers count twice (10 steps a round): 20 + 10 + 10 when all contribute
+    assert any(r["weight"] == 40.0 and r["contributors"] == 3 for r in committed)
+    healed = next(r for r in a if "B" in r["healers"] and r["outcome"] == "committed")
+    assert healed["contributors"] == 2 and healed["weight"] == 30.0
+    # int8 on the wire: about 4x fewer bytes than the fp32 rings of the same rounds (healing aside)
+    assert s["compression_ratio"] > 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_elastic_rounds_sum_like_lock_step_rounds(tmp_path: Path) -> None:
+    """Without failures, elastic rounds with SparseLoCo (gather, error feedback) and int8
+    (scatter) over sites of different sizes end where lock-step rounds end: the same final loss
+    and the same codec bytes (frames add only their tags)."""
+    base = ["sync.H=10", "train.steps=40", "train.eval_every=0"]
+    for codec in ("sparseloco", "int8"):
+        runs = {}
+        for elastic in ("true", "false"):
+            out = tmp_path / f"{codec}-{elastic}"
+            train_cli(out, [*base, f"sync.codec={codec}", f"elastic.enabled={elastic}"], THREE_UNEQUAL)
+            runs[elastic] = read_summary(out)
+        e, lock = runs["true"], runs["false"]
+        assert e["final_eval_loss"] == pytest.approx(lock["final_eval_loss"], rel=1e-4), codec
+        assert e["inter_site_bytes"] == pytest.approx(lock["inter_site_bytes"], rel=0.05), codec
+        assert e["compression_ratio"] == pytest.approx(lock["compression_ratio"], rel=0.05), codec
+        assert json.dumps(e["global_param_hash"]).count(next(iter(e["global_param_hash"].values()))) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quorum_rounds_fsdp_sparseloco_a_site_killed_comes_back(tmp_path: Path) -> None:
+    """Asynchronous quorum rounds over FSDP shards (2 workers per site) with SparseLoCo both ways:
+    each site's ranks gather its whole pseudo-gradient for the leader, which sends it encoded, and
+    cut the syncer's answer back into their shards. B is SIGKILLed at step 30 and started again:
+    its new ranks rejoin from the syncer's model, and all three sites end on one model."""
+    three = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]\n"
+    overrides = [
+        "sync.within_site=fsdp",
+        "sync.quorum={sites: 2}",
+        "sync.codec=sparseloco",
+        "sync.H=10",
+        "train.steps=80",
+        "train.eval_every=0",
+        "fault.kill=[B@30]",
+        "fault.restart_after=1",
+    ]
+    proc = train_cli(out := tmp_path / "run", overrides, three)
+    s = read_summary(out)
+    kinds = [m["kind"] for m in s["pace"]]
+    assert "lost" in kinds and "rejoined" in kinds[kinds.index("lost") :]
+    assert "rejoined the asynchronous rounds" in proc.stdout
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    # SparseLoCo both ways; the rejoin's model and the last answer cross in fp32 (about 10x over 80 steps)
+    assert s["compression_ratio"] > 5
+    assert math.isfinite(s["final_eval_loss"])
