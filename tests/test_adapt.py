@@ -215,7 +215,10 @@ def test_link_state_left_by_a_killed_launcher_does_not_reach_the_next_run(tmp_pa
         (["sync.adapt={fragments: [0, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count in 1..4096"),
         (["sync.adapt={H_min: 5}", "sync.algorithm=streaming", "sync.tau=5"], "sync.adapt.H_min: must exceed tau=5"),
         (["sync.adapt={}", "sync.pace=adaptive"], "sync.pace: not combined with sync.adapt yet"),
-        (["sync.adapt={}", "checkpoint.every=5"], "checkpoint.every: not combined with sync.adapt yet"),
+        (
+            ["sync.adapt={}", "sync.algorithm=streaming", "checkpoint.every=5"],
+            "checkpoint.every: not combined with sync.adapt yet",
+        ),
         (["sync.adapt={H_min: 100}"], "sync.H: the first round's H must lie in"),
         (["sync.adapt={codecs: [int8]}"], "sync.codec: the first round's codec must be one of sync.adapt.codecs"),
         (["sync.adapt={H_min: 300, H_max: 200}", "sync.H=250"], "sync.adapt.H_min: must be at most H_max=200"),
@@ -374,3 +377,23 @@ def _check_adapt_plot(rec: dict, tmp_path: Path) -> None:
     assert h["H chosen for the next round"] == (t, [a["next_H"] for a in tl])
     assert codec["codec chosen"] == (t, [CODEC_BITS[a["next_codec"]] for a in tl])
     assert util["predicted for the next round"] == (t, [100 * a["predicted_utilization"] for a in tl])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_keeps_the_adapted_h_and_codec(tmp_path: Path) -> None:
+    """sync.adapt with checkpoints: the first round's measurement moves H on a 10 Mbit/s link; a
+    run resumed from a checkpoint taken inside the second round starts with the H and codec in
+    force then (the next choice is measured again), and every site ends on one model."""
+    common = [*TINY, "run.baseline=none", "sync.H=10", "sync.adapt={target: 0.9}", "topology.links.inter.bandwidth_bps=1e7"]
+    full = launch_local(
+        load_config(None, [*common, "train.steps=30", "checkpoint.every=10"]), tmp_path / "full", console_print=None
+    )
+    first = full["adapt"][0]
+    assert first["changed"] and first["next"]["H"] > 10
+    ck = tmp_path / "full" / "checkpoints" / "step-00000020"  # inside the second round
+    resumed = launch_local(
+        load_config(None, [*common, "train.steps=30", f"checkpoint.resume={ck}"]), tmp_path / "resumed", console_print=None
+    )
+    assert resumed["adapt"][0]["H"] == first["next"]["H"] and resumed["adapt"][0]["codec"] == first["next"]["codec"]
+    assert len(set(resumed["global_param_hash"].values())) == 1

@@ -159,3 +159,46 @@ def test_quorum_rounds_fsdp_sparseloco_a_site_killed_comes_back(tmp_path: Path) 
     # SparseLoCo both ways; the rejoin's model and the last answer cross in fp32 (about 10x over 80 steps)
     assert s["compression_ratio"] > 5
     assert math.isfinite(s["final_eval_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_elastic_fsdp_int8_a_site_killed_heals_from_live_shards(tmp_path: Path) -> None:
+    """Elastic rounds over FSDP shards (2 workers per site) with int8: each rank carries its own
+    shard across sites; B is SIGKILLed between the reduce-scatter and the all-gather, the round
+    rolls back everywhere, and B's new incarnation heals each rank from the same local rank of a
+    live site (model, inner AdamW and outer state as shards). Every rank of every site ends on
+    one model."""
+    three = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]\n"
+    out = tmp_path / "run"
+    overrides = [*ELASTIC, "sync.within_site=fsdp", "sync.codec=int8", "train.steps=60", 'fault.kill=["B@30"]']
+    proc = train_cli(out, [*overrides, "fault.restart_after=0.5"], three)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"] and s["hashes_agree_within_sites"]
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 30
+    healed = [r for r in records(out, "B") if "B" in r["healers"]]
+    assert healed and healed[-1]["outcome"] == "committed"
+    assert proc.stdout.count("healed from") >= 1
+    assert s["compression_ratio"] > 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_secure_aggregation_over_sites_of_different_sizes_is_token_weighted(tmp_path: Path) -> None:
+    """Secure aggregation on sites of 2, 1 and 1 workers: the carrying ranks mask their parts,
+    each site's update scaled by its tokens over the largest site's (public weights) and the sum
+    divided by the survivors' weights. The run ends where the token-weighted plain run ends, up
+    to fixed-point rounding; the site's extra rank takes the carriers' survivors."""
+    base = ["sync.H=10", "train.steps=30", "train.eval_every=0", "run.baseline=none"]
+    plain_out, secure_out = tmp_path / "plain", tmp_path / "secure"
+    train_cli(plain_out, base, THREE_UNEQUAL)
+    train_cli(secure_out, [*base, "privacy.secure_aggregation=true"], THREE_UNEQUAL)
+    plain, secure = read_summary(plain_out), read_summary(secure_out)
+    assert secure["secagg"] and secure["dropouts"] == 0
+    assert len(set(secure["global_param_hash"].values())) == 1 and secure["hashes_agree_within_sites"]
+    assert secure["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], abs=2e-3)
+    # and not the unweighted mean: A's two workers count twice
+    unweighted_out = tmp_path / "unweighted"
+    train_cli(unweighted_out, [*base, "sync.weight_by_tokens=false"], THREE_UNEQUAL)
+    assert read_summary(unweighted_out)["final_eval_loss"] != pytest.approx(plain["final_eval_loss"], abs=1e-4)

@@ -175,6 +175,33 @@ def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_after_an_outage_sites_of_different_speeds_meet_on_the_same_steps_again(tmp_path: Path) -> None:
+    """B runs at a third of A's speed; the Lighthouse dies for a second, so each site postpones
+    the round and meets the other at a step of its own when it is back. The round after that ends
+    at the same multiple of H on both (the first past the furthest step either had reached), so
+    both run the same rounds to the end and end on one model; before, each kept its own offset
+    and a finished site could leave the other's last round to commit alone."""
+    two = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1, compute_speed: 0.33}]\n"
+    out = tmp_path / "outage"
+    with _run_with_own_lighthouse(tmp_path, out, two, ["train.steps=1200", "sync.H=50"], rounds=2) as (lh, _, run):
+        lh.kill()
+        time.sleep(1.0)
+        lh.start()
+        stdout, _ = run.communicate(timeout=200)
+    assert run.returncode == 0, stdout[-3000:]
+    a, b = records(out, "A"), records(out, "B")
+    postponed = next(i for i, (x, y) in enumerate(zip(a, a[1:], strict=False)) if y["step"] - x["step"] > 50) + 1
+    assert a[postponed]["step"] != b[postponed]["step"]  # they met at steps of their own
+    # from the next round on, B's rounds end on multiples of H; A is in every one of them, the
+    # rounds after its own last step without an update (A may have run all its steps in the outage)
+    after_b = [r["step"] for r in b[postponed + 1 :]]
+    assert all(x % 50 == 0 for x in after_b) and after_b[-1] == 1200
+    assert len(a) == len(b) and all(r["admitted"] == ["A", "B"] for r in b[postponed:])
+    s = read_summary(out)
+    assert s["consistent"] and len(set(s["global_param_hash"].values())) == 1
+
+
+@pytest.mark.slow
 def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
     from geotrain.comm.topology import Topology
     from geotrain.config import TopologyConfig

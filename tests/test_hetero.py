@@ -163,7 +163,10 @@ def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> N
         (["train.max_seconds=5", "sync.algorithm=streaming"], "sync.algorithm: not combined with train.max_seconds yet"),
         (["sync.pace=adaptive", "checkpoint.every=5"], "checkpoint.every: not combined with sync.pace yet"),
         (["topology.sites=[{name: A, workers: 1, compute_speed: 0}]"], "compute_speed"),
-        ([UNEQUAL, "privacy.secure_aggregation=true"], "privacy.secure_aggregation: not combined with sites of different sizes"),
+        (
+            [UNEQUAL, "privacy.dp.unit=site", "privacy.dp.noise_multiplier=1"],
+            "privacy.dp.unit: not combined with sites of different sizes",
+        ),
     ],
 )
 def test_bad_heterogeneous_configs_are_refused_in_one_line(overrides: list[str], message: str) -> None:

@@ -143,7 +143,11 @@ class Config(Section):
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
-            (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
+            (
+                self.sync.algorithm == "streaming" and bool(self.checkpoint.every or self.checkpoint.resume),
+                "checkpoint.every",
+                "set checkpoint.every=0 and resume=none (Streaming DiLoCo's adapted fragments are not checkpointed)",
+            ),
         ]
         _refuse(refused, "sync.adapt")
 
@@ -201,7 +205,6 @@ class Config(Section):
             return
         p = self.privacy
         refused = [
-            (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
             (p.dp.unit == "site", "privacy.dp.unit", "set privacy.dp.unit=none or example"),
             (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
@@ -214,7 +217,6 @@ class Config(Section):
             return
         p = self.privacy
         refused = [
-            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
             (p.dp.unit != "none", "privacy.dp.unit", "set privacy.dp.unit=none"),
             (self.sync.allreduce == "flat", "sync.allreduce", "use sync.allreduce=hierarchical"),

@@ -96,6 +96,7 @@ class SiteMember:
         stats: CommStats | None = None,
         incarnation: int = 0,
         identity: Callable[[], Identity] | None = None,
+        sharded: bool = False,
     ) -> None:
         self.cfg = cfg
         self.stats = stats if stats is not None else CommStats()
@@ -113,7 +114,11 @@ class SiteMember:
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
         self.raw_bytes = 0  # what fp32 rings would have sent for the same sums (the codec's reference)
         # the local ranks that carry a part across sites: as many as the smallest site has
-        self.carriers = topology.carriers
+        # sharded (FSDP): each rank's pseudo-gradient is its own shard, which it carries whole, and
+        # heals from the same local rank of the source (sites of one size); else the first
+        # ``carriers`` ranks (the smallest site's size) each carry a part of the site's vector
+        self.sharded = sharded
+        self.carriers = workers if sharded else topology.carriers
         self.workers = list(topology.workers)
         self._bytes_lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # failures this site detected
@@ -121,6 +126,8 @@ class SiteMember:
         self.joining = False  # a restarted site with no valid state yet: it heals before it trains
         self.record_file: Path | None = None  # local rank 0: one JSON line per round
         self._current: dict[str, Any] = {}
+        self.round_steps: list[int] = []  # the steps the admitted sites had reached when the last round met
+        self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
         self._stores: dict[str, AuthStore] = {}
@@ -155,6 +162,7 @@ class SiteMember:
         the meeting (a replayed quorum entry cannot fake a mismatch). Every rank returns the sites
         present."""
         view = RoundView()
+        self._hash = self.hooks.global_hash()
         if self.local == 0:
             deadline = time.monotonic() + timeout
             try:
@@ -183,7 +191,7 @@ class SiteMember:
         """What this site holds now (local rank 0): in its quorum request, and again inside the round."""
         assert self.coordinator is not None
         return {
-            "hash": self.hooks.global_hash(),
+            "hash": self._hash,
             "step": self.hooks.step(),
             "joining": self.joining,
             "committed": self.hooks.committed(),
@@ -242,7 +250,7 @@ class SiteMember:
             self._forget_store(meeting)
         self.hints.proved(members)
         if view.admitted and not self.hooks.committed() and not self.joining:
-            same_initial_model(self.site, self.hooks.global_hash(), members)
+            same_initial_model(self.site, self._hash, members)
         return view
 
     def _event(self, site: str, how: str) -> None:
@@ -298,6 +306,7 @@ class SiteMember:
             MembershipRefused: this site failed authentication.
         """
         t0, sent0, raw0 = time.monotonic(), self.inter_bytes, self.raw_bytes
+        self._hash = self.hooks.global_hash()
         try:
             return self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual))
         finally:  # the training thread was blocked on the wide area all along
@@ -315,6 +324,20 @@ class SiteMember:
         bits as an unweighted run)."""
         return float(self.workers[self.site_index] * steps) if len(set(self.workers)) > 1 else 1.0
 
+    def next_boundary(self, step: int, H: int, total: int) -> int:
+        """The step at which the next round ends, the same on every site: the first multiple of
+        ``H`` past the furthest step a site still training (below ``total``) had reached when the
+        last round met. A round postponed while the Lighthouse was down meets with sites at
+        different steps; from the next one on they are back on the multiples of H, so they run the
+        same rounds to the end."""
+        top = max([s for s in self.round_steps if s < total], default=step)
+        return (max(step, top) // H + 1) * H
+
+    def all_finished(self, total: int) -> bool:
+        """Whether every site in the last round had run its ``total`` steps (a site that has stays
+        in the others' rounds until then, so none commits its last rounds alone)."""
+        return all(s >= total for s in self.round_steps)
+
     @property
     def carries(self) -> bool:
         """This local rank carries a part of the pseudo-gradient across sites: one of the first
@@ -331,6 +354,7 @@ class SiteMember:
         view = self._broadcast(view)
         if view.postponed:
             return None
+        self.round_steps = [m.step for m in view.members if m.site in view.admitted]
         self._current = {
             "key": view.key,
             "start": t0,
@@ -361,10 +385,12 @@ class SiteMember:
     ) -> int:
         # the main thread prepares everything the exchange thread reads (it must not touch the model)
         finite = what.contribute and bool(torch.isfinite(delta).all())
-        if not finite:
+        if not finite and what.weight == 0:
+            self.log("this site has run its steps: it takes part in the round without an update")
+        elif not finite:
             self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if what.contribute else "update guard)"))
         contributes = finite and self.site not in view.healers
-        lo, hi = span(delta.numel(), self.local, self.carriers)
+        lo, hi = (0, delta.numel()) if self.sharded else span(delta.numel(), self.local, self.carriers)
         carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
         if contributes and self.carries:
             values = carry[:-TRAILER]
@@ -373,7 +399,7 @@ class SiteMember:
                 values.mul_(what.weight)
             carry[-TRAILER:] = torch.tensor([what.weight, 1.0])
         outgoing = None
-        if self.site == view.source and view.healers and self.local == 0:
+        if self.site == view.source and view.healers and (self.local == 0 or self.sharded):
             buf = io.BytesIO()
             torch.save(self.hooks.state(), buf)
             outgoing = buf.getvalue()
@@ -402,13 +428,18 @@ class SiteMember:
                     why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
             heal_blob = x.heal_blob
         if self.site in view.healers:  # complete: the source's state at the start of this round
-            heal_blob = share_in_site(heal_blob, self.local, self.G, self.intra)
+            if self.sharded:  # each rank received its own shards: loaded only if every rank has them
+                have = torch.tensor([0.0 if heal_blob is None else 1.0])
+                dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self.intra)
+                heal_blob = heal_blob if have.item() else None
+            else:
+                heal_blob = share_in_site(heal_blob, self.local, self.G, self.intra)
             if heal_blob is not None:
                 self._load_healing(heal_blob, view.source)
                 if what.residual is not None:  # a healed site starts its error feedback afresh
                     what.residual.tensor = None
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
-        if ok.item() and self.G > 1:  # the site's ranks gather the carried parts
+        if ok.item() and self.G > 1 and not self.sharded:  # the site's ranks gather the carried parts
             carry = gather_site(carry, delta.numel(), self.carriers, self.G, self.intra)
         committed = vote(
             round_store, view, monitor, bool(ok.item()), site=self.site, local=self.local, identity=self.identity,
@@ -461,7 +492,7 @@ class SiteMember:
             self._count,
             self.on_mid_round,
             tamper=self.hooks.step() in self.tamper_steps,
-            heals=self.local == 0,
+            heals=self.local == 0 or self.sharded,
             codec=what.codec,
             error_feedback=what.residual is not None,
             residual=residual,

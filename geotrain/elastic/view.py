@@ -35,6 +35,7 @@ class Member:
     joining: bool = False
     incarnation: int = 0  # the site's process generation (a restarted site counts up)
     session: str = ""  # random per process: tells a live process from a replay of an older one
+    step: int = 0  # the inner step it was at when it claimed (inside the round; 0 from a quorum hint)
 
 
 @dataclass
@@ -99,7 +100,7 @@ def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) ->
 def member_from_claims(site: str, claims: dict[str, Any]) -> Member:
     """A member as it described itself inside the round (claims checked by :func:`parse_claims`)."""
     c = claims
-    return Member(site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"])
+    return Member(site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"], c["step"])
 
 
 def heal_source(members: list[Member]) -> str | None:

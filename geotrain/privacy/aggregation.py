@@ -28,21 +28,38 @@ class PrivateAggregation:
     must roll it back.
     """
 
-    def __init__(self, cfg: PrivacyConfig, comm: Collectives, seed: int, rounds_planned: int, audit: AuditChain | None) -> None:
+    def __init__(
+        self,
+        cfg: PrivacyConfig,
+        comm: Collectives,
+        seed: int,
+        rounds_planned: int,
+        audit: AuditChain | None,
+        weights: list[float] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.comm = comm
         g = comm.groups
         self.num_sites = g.topology.num_sites
+        # sites of different sizes (secure aggregation, sync.weight_by_tokens): each site's update is
+        # scaled by its tokens over the largest site's before masking (public weights, at most 1, so
+        # the fixed-point range holds), and the sum is divided by the survivors' weights
+        self.weights = None if weights is None else [w / max(weights) for w in weights]
+        # the first `carriers` local ranks (the smallest site's size) carry the vector across sites
+        self.carries = g.me.local_rank < g.topology.carriers
         self.site_names = list(g.topology.site_names)
         self.site = g.me.site_index
         self.site_dp = cfg.dp.unit == "site"
         self.bound = cfg.dp.clip_norm if self.site_dp else cfg.update_bound
         self.secagg = (
             SecureAggregator(comm, cfg.graph, cfg.threshold, self.bound, seed)
-            if cfg.secure_aggregation and self.num_sites > 1
+            if cfg.secure_aggregation and self.num_sites > 1 and self.carries
             else None
         )
+        self.secure = cfg.secure_aggregation and self.num_sites > 1  # (a rank that carries nothing has no aggregator)
         self.threshold = self.secagg.t if self.secagg is not None else self.num_sites
+        if self.secure:  # the site's ranks agree on the threshold (a rank that carries nothing has no aggregator)
+            self.threshold = int(self._site_max(float(self.threshold if self.secagg is not None else 0)))
         self.accountant = Accountant(cfg.dp.accountant, cfg.dp.delta, cfg.dp.epsilon) if self.site_dp else None
         self.noise_multiplier = 0.0
         if self.site_dp:
@@ -95,28 +112,28 @@ class PrivateAggregation:
         if norm > self.bound:
             delta.mul_(self.bound / (norm + 1e-12))
         g = self.comm.groups
-        G, me = len(g.intra_ranks), g.me.local_rank
-        shard = delta.tensor_split(G)[me]  # what this rank carries across sites
-        if self.noise_std > 0:
+        if self.weights is not None:
+            delta.mul_(self.weights[self.site])
+        sizes = self.comm.site_split(delta.numel())
+        shard = delta.split(sizes)[g.me.local_rank]  # what this rank carries across sites (maybe nothing)
+        if self.noise_std > 0 and shard.numel():
             shard.add_(gaussian_noise(self.gen, shard, self.noise_std))
         inject = self.injections.get((self.site_names[self.site], round_id))
         if not finite:
             inject = "drop"
         report: RoundReport | None = None
-        if self.secagg is not None:
-            try:
-                summed, report = self.secagg.aggregate(shard.contiguous(), round_id, inject)
-            except SecAggAborted as exc:
-                self._failed(round_id, exc, guard)
-            shard.copy_(summed)
-            self.comm.all_gather_intra(delta, [s.numel() for s in delta.tensor_split(G)])
+        if self.secure:
+            report = self._secure_sum(shard, round_id, inject, guard)
+            self.comm.all_gather_intra(delta, sizes)
             survivors = len(report.survivors)
+            divisor = float(survivors) if self.weights is None else sum(self.weights[u] for u in report.survivors)
         else:
             survivors = int(sum(self.comm.site_values(1.0 if finite else 0.0)))
             if survivors == 0:
                 self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"), guard)
             self.comm.all_reduce_across_sites(delta)
-        delta.div_(survivors)
+            divisor = float(survivors)
+        delta.div_(divisor)
         with self._lock:
             self._pending = max(0, self._pending - 1)
             self.aggregations += 1
@@ -125,6 +142,51 @@ class PrivateAggregation:
                 self.accountant.step(self.noise_multiplier * math.sqrt(survivors / self.num_sites), 1.0)
         self._write_audit(round_id, report, None, guard)
         return survivors
+
+    def _site_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.comm.groups.intra)
+        return float(t.item())
+
+    def _secure_sum(self, shard: torch.Tensor, round_id: int, inject: str | None, guard: str) -> RoundReport:
+        """Securely sum this rank's ``shard`` over the sites (in place), on every carrying rank;
+        the site's ranks then agree on one outcome: the survivors every carrier saw, or an abort
+        (a carrier that aborted, or carriers that saw different survivors, abort the site's round,
+        which the caller rolls back). The round's report, the same on every rank of the site."""
+        n = self.num_sites
+        report: RoundReport | None = None
+        error = ""
+        if self.secagg is not None:
+            try:
+                summed, report = self.secagg.aggregate(shard.contiguous(), round_id, inject)
+                shard.copy_(summed)
+            except SecAggAborted as exc:
+                error = str(exc)
+        # [aborted, survivor mask (as low and high: the same on every carrier), ...] agreed in the site
+        mask = 0 if report is None else sum(1 << u for u in report.survivors)
+        flags = torch.tensor([float(bool(error) or (self.secagg is not None and report is None)), float(mask), -float(mask)])
+        if self.secagg is None:  # a rank that carries nothing: neutral in the agreement
+            flags = torch.tensor([0.0, 0.0, -float((1 << n) - 1)])
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.comm.groups.intra)
+        aborted, high, low = bool(flags[0].item()), int(flags[1].item()), -int(flags[2].item())
+        if aborted or high != low:
+            why = error or ("the site's ranks saw different survivors" if high != low else "another rank of this site aborted")
+            self._failed(round_id, SecAggAborted(f"round {round_id}: {why}"), guard)
+        if report is None:  # a rank that carries nothing takes the carriers' survivors
+            survivors = [u for u in range(n) if high >> u & 1]
+            report = RoundReport(
+                round_id,
+                list(range(n)),
+                survivors,
+                [u for u in range(n) if u not in survivors],
+                [],
+                [],
+                self.threshold,
+                self.cfg.graph,
+                0,
+                0,
+            )
+        return report
 
     def _failed(self, round_id: int, exc: RoundFailed, guard: str) -> NoReturn:
         """Count and audit a round that cannot complete, then raise ``exc`` for the caller to roll back."""
@@ -143,7 +205,7 @@ class PrivateAggregation:
             "kind": "round",
             "round": round_id,
             "site": names[self.site],
-            "secure_aggregation": self.secagg is not None,
+            "secure_aggregation": self.secure,
             "clip_norm": self.bound,
             "dp_unit": self.cfg.dp.unit,
             "noise_multiplier": self.noise_multiplier if self.site_dp else None,
@@ -198,9 +260,9 @@ class PrivateAggregation:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "secagg": self.secagg is not None,
-            "threshold": self.threshold if self.secagg is not None else None,
-            "graph": self.cfg.graph if self.secagg is not None else None,
+            "secagg": self.secure,
+            "threshold": self.threshold if self.secure else None,
+            "graph": self.cfg.graph if self.secure else None,
             "dropouts": self.dropouts,
             "rounds_rolled_back": self.failed,
             "clip_norm": self.bound,

@@ -22,6 +22,7 @@ from geotrain.elastic.view import HealHooks
 from geotrain.errors import MembershipRefused
 from geotrain.report.metrics import log
 from geotrain.run.checkpoint import atomic_write
+from geotrain.run.fsdp import local_tree, sharded_like
 from geotrain.run.state import RankObjects
 from geotrain.sync import DiLoCo
 
@@ -79,8 +80,10 @@ def join_elastic(
             return
         request_fault(out / "elastic", where, kind, step)
 
+    sharded = sync.sharded  # FSDP: each rank heals its own shards from the same local rank of the source
+
     def load(state: dict[str, Any]) -> None:
-        objs.load_training(state)
+        objs.load_training(sharded_like(objs.model, objs.optimizer, state) if sharded else state)
         if member.joining:  # a restarted site takes the source's step: its data stream catches up
             data.train.skip(int(state["step"]) * data.micro_batches)
 
@@ -95,7 +98,7 @@ def join_elastic(
         committed=committed,
         global_hash=sync.global_hash,
         step=lambda: sync.local_steps,
-        state=lambda: {**objs.training_state(sync.local_steps), "committed": committed()},
+        state=lambda: local_tree({**objs.training_state(sync.local_steps), "committed": committed()}),
         load=load,
     )
     member = SiteMember(
@@ -113,6 +116,7 @@ def join_elastic(
         stats=objs.comm.stats,
         incarnation=incarnation,
         identity=_identity(cfg, where.site, keys),
+        sharded=sharded,
     )
     member.tamper_steps = tamper
     if where.local_rank == 0:

@@ -13,6 +13,7 @@ parameters for compute, fp32 gradient reduction, fp32 shards kept.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -67,3 +68,39 @@ def copy_on(model: nn.Module, device: str | torch.device) -> nn.Module:
         id(p): nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad) for p in model.parameters()
     }
     return copy.deepcopy(model, memo)
+
+
+def local_tree(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every DTensor replaced by a copy of this rank's
+    shard: what an elastic site sends a healer's same local rank (same layout: sites of one size)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local().clone()
+    if isinstance(obj, dict):
+        return {k: local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_tree(v) for v in obj)
+    return obj
+
+
+def sharded_like(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`local_tree` for a training state: the model's and the inner
+    optimizer's tensors as DTensors placed like this rank's parameters (the sync state's shards
+    are read as local tensors already)."""
+    from torch.distributed.tensor import DTensor
+
+    def like(t: Any, p: Any) -> Any:
+        if not isinstance(p, DTensor) or not isinstance(t, torch.Tensor) or t.shape != p.to_local().shape:
+            return t
+        return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+    template = model.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    opt = state["optimizer"]
+    per_param = {k: {n: like(v, params[int(k)]) for n, v in s.items()} for k, s in opt["state"].items()}
+    return {
+        **state,
+        "model": {k: like(v, template.get(k)) for k, v in state["model"].items()},
+        "optimizer": {**opt, "state": per_param},
+    }

@@ -97,6 +97,13 @@ class NetworkAdapter:
         self._sent0 = 0
         self._avg_t0 = 0.0
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the settings in force and the pings the rtt is taken from."""
+        return {"H": self.H, "codec": self.codec, "F": self.F, "pings": list(self._pings)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.H, self.codec, self.F, self._pings = int(state["H"]), str(state["codec"]), int(state["F"]), list(state["pings"])
+
     def start_average(self) -> None:
         """Just before the round's cross-site average."""
         self._sent0, self._avg_t0 = self.comm.stats.inter_bytes, time.perf_counter()

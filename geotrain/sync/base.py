@@ -84,6 +84,16 @@ class RoundMembership(Protocol):
         """
         ...
 
+    def next_boundary(self, step: int, H: int, total: int) -> int:
+        """After a round (committed or rolled back) at ``step``: the step at which the next round
+        ends, the same on every site still training toward ``total`` (sites may meet at different
+        steps after a postponed round)."""
+        ...
+
+    def all_finished(self, total: int) -> bool:
+        """Whether every site of the last round had run its ``total`` steps."""
+        ...
+
     def weight(self, steps: int) -> float:
         """This site's weight in a round of ``steps`` inner steps: its tokens where the sites differ
         in size and sync.weight_by_tokens is set, else 1 (equal sites: a plain mean)."""

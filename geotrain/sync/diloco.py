@@ -49,6 +49,7 @@ class DiLoCo(OuterSync):
         super().__init__(model, optimizer, comm, grad_clip, cfg)
         self.outer_optimizer = self._outer_optimizer(self.global_params)
         self._steps_in_round = 0
+        self._total_steps = 0  # the run's inner steps (set_limits)
         shapes = [p.shape for p in self.local_params()]
         self.reducer = self._make_reducer(cfg.codec, shapes)
         self.clock = RoundClock(comm, self.H, cfg.pace == "adaptive")
@@ -73,6 +74,7 @@ class DiLoCo(OuterSync):
         self.clock.add_compute(seconds)
 
     def set_limits(self, steps: int, max_seconds: float) -> None:
+        self._total_steps = steps
         self.clock.max_seconds = max_seconds
         # adaptive: the calibration round, then ceil(steps / H) rounds (the fastest site runs H in each)
         self.clock.max_rounds = 1 + -(-steps // self.H) if self.clock.adaptive else 0
@@ -116,6 +118,24 @@ class DiLoCo(OuterSync):
             else:
                 self._roll_back(range(len(self.params)), "privacy budget: the last partial round is not released")
                 self._steps_in_round = 0
+        if self.elastic is not None:
+            self._stay_for_the_others()
+
+    def _stay_for_the_others(self) -> None:
+        """Elastic: a site that has run its steps stays in the rounds of the sites still training
+        (it sends no update and applies their average), until a round in which every site has run
+        its steps; so no site commits its last rounds alone and all end on one model. Bounded:
+        without other sites its rounds are its own, and a quorum that never forms ends in
+        ElasticTimeout after elastic.wait_timeout_s."""
+        assert self.elastic is not None
+        self.idle = True
+        target = self.local_steps  # where this site stopped: the run's steps (or the privacy budget's, the same everywhere)
+        while not self.elastic.all_finished(target):
+            rounds = self.rounds
+            self.outer_step()
+            if self.rounds == rounds:  # postponed: ask again after a heartbeat
+                time.sleep(self.elastic.retry_seconds)
+        self.idle = False
 
     def budget_exhausted(self) -> bool:
         return self._steps_in_round == 0 and not self._privacy_allows_round()
@@ -141,6 +161,7 @@ class DiLoCo(OuterSync):
             self.rounds += 1
             self._note("rolled_back", str(exc))
             self.clock.next_round(self.rounds)
+            self._align()
             return
         # 4. outer optimizer step with Δ as the gradient
         outer_step_(self.outer_optimizer, self.global_params, delta)
@@ -158,6 +179,13 @@ class DiLoCo(OuterSync):
         self.rounds += 1
         self._note("committed", "")
         self.clock.next_round(self.rounds)
+        self._align()
+
+    def _align(self) -> None:
+        """Elastic rounds: the next round ends at the step every site agrees on (see
+        :meth:`RoundMembership.next_boundary`), not H steps after this site's own boundary."""
+        if self.elastic is not None and not self.clock.adaptive:
+            self.clock.limit = max(1, self.elastic.next_boundary(self.local_steps, self.H, self._total_steps) - self.local_steps)
 
     def _note(self, outcome: str, reason: str) -> None:
         if self.elastic is not None:
@@ -171,10 +199,19 @@ class DiLoCo(OuterSync):
             **super().checkpoint_state(),
             "outer": self.optim_out(self.outer_optimizer.state_dict()),
             "in_round": self._steps_in_round,
+            # sync.adapt: the round's H and codec as chosen (the next choice is measured again)
+            "adapt": None if self.adapter is None else self.adapter.state_dict(),
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         self.outer_optimizer.load_state_dict(self.optim_in(state["outer"]))
         self._steps_in_round = state["in_round"]
+        if self.adapter is not None and state.get("adapt") is not None:
+            self.adapter.load_state_dict(state["adapt"])
+            self.H = self.clock.H = self.clock.limit = self.adapter.H
+            codec = self.adapter.codec
+            if codec not in self._reducers:
+                self._reducers[codec] = self._make_reducer(codec, [p.shape for p in self.local_params()])
+            self.reducer = self._reducers[codec]
         self.reducer.load_state_dict(self.reducer_in(state["reducer"]))

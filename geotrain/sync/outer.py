@@ -60,6 +60,7 @@ class OuterSync(SyncAlgorithm):
         self.rollback_reasons: list[str] = []
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
+        self.idle = False  # elastic: this site has run its steps and takes part in the others' rounds without an update
 
     # a pseudo-gradient's norm grows with the inner steps it spans (not so for Streaming DiLoCo,
     # whose merge keeps alpha of the local drift)
@@ -92,11 +93,11 @@ class OuterSync(SyncAlgorithm):
             self.private.average(delta, round_id)
             return
         if self.elastic is not None:  # the guard judges this site's own update (see sync.guard)
-            contribute = self.guard is None or self.guard.own_update_ok(delta, key, round_id, site)
+            contribute = not self.idle and (self.guard is None or self.guard.own_update_ok(delta, key, round_id, site))
             got = self.elastic.round(
                 delta,
                 contribute=contribute,
-                weight=self.elastic.weight(steps) if self.weight_by_tokens else 1.0,
+                weight=0.0 if self.idle else self.elastic.weight(steps) if self.weight_by_tokens else 1.0,
                 codec=reducer.codec,
                 residual=reducer.residual,
             )
