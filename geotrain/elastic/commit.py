@@ -73,11 +73,16 @@ def span(n: int, local: int, carriers: int) -> tuple[int, int]:
     return (min(n, local * c), min(n, (local + 1) * c)) if local < carriers else (n, n)
 
 
-def share_in_site(blob: bytes | None, local: int, workers: int, intra: Any) -> bytes | None:
+def share_in_site(blob: bytes | None, local: int, workers: int, intra: Any, own: bool = False) -> bytes | None:
     """Local rank 0's healing bytes (complete, or None) to every rank of the site: the state
-    crosses sites once per site, not once per rank."""
+    crosses sites once per site, not once per rank. ``own`` (sharded): each rank received its own
+    shards; they are kept only if every rank of the site has its own (else None everywhere)."""
     if workers == 1:
         return blob
+    if own:
+        have = torch.tensor([0.0 if blob is None else 1.0])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN, group=intra)
+        return blob if have.item() else None
     size = torch.tensor([len(blob) if blob is not None and local == 0 else 0], dtype=torch.int64)
     dist.broadcast(size, src=0, group=intra)
     n = int(size.item())

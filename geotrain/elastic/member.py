@@ -53,7 +53,7 @@ from geotrain.elastic.exchange import Exchange
 from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import meet
 from geotrain.elastic.roundstore import Monitor
-from geotrain.elastic.view import HealHooks, RoundView, heal_source, same_initial_model
+from geotrain.elastic.view import HealHooks, RoundView, group_members, heal_source, next_boundary, same_initial_model
 from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
@@ -319,23 +319,16 @@ class SiteMember:
             st.network_seconds += seconds
 
     def weight(self, steps: int) -> float:
-        """This site's tokens in a round of ``steps`` inner steps (its workers x steps) where the
-        run's sites differ in size; 1 where they are alike, so a round is the plain mean (the same
-        bits as an unweighted run)."""
+        """This site's tokens in a round of ``steps`` steps (workers x steps) where the run's sites
+        differ in size; else 1: the plain mean, the same bits as an unweighted run."""
         return float(self.workers[self.site_index] * steps) if len(set(self.workers)) > 1 else 1.0
 
     def next_boundary(self, step: int, H: int, total: int) -> int:
-        """The step at which the next round ends, the same on every site: the first multiple of
-        ``H`` past the furthest step a site still training (below ``total``) had reached when the
-        last round met. A round postponed while the Lighthouse was down meets with sites at
-        different steps; from the next one on they are back on the multiples of H, so they run the
-        same rounds to the end."""
-        top = max([s for s in self.round_steps if s < total], default=step)
-        return (max(step, top) // H + 1) * H
+        """The step at which the next round ends, the same on every site (:func:`next_boundary`)."""
+        return next_boundary(self.round_steps, step, H, total)
 
     def all_finished(self, total: int) -> bool:
-        """Whether every site in the last round had run its ``total`` steps (a site that has stays
-        in the others' rounds until then, so none commits its last rounds alone)."""
+        """Whether every site in the last round had run its ``total`` steps."""
         return all(s >= total for s in self.round_steps)
 
     @property
@@ -419,7 +412,7 @@ class SiteMember:
                 why = monitor.failed or "aborted"
                 self._drop_group()
             else:
-                self._pg = (self._members(view), x.group) if x.group is not None else None
+                self._pg = (group_members(view), x.group) if x.group is not None else None
                 if x.error is not None:
                     ok.zero_()
                     if isinstance(x.error, MembershipRefused) or not isinstance(x.error, ROUND_FAILURES):
@@ -428,12 +421,7 @@ class SiteMember:
                     why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
             heal_blob = x.heal_blob
         if self.site in view.healers:  # complete: the source's state at the start of this round
-            if self.sharded:  # each rank received its own shards: loaded only if every rank has them
-                have = torch.tensor([0.0 if heal_blob is None else 1.0])
-                dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self.intra)
-                heal_blob = heal_blob if have.item() else None
-            else:
-                heal_blob = share_in_site(heal_blob, self.local, self.G, self.intra)
+            heal_blob = share_in_site(heal_blob, self.local, self.G, self.intra, own=self.sharded)
             if heal_blob is not None:
                 self._load_healing(heal_blob, view.source)
                 if what.residual is not None:  # a healed site starts its error feedback afresh
@@ -462,41 +450,23 @@ class SiteMember:
         self._current["weight"] = total
         return self._current["contributors"]
 
-    def _members(self, view: RoundView) -> tuple[str, ...]:
-        stores = {m.site: m.store for m in view.members}
-        return tuple(f"{s}@{stores[s]}" for s in view.admitted)
-
     def _exchange(
         self, view: RoundView, monitor: Monitor, round_store: SealedStore, carry: torch.Tensor, outgoing: bytes | None,
         what: Contribution,
     ) -> Exchange:  # fmt: skip
-        members = self._members(view)
+        members = group_members(view)
         if self._pg is not None and self._pg[0] != members:
             self._drop_group()  # a new membership gets a new group (a restarted site has a new store address)
         residual = what.residual.tensor if what.residual is not None else None
         if residual is not None and residual.numel() != carry.numel() - TRAILER:
             raise ValueError(f"error-feedback residual of {residual.numel()} values for a part of {carry.numel() - TRAILER}")
         return Exchange(
-            view,
-            self.site,
-            self.local,
-            self.names,
-            self.wan,
-            monitor,
-            round_store,
-            self._pg[1] if self._pg is not None else None,
-            carry,
-            outgoing,
-            lambda nbytes: self._backstop(nbytes, len(view.admitted)),
-            self.cfg.collective_timeout_s,
-            self._count,
-            self.on_mid_round,
-            tamper=self.hooks.step() in self.tamper_steps,
-            heals=self.local == 0 or self.sharded,
-            codec=what.codec,
-            error_feedback=what.residual is not None,
-            residual=residual,
-        )
+            view, self.site, self.local, self.names, self.wan, monitor, round_store,
+            self._pg[1] if self._pg is not None else None, carry, outgoing,
+            lambda nbytes: self._backstop(nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
+            self.on_mid_round, tamper=self.hooks.step() in self.tamper_steps, heals=self.local == 0 or self.sharded,
+            codec=what.codec, error_feedback=what.residual is not None, residual=residual,
+        )  # fmt: skip
 
     def _load_healing(self, blob: bytes, source: str) -> None:
         """Main thread: load the state a source sent. From now on this site holds a valid state (the

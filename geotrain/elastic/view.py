@@ -136,3 +136,20 @@ def same_initial_model(site: str, mine: str, members: list[Member]) -> None:
             f"the initial model of site(s) {', '.join(differ)} differs from site {site}'s: every "
             "site needs the same train.seed, model settings and geotrain version"
         )
+
+
+def next_boundary(claimed: list[int], step: int, H: int, total: int) -> int:
+    """The step at which the next round ends, the same on every site: the first multiple of ``H``
+    past the furthest step a site still training (below ``total``) had ``claimed`` in the last
+    round's meeting (or this site's ``step``). A round postponed while the Lighthouse was down
+    meets with sites at different steps; from the next one on they are back on the multiples of
+    H, so they run the same rounds to the end."""
+    top = max([s for s in claimed if s < total], default=step)
+    return (max(step, top) // H + 1) * H
+
+
+def group_members(view: RoundView) -> tuple[str, ...]:
+    """Who a round group is made of: each admitted site with its store address (a restarted site
+    has a new one, so its group is new too)."""
+    stores = {m.site: m.store for m in view.members}
+    return tuple(f"{s}@{stores[s]}" for s in view.admitted)
