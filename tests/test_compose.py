@@ -202,3 +202,39 @@ def test_secure_aggregation_over_sites_of_different_sizes_is_token_weighted(tmp_
     unweighted_out = tmp_path / "unweighted"
     train_cli(unweighted_out, [*base, "sync.weight_by_tokens=false"], THREE_UNEQUAL)
     assert read_summary(unweighted_out)["final_eval_loss"] != pytest.approx(plain["final_eval_loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_network_adaptation_under_secure_aggregation_chooses_h_only(tmp_path: Path) -> None:
+    """sync.adapt with secure aggregation on a 300 kbit/s link: the adapter raises H, and never
+    picks a codec (masked fixed-point values cannot be compressed). The same run without secure
+    aggregation picks fp4 from its first measurement (checked by hand for this test: 0.005 s a
+    step, 88 KB a round)."""
+    three = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
+    link = ["sync.adapt={target: 0.9, H_max: 20}", "topology.links.inter.bandwidth_bps=3e5"]
+    train_cli(
+        out := tmp_path / "run",
+        ["sync.H=10", "train.steps=40", "train.eval_every=0", *link, "privacy.secure_aggregation=true"],
+        three,
+    )
+    s = read_summary(out)
+    assert s["secagg"] and len(set(s["global_param_hash"].values())) == 1
+    assert all(a["codec"] == a["next"]["codec"] == "none" for a in s["adapt"])
+    assert s["adapt"][0]["next"]["H"] == 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_secure_aggregation_with_adaptive_pace_weights_each_round_by_its_steps(tmp_path: Path) -> None:
+    """Adaptive pace with secure aggregation: a site at a third of the speed runs fewer inner steps
+    a round, every round's masked sum completes with no dropout, and every site ends on one model.
+    (The weighted sum itself is checked against the plain run in the unequal-sites test above; here
+    the weights are the rounds' public steps, from the same ``site_weights`` as plain rounds.)"""
+    three = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.33}]\n"
+    overrides = ["sync.H=10", "train.steps=40", "train.eval_every=0", "sync.pace=adaptive", "privacy.secure_aggregation=true"]
+    train_cli(out := tmp_path / "run", overrides, three)
+    s = read_summary(out)
+    assert s["secagg"] and s["dropouts"] == 0 and len(set(s["global_param_hash"].values())) == 1
+    rounds = s["pace"]
+    assert any(r["steps"][2] < r["steps"][0] for r in rounds[1:]), rounds  # the slow site ran fewer steps

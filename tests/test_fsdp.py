@@ -326,18 +326,19 @@ def test_dcp_metadata_is_parsed_once_from_checked_bytes_and_holds_tensors_only(t
 
 
 @pytest.mark.parametrize(
-    "setting",
+    "settings",
     [
-        "elastic.enabled=true",
-        "privacy.secure_aggregation=true",
-        "sync.allreduce=flat",
+        ["privacy.dp.unit=example", "privacy.dp.noise_multiplier=1"],
+        ["sync.allreduce=flat"],
+        ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"],
     ],
 )
-def test_unsupported_combinations_are_refused_in_one_line(setting: str) -> None:
+def test_unsupported_combinations_are_refused_in_one_line(settings: list[str]) -> None:
     with pytest.raises(ConfigError) as exc:
-        load_config(None, [*FSDP, setting])
+        load_config(None, [*FSDP, *settings])
     msg = str(exc.value)
-    assert "\n" not in msg and "sync.within_site=fsdp" in msg and setting.split("=")[0].split(".")[0] in msg
+    assert "\n" not in msg and "sync.within_site" in msg
+    assert settings[0].split("=")[0].split(".")[0] in msg or "different sizes" in msg
 
 
 def test_blocks_are_found_and_a_structural_copy_keeps_ties() -> None:
@@ -368,3 +369,28 @@ def test_bench_scale_refuses_an_unknown_part_in_one_line() -> None:
     assert p.stderr.strip().splitlines() == [
         "geotrain: --parts: unknown part nope (allowed: loader, memory, overhead, gpt2_small)"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_secure_aggregation_and_site_dp_under_fsdp_equal_the_replicated_run(tmp_path: Path) -> None:
+    """Secure aggregation with site-level DP's clipping over FSDP shards: each rank masks its own
+    shard with the same local rank of the other sites, and the clip uses the site's whole-vector
+    norm (the sum of its shards' squares). With the clip biting (0.05) and no noise, the run equals
+    the replicated one; a per-shard norm would clip each shard on its own and differ."""
+    three = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]"
+    private = [
+        three,
+        "privacy.secure_aggregation=true",
+        "privacy.dp.unit=site",
+        "privacy.dp.noise_multiplier=0",
+        "privacy.dp.clip_norm=0.05",
+        "train.steps=20",
+        "sync.H=10",
+        "run.baseline=none",
+    ]
+    rep, rep_w = _run(tmp_path, "rep", private)
+    fs, fs_w = _run(tmp_path, "fsdp", private + FSDP)
+    _same(rep_w, fs_w, rtol=1e-5, atol=1e-6)
+    _one_model(fs)
+    assert fs["secagg"] and fs["dp_unit"] == "site" and fs["final_eval_loss"] == pytest.approx(rep["final_eval_loss"], abs=1e-5)

@@ -142,7 +142,11 @@ class Config(Section):
             ),
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
-            (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
+            (
+                p.dp.unit == "site",
+                "privacy.dp.unit",
+                "use none or example (site-level DP calibrates its noise to the planned rounds, which adaptation changes)",
+            ),
             (
                 self.sync.algorithm == "streaming" and bool(self.checkpoint.every or self.checkpoint.resume),
                 "checkpoint.every",
@@ -186,9 +190,10 @@ class Config(Section):
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (
-                p.secure_aggregation or p.dp.unit == "site",
-                "privacy",
-                "set privacy.secure_aggregation=false, privacy.dp.unit=none or example",
+                p.dp.unit == "site",
+                "privacy.dp.unit",
+                "use none or example (site-level DP's noise is calibrated to one update per site per round, "
+                "and rounds of different lengths weigh sites differently)",
             ),
             (
                 self.sync.pace == "adaptive" and bool(self.checkpoint.every or self.checkpoint.resume),
@@ -217,8 +222,7 @@ class Config(Section):
             return
         p = self.privacy
         refused = [
-            (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
-            (p.dp.unit != "none", "privacy.dp.unit", "set privacy.dp.unit=none"),
+            (p.dp.unit == "example", "privacy.dp.unit", "use none or site"),
             (self.sync.allreduce == "flat", "sync.allreduce", "use sync.allreduce=hierarchical"),
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
         ]

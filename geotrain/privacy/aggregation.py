@@ -35,18 +35,15 @@ class PrivateAggregation:
         seed: int,
         rounds_planned: int,
         audit: AuditChain | None,
-        weights: list[float] | None = None,
     ) -> None:
         self.cfg = cfg
         self.comm = comm
         g = comm.groups
         self.num_sites = g.topology.num_sites
-        # sites of different sizes (secure aggregation, sync.weight_by_tokens): each site's update is
-        # scaled by its tokens over the largest site's before masking (public weights, at most 1, so
-        # the fixed-point range holds), and the sum is divided by the survivors' weights
-        self.weights = None if weights is None else [w / max(weights) for w in weights]
-        # the first `carriers` local ranks (the smallest site's size) carry the vector across sites
+        # the first `carriers` local ranks (the smallest site's size) carry the vector across sites;
+        # under FSDP (sites of one size) every rank carries its own shard
         self.carries = g.me.local_rank < g.topology.carriers
+        self.sharded = g.mesh is not None
         self.site_names = list(g.topology.site_names)
         self.site = g.me.site_index
         self.site_dp = cfg.dp.unit == "site"
@@ -101,21 +98,36 @@ class PrivateAggregation:
             self._pending += 1
 
     @torch.no_grad()
-    def average(self, delta: torch.Tensor, round_id: int) -> int:
+    def average(self, delta: torch.Tensor, round_id: int, weights: list[float] | None = None) -> int:
         """Replace ``delta`` by the average over surviving sites; returns how many survived.
         A non-finite update is withdrawn (secure aggregation) or left out (plain), never summed."""
+        lane = self.comm.lanes[0].intra  # the site group of whichever thread aggregates (see _secure_sum)
         finite = bool(torch.isfinite(delta).all())
+        if self.sharded:  # FSDP: each rank holds a shard of the site's update; the site decides as one
+            ok = torch.tensor([float(finite)])
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=lane)
+            finite = bool(ok.item())
         guard = "own update finite" if finite else "own update non-finite: withdrawn"  # for the audit log
         if not finite:
             delta.zero_()
         norm = float(delta.norm())
+        if self.sharded:  # the site's whole-vector norm: the sum of its shards' squares
+            squares = torch.tensor([norm * norm], dtype=torch.float64)
+            torch.distributed.all_reduce(squares, group=lane)
+            norm = math.sqrt(float(squares.item()))
         if norm > self.bound:
             delta.mul_(self.bound / (norm + 1e-12))
         g = self.comm.groups
-        if self.weights is not None:
-            delta.mul_(self.weights[self.site])
+        # sites weighted by their tokens (sites of different sizes or speeds, sync.weight_by_tokens):
+        # each site's update is scaled by its weight over the largest one's before masking (public
+        # weights, at most 1, so the fixed-point range holds), the sum divided by the survivors'
+        scale = None if weights is None else [w / max(weights) for w in weights]
+        if scale is not None:
+            delta.mul_(scale[self.site])
         sizes = self.comm.site_split(delta.numel())
-        shard = delta.split(sizes)[g.me.local_rank]  # what this rank carries across sites (maybe nothing)
+        # what this rank carries across sites: its part of the site's vector (maybe nothing), or its
+        # whole shard under FSDP (local rank i holds the same part at every site)
+        shard = delta if self.sharded else delta.split(sizes)[g.me.local_rank]
         if self.noise_std > 0 and shard.numel():
             shard.add_(gaussian_noise(self.gen, shard, self.noise_std))
         inject = self.injections.get((self.site_names[self.site], round_id))
@@ -124,14 +136,15 @@ class PrivateAggregation:
         report: RoundReport | None = None
         if self.secure:
             report = self._secure_sum(shard, round_id, inject, guard)
-            self.comm.all_gather_intra(delta, sizes)
+            if not self.sharded:
+                self.comm.all_gather_intra(delta, sizes)
             survivors = len(report.survivors)
-            divisor = float(survivors) if self.weights is None else sum(self.weights[u] for u in report.survivors)
+            divisor = float(survivors) if scale is None else sum(scale[u] for u in report.survivors)
         else:
             survivors = int(sum(self.comm.site_values(1.0 if finite else 0.0)))
             if survivors == 0:
                 self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"), guard)
-            self.comm.all_reduce_across_sites(delta)
+            self.comm.all_reduce_across_sites(delta, sharded=self.sharded)
             divisor = float(survivors)
         delta.div_(divisor)
         with self._lock:
@@ -167,7 +180,9 @@ class PrivateAggregation:
         flags = torch.tensor([float(bool(error) or (self.secagg is not None and report is None)), float(mask), -float(mask)])
         if self.secagg is None:  # a rank that carries nothing: neutral in the agreement
             flags = torch.tensor([0.0, 0.0, -float((1 << n) - 1)])
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.comm.groups.intra)
+        # on lane 0's site group, as the all-gather that follows: Streaming DiLoCo aggregates in its
+        # exchange thread while the training thread uses the main site group
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.comm.lanes[0].intra)
         aborted, high, low = bool(flags[0].item()), int(flags[1].item()), -int(flags[2].item())
         if aborted or high != low:
             why = error or ("the site's ranks saw different survivors" if high != low else "another rank of this site aborted")

@@ -117,7 +117,6 @@ def build_privacy(
     rounds_planned: int,
     sample_rate: float,
     run_id: str | None = None,
-    weights: list[float] | None = None,
 ) -> Privacy:
     """The privacy machinery ``cfg`` asks for on this rank (nothing when privacy is off).
 
@@ -130,8 +129,6 @@ def build_privacy(
         sample_rate: this rank's sampling rate (batch ÷ windows of its shard); the largest over
             all ranks is used, so every rank stops at the same step.
         run_id: the run's public id (from its secret), named in the audit logs.
-        weights: each site's weight in the average (sites of different sizes with token
-            weighting); None: every site counts once.
     """
     groups = comm.groups
     aggregation = None
@@ -144,7 +141,7 @@ def build_privacy(
             path = out / ("audit.jsonl" if me.rank == 0 else f"audit-{me.site}.jsonl")
             key = site_key(keys_dir(cfg) / f"{me.site}.key")
             audit = AuditChain(path, key, me.site, run_id, bytes(nonce.tolist()).hex(), start=False)
-        aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit, weights)
+        aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit)
     example = None
     max_steps = steps
     if cfg.dp.unit == "example":

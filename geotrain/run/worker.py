@@ -214,10 +214,6 @@ def _train(
         rounds_planned=fragment_count(cfg.sync, n_tensors) * math.ceil(cfg.train.steps / cfg.sync.H),
         sample_rate=cfg.train.batch_size / (data.train.num_tokens - cfg.model.block_size - 1),
         run_id=seal.run if seal is not None else None,
-        # unequal sites, token-weighted: lock-step rounds run the same steps, so tokens follow workers
-        weights=[float(w) for w in place.full.workers]
-        if cfg.sync.weight_by_tokens and len(set(place.full.workers)) > 1
-        else None,
     )
     closing.push(lambda _type, exc, _tb: privacy.close(failure=exc))  # the audit log's closing line
     outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients

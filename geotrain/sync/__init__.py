@@ -84,6 +84,9 @@ def build_sync(
         if cfg.quorum is not None:  # the guard's outlier test is collective; the syncer leaves non-finite updates out
             guard = None
         outer.private, outer.guard, outer.nan_at = private, guard, set(nan_at or ())
+        adapter = getattr(outer, "adapter", None)
+        if private is not None and adapter is not None:  # sums of masked fixed-point values: H is all it can choose
+            adapter.codecs = ["none"]
         if guard is not None:
             guard.sharded = outer.sharded
         alg = outer

@@ -81,6 +81,8 @@ class NetworkAdapter:
     ) -> None:
         self.cfg = cfg
         self.comm = comm
+        # the codecs it may choose (secure aggregation: none only, a masked value being incompressible)
+        self.codecs: list[str] = list(cfg.codecs)
         self.params = params
         self.H = H
         self.codec = codec
@@ -196,7 +198,7 @@ class NetworkAdapter:
                 rtt,
                 self.cfg.H_min,
                 self.cfg.H_max,
-                {c: float(CODEC_BITS[c]) for c in self.cfg.codecs},
+                {c: float(CODEC_BITS[c]) for c in self.codecs},
                 self.cfg.target,
                 self.counts,
                 self.tau,

@@ -41,8 +41,9 @@ class PrivateAverage(Protocol):
     """Clipping, site-level DP and secure aggregation of pseudo-gradients
     (:class:`geotrain.privacy.aggregation.PrivateAggregation`)."""
 
-    def average(self, delta: torch.Tensor, round_id: int) -> int:
-        """Replace ``delta`` by the average over surviving sites; the number that survived.
+    def average(self, delta: torch.Tensor, round_id: int, weights: list[float] | None = None) -> int:
+        """Replace ``delta`` by the average over surviving sites, each weighted by ``weights`` (one
+        per site, public; None: equal); the number that survived.
 
         Raises:
             RoundFailed: the round cannot complete; the caller rolls it back.

@@ -90,7 +90,8 @@ class OuterSync(SyncAlgorithm):
         site = self.comm.groups.topology.site_names[self.comm.groups.me.site_index]
         self._inject_nan(delta, round_id)
         if self.private is not None:
-            self.private.average(delta, round_id)
+            weights = self.site_weights(steps, [True] * self.num_sites)  # public: workers x steps (or 1)
+            self.private.average(delta, round_id, weights if len(set(weights)) > 1 else None)
             return
         if self.elastic is not None:  # the guard judges this site's own update (see sync.guard)
             contribute = not self.idle and (self.guard is None or self.guard.own_update_ok(delta, key, round_id, site))
