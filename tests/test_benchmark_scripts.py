@@ -44,3 +44,9 @@ def test_overhead_and_launch_start_scripts_run(tmp_path: Path) -> None:
 def test_planner_and_simulator_speed_scripts_run(tmp_path: Path) -> None:
     assert _run("plan_perf.py", ["--reps", "1"], tmp_path / "plan.json")
     assert _run("netsim_perf.py", ["--reps", "1"], tmp_path / "netsim.json")
+
+
+@pytest.mark.timeout(120)
+def test_compose_script_counts_the_pairs(tmp_path: Path) -> None:
+    r = _run("compose.py", ["--only", "pairs"], tmp_path / "compose.json")
+    assert r["pairs"]["tried"] == 119 and r["pairs"]["refused"] == len(r["pairs"]["refusals"])

@@ -1,0 +1,102 @@
+"""Capabilities together, measured side by side (docs/COMPOSE.md).
+
+1. **Pairs.** The 16 settings of issue 41 on three sites of two workers: how many of the 119
+   pairs load, and which are refused with what line.
+2. **Elastic rounds sum like lock-step rounds.** ``geotrain train`` (default model, 3 sites of
+   2, 1 and 1 workers, H = 10) with each codec, once with elastic rounds and once lock-step, in
+   one run of this script: final eval loss, inter-site bytes, compression.
+3. **Layouts.** The same run replicated and under FSDP (3 sites of 2 workers): asynchronous
+   quorum rounds with SparseLoCo (bytes), and secure aggregation with site-level DP's clip
+   biting (final loss, which must be equal).
+
+Prints a table, writes JSON.
+
+    python benchmarks/compose.py [--steps 60] [--only pairs] [--json benchmarks/results/compose.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+UNEQUAL = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]"
+EVEN = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]"
+
+
+def pairs() -> dict[str, Any]:
+    from tests.test_compose import pairs as enumerate_pairs
+
+    tried, refused = enumerate_pairs()
+    return {"tried": tried, "refused": len(refused), "refusals": {f"{a} + {b}": why for (a, b), why in sorted(refused.items())}}
+
+
+def train(out: Path, overrides: list[str]) -> dict[str, Any]:
+    from geotrain.config import load_config
+    from geotrain.launch.local import launch_local
+
+    summary: dict[str, Any] = launch_local(load_config(None, overrides), out, console_print=None)
+    return summary
+
+
+def row(s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "final_eval_loss": s["final_eval_loss"],
+        "inter_site_bytes": s["inter_site_bytes"],
+        "compression_ratio": s["compression_ratio"],
+        "one_model": len(set(s["global_param_hash"].values())) == 1,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--only", choices=["pairs"], default=None)
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
+    a = ap.parse_args()
+    result: dict[str, Any] = {"pairs": pairs(), "steps": a.steps}
+    print(f"pairs: {result['pairs']['refused']} of {result['pairs']['tried']} refused")
+    if a.only is None:
+        base = [f"train.steps={a.steps}", "sync.H=10", "train.eval_every=0", "run.baseline=none"]
+        with tempfile.TemporaryDirectory() as tmp:
+            runs: dict[str, dict[str, Any]] = {}
+            for codec in ("none", "int8", "sparseloco"):
+                for mode in ("lockstep", "elastic"):
+                    name = f"{codec}-{mode}"
+                    extra = [f"sync.codec={codec}", f"elastic.enabled={mode == 'elastic'}"]
+                    runs[name] = row(train(Path(tmp) / name, [UNEQUAL, *base, *extra]))
+            result["elastic_vs_lockstep"] = runs
+            layouts: dict[str, dict[str, Any]] = {}
+            for layout in ("replicate", "fsdp"):
+                within = f"sync.within_site={layout}"
+                q = train(
+                    Path(tmp) / f"quorum-{layout}", [EVEN, *base, within, "sync.quorum={sites: 2}", "sync.codec=sparseloco"]
+                )
+                layouts[f"quorum_sparseloco_{layout}"] = row(q)
+                private = [
+                    "privacy.secure_aggregation=true",
+                    "privacy.dp.unit=site",
+                    "privacy.dp.noise_multiplier=0",
+                    "privacy.dp.clip_norm=0.05",
+                ]
+                p = train(Path(tmp) / f"secagg-{layout}", [EVEN, *base, within, *private])
+                layouts[f"secagg_site_dp_clip_{layout}"] = row(p)
+            result["layouts"] = layouts
+        print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
+        for name, r in {**result["elastic_vs_lockstep"], **result["layouts"]}.items():
+            print(
+                f"{name:34} {r['final_eval_loss']:16.4f} {r['inter_site_bytes']:17,} "
+                f"{r['compression_ratio']:11.2f}x {'yes' if r['one_model'] else 'NO':>10}"
+            )
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
