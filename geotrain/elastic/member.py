@@ -150,8 +150,7 @@ class SiteMember:
             self.coordinator = Coordinator(self.cfg, addr, site, workers, self._host_store.address, log)
 
     @property
-    def retry_seconds(self) -> float:
-        """How long a postponed round waits before it is retried (one heartbeat interval)."""
+    def retry_seconds(self) -> float:  # how long a postponed round waits before it is retried
         return self.cfg.heartbeat_s
 
     def rendezvous(self, sites: int, timeout: float) -> list[str]:
@@ -250,7 +249,11 @@ class SiteMember:
             self._forget_store(meeting)
         self.hints.proved(members)
         if view.admitted and not self.hooks.committed() and not self.joining:
-            same_initial_model(self.site, self._hash, members)
+            try:
+                same_initial_model(self.site, self._hash, members)
+            except MembershipRefused:  # peers still read this meeting (maybe from our store): stay so they refuse too
+                time.sleep(self.cfg.heartbeat_timeout_s)
+                raise
         return view
 
     def _event(self, site: str, how: str) -> None:
@@ -319,8 +322,7 @@ class SiteMember:
             st.network_seconds += seconds
 
     def weight(self, steps: int) -> float:
-        """This site's tokens in a round of ``steps`` steps (workers x steps) where the run's sites
-        differ in size; else 1: the plain mean, the same bits as an unweighted run."""
+        """This site's tokens in a round of ``steps`` steps where the sites differ in size; else 1 (a plain mean)."""
         return float(self.workers[self.site_index] * steps) if len(set(self.workers)) > 1 else 1.0
 
     def next_boundary(self, step: int, H: int, total: int) -> int:
