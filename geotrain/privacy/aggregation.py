@@ -177,9 +177,10 @@ class PrivateAggregation:
                 error = str(exc)
         # [aborted, survivor mask (as low and high: the same on every carrier), ...] agreed in the site
         mask = 0 if report is None else sum(1 << u for u in report.survivors)
-        flags = torch.tensor([float(bool(error) or (self.secagg is not None and report is None)), float(mask), -float(mask)])
+        aborting = float(bool(error) or (self.secagg is not None and report is None))
+        flags = torch.tensor([aborting, float(mask), -float(mask)], dtype=torch.float64)  # exact masks up to 2^53
         if self.secagg is None:  # a rank that carries nothing: neutral in the agreement
-            flags = torch.tensor([0.0, 0.0, -float((1 << n) - 1)])
+            flags = torch.tensor([0.0, 0.0, -float((1 << n) - 1)], dtype=torch.float64)
         # on lane 0's site group, as the all-gather that follows: Streaming DiLoCo aggregates in its
         # exchange thread while the training thread uses the main site group
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.comm.lanes[0].intra)
