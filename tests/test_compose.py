@@ -186,6 +186,33 @@ def test_elastic_fsdp_int8_a_site_killed_heals_from_live_shards(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_elastic_fsdp_streaming_int8_a_site_killed_heals_from_live_shards(tmp_path: Path) -> None:
+    """Issue 41's first named test: elastic rounds, FSDP (2 workers per site), Streaming DiLoCo
+    (2 fragments, tau 2) and int8 together on 3 sites. Each fragment's sync is one elastic round.
+    B is SIGKILLed between the reduce-scatter and the all-gather of a fragment's round: the round
+    rolls back that fragment everywhere, and B's new incarnation, which syncs no fragment yet,
+    heals each rank from the same local rank of a live site and takes the round's fragment. Every
+    fragment with unsynced steps gets a last round, and every rank of every site ends on one model."""
+    three = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]\n"
+    out = tmp_path / "run"
+    streaming = ["sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2"]
+    overrides = [*ELASTIC, *streaming, "sync.within_site=fsdp", "sync.codec=int8", "train.steps=60", 'fault.kill=["B@30"]']
+    proc = train_cli(out, [*overrides, "fault.restart_after=0.5"], three)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"] and s["hashes_agree_within_sites"]
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 30
+    a = records(out, "A")
+    assert [r["step"] for r in a if r["outcome"] == "committed"][:3] == [5, 10, 15]  # one fragment every H/F steps
+    assert [r["step"] for r in a][-2:] == [60, 60]  # the last sync of each fragment
+    healed = [r for r in records(out, "B") if "B" in r["healers"]]
+    assert healed and healed[-1]["outcome"] == "committed"
+    assert proc.stdout.count("healed from") >= 1
+    assert s["compression_ratio"] > 1.3  # int8 (healing's state crosses in fp32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_secure_aggregation_over_sites_of_different_sizes_is_token_weighted(tmp_path: Path) -> None:
     """Secure aggregation on sites of 2, 1 and 1 workers: the carrying ranks mask their parts,
     each site's update scaled by its tokens over the largest site's (public weights) and the sum

@@ -330,6 +330,31 @@ def test_round_outcomes_flag_a_committed_round_with_two_models() -> None:
     assert round_outcomes(split)["split"] == 1
 
 
+def test_a_round_sums_the_fragment_of_its_source_and_a_site_on_another_heals() -> None:
+    """Streaming DiLoCo in elastic mode: each site claims the fragment it syncs. The round sums
+    the source's; a site about to sync another fragment (it missed rounds) heals from the source
+    and takes the round's average for the source's fragment; a site that has run its steps (no
+    fragment) takes part without healing; the next round meets at the furthest site's schedule."""
+    from geotrain.elastic.view import Member, Schedule, heal_source, healers, round_part
+
+    def m(site: str, committed: int, part: int, step: int = 10) -> Member:
+        return Member(site, "s", committed, "h" if committed == 4 else "old", step=step, part=part)
+
+    members = [m("A", 4, 1), m("B", 4, 1), m("C", 3, 0, step=5), m("D", 4, -1)]
+    source = heal_source(members)
+    assert source == "A" and round_part(members, source, ["A", "B", "C", "D"]) == 1
+    assert healers(members, source, ["A", "B", "C", "D"]) == ["C"]
+    same_committed_other_part = [m("A", 4, 1), m("B", 4, 0)]
+    assert healers(same_committed_other_part, "A", ["A", "B"]) == ["B"]
+    idle_source = [m("A", 4, -1), m("B", 4, 0)]  # A has run its steps: the round is B's fragment
+    assert round_part(idle_source, "A", ["A", "B"]) == 0 and healers(idle_source, "A", ["A", "B"]) == []
+    sched = Schedule([1, 1], 0)
+    sched.round_steps, sched.round_rests = [40, 40], [0, 1]
+    assert not sched.all_finished(40)  # B still owes one fragment's round
+    sched.round_rests = [0, 0]
+    assert sched.all_finished(40)
+
+
 def test_a_fault_is_judged_only_until_its_site_heals() -> None:
     """D, killed at t=100, came back and healed in the next round (quorum at 101.2) before anyone
     left it out; A's death at 108 rolled back a round that still had D in it. That rollback is A's,

@@ -459,7 +459,17 @@ def test_a_bug_in_a_round_stops_the_site_a_failing_store_rolls_the_round_back() 
     keys = RunKeys(SECRET)
     server = AuthStoreServer("127.0.0.1", keys.store)
     client = AuthStore(server.address, keys.store, 2)
-    claims = {"hash": "h", "step": 0, "joining": False, "committed": 0, "store": server.address, "incarnation": 0, "session": "s"}
+    claims = {
+        "hash": "h",
+        "step": 0,
+        "joining": False,
+        "committed": 0,
+        "store": server.address,
+        "incarnation": 0,
+        "session": "s",
+        "part": 0,
+        "rest": 0,
+    }
     lines: list[str] = []
     with pytest.raises(TypeError):
         meet(

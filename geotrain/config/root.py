@@ -234,8 +234,13 @@ class Config(Section):
             return
         if e.min_sites > n:
             raise ValueError(f"elastic.min_sites: {e.min_sites} is more than the number of sites ({n})")
-        if self.sync.algorithm != "diloco":
-            raise ValueError("sync.algorithm: elastic mode runs diloco (allowed: diloco)")
+        if self.sync.algorithm not in ("diloco", "streaming"):
+            raise ValueError("sync.algorithm: elastic mode runs diloco or streaming (allowed: diloco, streaming)")
+        if self.sync.eager:
+            raise ValueError(
+                "sync.eager: the eager variant leaves each site on its own global model until the end, and an elastic "
+                "round heals and commits one global model; set sync.eager=false in elastic mode"
+            )
         if self.sync.codec == "powersgd":
             raise ValueError(
                 "sync.codec: PowerSGD's factors are all-reduced over a fixed world; in elastic mode use a byte codec "
@@ -253,10 +258,12 @@ class Config(Section):
         data = self.model_dump()
         data["sync"]["algorithm"] = algorithm
         data["run"]["baseline"] = "none"
-        if algorithm != "diloco":  # adaptive rounds and time limits are DiLoCo's: the baseline runs lock-step steps
+        if algorithm != "diloco":  # adaptive rounds, time limits, tiers and quorums are DiLoCo's
             data["sync"]["pace"], data["train"]["max_seconds"], data["sync"]["region_every"] = "lockstep", 0, 0
-            data["sync"]["adapt"] = data["sync"]["quorum"] = None
-        if algorithm != "diloco":  # elastic mode (and site kills) is DiLoCo's; the baseline runs plain
+            data["sync"]["quorum"] = None
+        if algorithm == "ddp":  # network adaptation chooses DiLoCo's and Streaming DiLoCo's rounds
+            data["sync"]["adapt"] = None
+        if algorithm == "ddp" or (algorithm == "streaming" and self.sync.eager):  # no elastic rounds: it runs plain
             data["elastic"]["enabled"] = False
             data["fault"]["kill"], data["fault"]["hang"] = [], []
         if algorithm == "ddp":  # a DDP baseline exchanges gradients: no pseudo-gradient privacy to apply

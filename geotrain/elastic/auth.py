@@ -328,6 +328,8 @@ CLAIM_TYPES: dict[str, type] = {
     "store": str,
     "incarnation": int,
     "session": str,
+    "part": int,  # the part of the model it syncs, plus one (0: the whole model, or none)
+    "rest": int,  # rounds it still owes after this one once its steps are run
     "eph": str,  # this round's X25519 public key (hex): the frame keys between sites come from it
 }
 

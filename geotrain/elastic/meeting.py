@@ -29,7 +29,7 @@ from geotrain.elastic.auth import (
     round_digest,
 )
 from geotrain.elastic.roundstore import wait_keys
-from geotrain.elastic.view import Member, RoundView, heal_source, healers, member_from_claims
+from geotrain.elastic.view import Member, RoundView, heal_source, healers, member_from_claims, round_part
 from geotrain.errors import ROUND_FAILURES, MembershipRefused
 
 
@@ -97,6 +97,7 @@ def meet(
         admitted=admitted,
         source=source,
         healers=healers(members, source, admitted),
+        part=round_part(members, source, admitted),
         frame_keys=frame_keys,
     )
     return done, members

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ from geotrain.elastic.exchange import Exchange
 from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import meet
 from geotrain.elastic.roundstore import Monitor
-from geotrain.elastic.view import HealHooks, RoundView, group_members, heal_source, next_boundary, same_initial_model
+from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_members, heal_source, same_initial_model
 from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
@@ -64,7 +64,7 @@ def _fatal(exc: MembershipRefused | ElasticTimeout) -> RoundView:
     return RoundView(fatal=str(exc), fatal_timeout=isinstance(exc, ElasticTimeout))
 
 
-class SiteMember:
+class SiteMember(Schedule):
     """This rank's part in the elastic rounds (see the module docstring).
 
     Args:
@@ -109,24 +109,22 @@ class SiteMember:
         self.on_mid_round = on_mid_round
         self.keys = RunKeys(load_secret(self.cfg))  # the secret itself is not kept
         self.incarnation = incarnation
-        # failure injection: the rounds (by step) whose outgoing frames are altered after their MAC
-        self.tamper_steps: set[int] = set()
+        self.tamper_steps: set[int] = set()  # failure injection: rounds (by step) whose frames are altered after their MAC
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
         self.raw_bytes = 0  # what fp32 rings would have sent for the same sums (the codec's reference)
-        # the local ranks that carry a part across sites: as many as the smallest site has
-        # sharded (FSDP): each rank's pseudo-gradient is its own shard, which it carries whole, and
-        # heals from the same local rank of the source (sites of one size); else the first
-        # ``carriers`` ranks (the smallest site's size) each carry a part of the site's vector
+        # the local ranks that carry a part across sites (:attr:`carries`); sharded (FSDP): each
+        # carries its own shard whole, and heals from the same local rank of the source
         self.sharded = sharded
         self.carriers = workers if sharded else topology.carriers
-        self.workers = list(topology.workers)
+        Schedule.__init__(self, list(topology.workers), site_index)
         self._bytes_lock = threading.Lock()
         self.events: list[dict[str, Any]] = []  # failures this site detected
         self.healed_at_step: int | None = None
         self.joining = False  # a restarted site with no valid state yet: it heals before it trains
         self.record_file: Path | None = None  # local rank 0: one JSON line per round
         self._current: dict[str, Any] = {}
-        self.round_steps: list[int] = []  # the steps the admitted sites had reached when the last round met
+        self._part, self._rest, self._sizes = -1, 0, cast("list[int] | None", None)  # the round under way (:meth:`round`)
+        self.part, self.average = -1, cast("torch.Tensor | None", None)  # the last round's part (view.round_part), average
         self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
@@ -197,6 +195,8 @@ class SiteMember:
             "store": self.coordinator.store_address,
             "incarnation": self.incarnation,
             "session": self.hints.session,
+            "part": self._part + 1,
+            "rest": self._rest,
         }
 
     def _quorum(self, can_postpone: bool) -> Any:
@@ -297,12 +297,19 @@ class SiteMember:
         weight: float = 1.0,
         codec: Encoder | None = None,
         residual: Feedback | None = None,
+        part: int = -1,
+        rest: int = 0,
+        sizes: list[int] | None = None,
     ) -> int | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
         sites in place, each site weighted by ``weight`` (its tokens, or 1); the number of sites
         that contributed. None: postponed (Lighthouse down). ``contribute=False`` (the update
         guard withdrew it): this site sends zeros. ``codec``: what crosses sites is encoded, with
-        this rank's error feedback ``residual`` (updated only if the round commits).
+        this rank's error feedback ``residual`` (updated only if the round commits). ``part``: the
+        part of the model ``delta`` is (-1: all, or none), ``sizes`` this rank's values of each
+        part, ``rest`` the rounds this site still owes after this one once its steps are run.
+        The round sums :attr:`part`; where it is another than ``part`` (this site healed from a
+        source on another schedule), the average is in :attr:`average`, not in ``delta``.
 
         Raises:
             RoundFailed: the round cannot commit on every participant; roll it back.
@@ -310,6 +317,7 @@ class SiteMember:
         """
         t0, sent0, raw0 = time.monotonic(), self.inter_bytes, self.raw_bytes
         self._hash = self.hooks.global_hash()
+        self._part, self._rest, self._sizes = part, rest, sizes
         try:
             return self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual))
         finally:  # the training thread was blocked on the wide area all along
@@ -320,18 +328,6 @@ class SiteMember:
             st.comm_seconds += seconds
             st.wan_wait_seconds += seconds
             st.network_seconds += seconds
-
-    def weight(self, steps: int) -> float:
-        """This site's tokens in a round of ``steps`` steps where the sites differ in size; else 1 (a plain mean)."""
-        return float(self.workers[self.site_index] * steps) if len(set(self.workers)) > 1 else 1.0
-
-    def next_boundary(self, step: int, H: int, total: int) -> int:
-        """The step at which the next round ends, the same on every site (:func:`next_boundary`)."""
-        return next_boundary(self.round_steps, step, H, total)
-
-    def all_finished(self, total: int) -> bool:
-        """Whether every site in the last round had run its ``total`` steps."""
-        return all(s >= total for s in self.round_steps)
 
     @property
     def carries(self) -> bool:
@@ -350,6 +346,10 @@ class SiteMember:
         if view.postponed:
             return None
         self.round_steps = [m.step for m in view.members if m.site in view.admitted]
+        self.round_rests = [m.rest for m in view.members if m.site in view.admitted]
+        self.part = view.part
+        if view.part != self._part and view.part >= 0 and self._sizes is not None:  # a healer: the source's part
+            delta, what = torch.zeros(self._sizes[view.part], device=delta.device), Contribution(False, 0.0, what.codec, None)
         self._current = {
             "key": view.key,
             "start": t0,
@@ -447,7 +447,7 @@ class SiteMember:
         total, count = (float(v) for v in carry[-TRAILER:].tolist())
         if count < 0.5 or total <= 0:
             raise RoundFailed("no site contributed to the round")
-        delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total)
+        self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total)
         self._current["contributors"] = int(round(count))
         self._current["weight"] = total
         return self._current["contributors"]

@@ -36,6 +36,8 @@ class Member:
     incarnation: int = 0  # the site's process generation (a restarted site counts up)
     session: str = ""  # random per process: tells a live process from a replay of an older one
     step: int = 0  # the inner step it was at when it claimed (inside the round; 0 from a quorum hint)
+    part: int = -1  # which part of the model it syncs in this round (a Streaming DiLoCo fragment; -1: the whole, or any)
+    rest: int = 0  # rounds it still owes after this one once its steps are run (Streaming DiLoCo's last fragments)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class RoundView:
     admitted: list[str] = field(default_factory=list)
     source: str = ""
     healers: list[str] = field(default_factory=list)
+    part: int = -1  # the part of the model this round sums (:func:`round_part`)
     postponed: bool = False
     error: str = ""  # the round fails (rolled back); the site carries on
     fatal: str = ""  # local rank 0 must stop (refused, or a wait passed its bound): every rank raises
@@ -100,7 +103,10 @@ def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) ->
 def member_from_claims(site: str, claims: dict[str, Any]) -> Member:
     """A member as it described itself inside the round (claims checked by :func:`parse_claims`)."""
     c = claims
-    return Member(site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"], c["step"])
+    return Member(
+        site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"], c["step"], c["part"] - 1,
+        c["rest"],
+    )  # fmt: skip
 
 
 def heal_source(members: list[Member]) -> str | None:
@@ -115,11 +121,27 @@ def heal_source(members: list[Member]) -> str | None:
     return next(m.site for m in leaders if m.hash == best)
 
 
+def round_part(members: list[Member], source: str, admitted: list[str]) -> int:
+    """The part of the model a round sums: the one the source syncs; if the source syncs none (it
+    has run its steps, or it is DiLoCo's whole model), the first part an admitted site syncs."""
+    by = {m.site: m for m in members}
+    if by[source].part >= 0:
+        return by[source].part
+    return min((by[s].part for s in admitted if by[s].part >= 0), default=-1)
+
+
 def healers(members: list[Member], source: str, admitted: list[str]) -> list[str]:
-    """The admitted sites that take the source's state this round."""
+    """The admitted sites that take the source's state this round: those whose (committed, hash)
+    differ from the source's, a restarted site, and a site about to sync another part of the
+    model than the round's (its schedule is not the source's)."""
     by = {m.site: m for m in members}
     ref = (by[source].committed, by[source].hash)
-    return [s for s in admitted if (by[s].committed, by[s].hash) != ref or by[s].joining]
+    part = round_part(members, source, admitted)
+
+    def other_part(s: str) -> bool:
+        return part >= 0 and by[s].part >= 0 and by[s].part != part
+
+    return [s for s in admitted if (by[s].committed, by[s].hash) != ref or by[s].joining or other_part(s)]
 
 
 def same_initial_model(site: str, mine: str, members: list[Member]) -> None:
@@ -146,6 +168,28 @@ def next_boundary(claimed: list[int], step: int, H: int, total: int) -> int:
     H, so they run the same rounds to the end."""
     top = max([s for s in claimed if s < total], default=step)
     return (max(step, top) // H + 1) * H
+
+
+class Schedule:
+    """What the last round's meeting said about the sites' schedules: the steps the admitted sites
+    had reached and the rounds each still owed; and this site's weight."""
+
+    def __init__(self, workers: list[int], site_index: int) -> None:
+        self.workers, self.site_index = workers, site_index
+        self.round_steps: list[int] = []
+        self.round_rests: list[int] = []
+
+    def weight(self, steps: int) -> float:
+        """This site's tokens in a round of ``steps`` steps where the sites differ in size; else 1 (a plain mean)."""
+        return float(self.workers[self.site_index] * steps) if len(set(self.workers)) > 1 else 1.0
+
+    def next_boundary(self, step: int, H: int, total: int) -> int:
+        """The step at which the next round ends, the same on every site (:func:`next_boundary`)."""
+        return next_boundary(self.round_steps, step, H, total)
+
+    def all_finished(self, total: int) -> bool:
+        """Whether every site in the last round had run its ``total`` steps and owed no other round."""
+        return all(s >= total for s in self.round_steps) and not any(self.round_rests)
 
 
 def group_members(view: RoundView) -> tuple[str, ...]:

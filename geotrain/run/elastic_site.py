@@ -24,7 +24,7 @@ from geotrain.report.metrics import log
 from geotrain.run.checkpoint import atomic_write
 from geotrain.run.fsdp import local_tree, sharded_like
 from geotrain.run.state import RankObjects
-from geotrain.sync import DiLoCo
+from geotrain.sync import OuterSync
 
 
 def request_fault(folder: Path, where: RankInfo, kind: str, step: int, timeout_s: float = 120.0) -> None:
@@ -69,7 +69,7 @@ def join_elastic(
         keys: the folder of the sites' own keys (``privacy.keys_dir``), for ``elastic.site_keys``.
     """
     sync, data, groups = objs.sync, objs.data, objs.comm.groups
-    assert isinstance(sync, DiLoCo)  # the config allows elastic mode with diloco only
+    assert isinstance(sync, OuterSync)  # the config allows elastic mode with DiLoCo and Streaming DiLoCo
     tamper = {step for step, kind in faults.items() if kind == "tamper"}  # done by the member, not the launcher
     faults = {step: kind for step, kind in faults.items() if kind != "tamper"}
     (out / "elastic").mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,7 @@ def join_elastic(
             note(f"incarnation {incarnation}: joining the run and healing from a live peer")
             deadline = time.monotonic() + cfg.start_timeout_s
             while member.healed_at_step is None:
-                sync.outer_step()
+                sync.join_round()
                 if member.healed_at_step is None:
                     if time.monotonic() > deadline:
                         raise MembershipRefused(

@@ -228,6 +228,7 @@ def _train(
         guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
         nan_at=cfg.fault.nan_at() if outer else None,
         rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
+        elastic=place.elastic,
     )
     closing.callback(sync.close)
     objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)

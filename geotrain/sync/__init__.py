@@ -7,6 +7,7 @@
 - :mod:`.outer`: what DiLoCo and Streaming DiLoCo share (global parameters, outer step, rollback);
 - :mod:`.diloco`: DiLoCo (Douillard et al. 2023);
 - :mod:`.streaming`: Streaming DiLoCo (Douillard et al. 2025), its eager variant;
+- :mod:`.streaming_elastic`: Streaming DiLoCo whose fragment syncs are elastic rounds;
 - :mod:`.quorum`: asynchronous quorum rounds (a syncer; late updates merged with a staleness discount);
 - :mod:`.guard`: non-finite / outlier pseudo-gradients left out, the same way on every rank.
 """
@@ -26,6 +27,7 @@ from geotrain.sync.outer import OuterSync
 from geotrain.sync.quorum import AsyncDiLoCo, Rejoin
 from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
+from geotrain.sync.streaming_elastic import ElasticStreaming
 from geotrain.sync.tiers import TieredDiLoCo
 
 __all__ = [
@@ -57,6 +59,7 @@ def build_sync(
     guard: UpdateGuard | None = None,
     nan_at: set[tuple[str, int]] | None = None,
     rejoin: Rejoin | None = None,
+    elastic: bool = False,
 ) -> SyncAlgorithm:
     """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section, hooked
     onto ``optimizer``.
@@ -67,6 +70,7 @@ def build_sync(
         private, guard, nan_at: for the pseudo-gradients of DiLoCo and Streaming DiLoCo: private
             aggregation, the update guard, and failure injection ({(site, round)} sent as NaN).
         rejoin: asynchronous quorum rounds, a site that came back (its world is its own ranks).
+        elastic: elastic mode (its membership is attached later, when the site joins).
     """
     alg: SyncAlgorithm
     if cfg.algorithm == "ddp":
@@ -74,7 +78,7 @@ def build_sync(
     else:
         outer: OuterSync
         if cfg.algorithm == "streaming":
-            outer = StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg)
+            outer = (ElasticStreaming if elastic else StreamingDiLoCo)(model, optimizer, comm, grad_clip, cfg)
         elif cfg.region_every:
             outer = TieredDiLoCo(model, optimizer, comm, grad_clip, cfg)
         elif cfg.quorum is not None:

@@ -62,6 +62,9 @@ class PrivateAverage(Protocol):
 class RoundMembership(Protocol):
     """Elastic mode's cross-site round (:class:`geotrain.elastic.member.SiteMember`)."""
 
+    part: int  # the part of the model the last round summed
+    average: torch.Tensor | None  # the last round's average
+
     @property
     def retry_seconds(self) -> float:
         """How long to wait before retrying a postponed round."""
@@ -75,10 +78,17 @@ class RoundMembership(Protocol):
         weight: float = 1.0,
         codec: Codec | None = None,
         residual: Residual | None = None,
+        part: int = -1,
+        rest: int = 0,
+        sizes: list[int] | None = None,
     ) -> int | None:
         """Average ``delta`` over the admitted sites, each weighted by ``weight``
         (``contribute=False``: this site withdraws its own and takes the others' average),
         encoded with ``codec`` and this rank's error feedback ``residual``; None when postponed.
+        ``part``: which part of the model ``delta`` is (a fragment; -1: all of it, or none),
+        ``sizes`` this rank's values of each part, ``rest`` the rounds this site still owes after
+        this one once its steps are run. The round sums the part in :attr:`part`; its average is
+        in :attr:`average` (``delta`` itself unless the part is another).
 
         Raises:
             RoundFailed: roll the round back.

@@ -137,6 +137,9 @@ class DiLoCo(OuterSync):
                 time.sleep(self.elastic.retry_seconds)
         self.idle = False
 
+    def join_round(self) -> None:
+        self.outer_step()
+
     def budget_exhausted(self) -> bool:
         return self._steps_in_round == 0 and not self._privacy_allows_round()
 
@@ -186,10 +189,6 @@ class DiLoCo(OuterSync):
         :meth:`RoundMembership.next_boundary`), not H steps after this site's own boundary."""
         if self.elastic is not None and not self.clock.adaptive:
             self.clock.limit = max(1, self.elastic.next_boundary(self.local_steps, self.H, self._total_steps) - self.local_steps)
-
-    def _note(self, outcome: str, reason: str) -> None:
-        if self.elastic is not None:
-            self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, self.local_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"reducer": self.reducer_out(self.reducer)}

@@ -61,6 +61,7 @@ class OuterSync(SyncAlgorithm):
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
         self.idle = False  # elastic: this site has run its steps and takes part in the others' rounds without an update
+        self._part_claim: dict[str, Any] = {}  # elastic: which part of the model a round is for (Streaming DiLoCo)
 
     # a pseudo-gradient's norm grows with the inner steps it spans (not so for Streaming DiLoCo,
     # whose merge keeps alpha of the local drift)
@@ -101,6 +102,7 @@ class OuterSync(SyncAlgorithm):
                 weight=0.0 if self.idle else self.elastic.weight(steps) if self.weight_by_tokens else 1.0,
                 codec=reducer.codec,
                 residual=reducer.residual,
+                **self._part_claim,
             )
             if got is None:
                 raise RoundPostponed(f"round {round_id}")
@@ -118,6 +120,15 @@ class OuterSync(SyncAlgorithm):
                 delta.zero_()
                 reducer.forget_residual()  # else its old error feedback would still be sent
         self._weighted_average(delta, reducer, self.site_weights(steps, included))
+
+    def join_round(self) -> None:
+        """Elastic: a restarted site's first round, in which it heals (see :mod:`geotrain.run.elastic_site`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no elastic rounds")
+
+    def _note(self, outcome: str, reason: str) -> None:
+        """Elastic: the round's record, after it was applied or rolled back."""
+        if self.elastic is not None:
+            self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, self.local_steps)
 
     def _inject_nan(self, delta: torch.Tensor, round_id: int) -> None:
         """Failure injection (``fault.nan``): this site's update of round ``round_id`` is NaN."""
