@@ -148,6 +148,33 @@ def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_adaptive_rounds_checkpoint_at_round_boundaries_and_resume_on_the_measured_pace(tmp_path: Path) -> None:
+    """Adaptive pace with checkpoints: sites run different steps, so a checkpoint is taken at a
+    round boundary (every checkpoint.every / H rounds), its folder named by the leading site's
+    step, each rank's file holding its own step. A run resumed from it starts from the clock it
+    saved (the measured rates and the next round's budget, no calibration round again) and runs
+    the rounds left, to one model."""
+    sites = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1, compute_speed: 0.25}]"
+    common = [sites, "sync.H=8", "train.steps=40", "train.eval_every=0", "sync.algorithm=diloco", "sync.pace=adaptive"]
+    full, _ = _run(tmp_path, "full", [*common, "checkpoint.every=16", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    folders = sorted((tmp_path / "ckpt").glob("step-*"))
+    assert folders, "no checkpoint"
+    first = folders[0]
+    label = int(first.name.split("-")[1])
+    steps = [torch.load(first / f"rank{r}.pt", weights_only=False)["step"] for r in range(2)]
+    assert max(steps) == label and steps[1] < steps[0]  # B, slower, had run fewer steps at that boundary
+    clock = torch.load(first / "rank0.pt", weights_only=False)["sync"]["clock"]
+    rounds_then = len(clock["history"])
+    assert rounds_then % 2 == 0 and clock["budget_s"] > 0  # every 16 / 8 = 2 rounds; a budgeted next round
+    resumed, _ = _run(tmp_path, "resumed", [*common, f"checkpoint.resume={first}"])
+    assert resumed["rounds"] == full["rounds"] == 6  # the calibration round is not run again
+    assert resumed["pace"][:rounds_then] == full["pace"][:rounds_then]  # the measured pace carried over
+    assert all(p["steps"] > s for p, s in zip(resumed["per_site"], steps, strict=True))
+    assert len(set(resumed["global_param_hash"].values())) == 1 and resumed["hashes_agree_within_sites"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> None:
     s, _ = _run(tmp_path, "t", [UNEQUAL, "sync.algorithm=diloco", "sync.H=4", "train.steps=100000", "train.max_seconds=3"])
@@ -161,7 +188,6 @@ def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> N
     [
         (["sync.pace=adaptive", "sync.algorithm=ddp"], "sync.algorithm: not combined with sync.pace yet"),
         (["train.max_seconds=5", "sync.algorithm=streaming"], "sync.algorithm: not combined with train.max_seconds yet"),
-        (["sync.pace=adaptive", "checkpoint.every=5"], "checkpoint.every: not combined with sync.pace yet"),
         (["topology.sites=[{name: A, workers: 1, compute_speed: 0}]"], "compute_speed"),
         (
             [UNEQUAL, "privacy.dp.unit=site", "privacy.dp.noise_multiplier=1"],

@@ -195,11 +195,6 @@ class Config(Section):
                 "use none or example (site-level DP's noise is calibrated to one update per site per round, "
                 "and rounds of different lengths weigh sites differently)",
             ),
-            (
-                self.sync.pace == "adaptive" and bool(self.checkpoint.every or self.checkpoint.resume),
-                "checkpoint.every",
-                "set checkpoint.every=0 and resume=none",
-            ),
         ]
         _refuse(refused, what)
 

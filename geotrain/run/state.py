@@ -157,12 +157,14 @@ class RankObjects:
         seed = int.from_bytes(hashlib.sha256(restored.numpy().tobytes() + rank.to_bytes(4, "little")).digest()[:8], "little")
         self.data.train.set_state(torch.Generator().manual_seed(seed >> 1).get_state())
 
-    def save(self, root: Path, step: int, keep: int) -> None:
-        """Write this rank's checkpoint after ``step`` under ``root`` (collective over the world)."""
+    def save(self, root: Path, step: int, keep: int, label: int | None = None) -> None:
+        """Write this rank's checkpoint after ``step`` under ``root`` (collective over the world),
+        in the folder of ``label`` (the same on every rank; default ``step``)."""
         groups = self.comm.groups
         me = groups.me
         world = groups.topology.world_size
         names = list(groups.topology.site_names)
-        d = ckpt.save(root, step, self.state(step), me.rank, world, groups.world, keep, self.seal, self._shards(), names)
+        name = step if label is None else label
+        d = ckpt.save(root, name, self.state(step), me.rank, world, groups.world, keep, self.seal, self._shards(), names)
         if me.rank == 0:
             log(me, step, f"checkpoint {d}")

@@ -277,8 +277,9 @@ def _train(
             log(me, 0, f"train.compile: {how}")
 
     def after_step(step: int) -> None:
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-            objs.save(ckpt_root, step, cfg.checkpoint.keep)
+        label = sync.checkpoint_due(step, cfg.checkpoint.every) if cfg.checkpoint.every else None
+        if label is not None:
+            objs.save(ckpt_root, step, cfg.checkpoint.keep, label)
         if inject is not None:
             inject(step)
 

@@ -332,6 +332,11 @@ class SyncAlgorithm:
         """Whether to evaluate after ``step`` (collective: every rank must answer the same)."""
         return step % every == 0
 
+    def checkpoint_due(self, step: int, every: int) -> int | None:
+        """Whether to checkpoint after ``step`` (every rank answers alike): the checkpoint's label
+        (the step its folder is named by, the same on every rank), else None."""
+        return step if step % every == 0 else None
+
     def pace_log(self) -> list[dict[str, Any]]:
         """Each round boundary's measured step rates and the inner steps chosen for the next round."""
         return []

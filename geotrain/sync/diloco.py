@@ -92,6 +92,15 @@ class DiLoCo(OuterSync):
         # sites run different steps: evaluate at round boundaries, every every/H rounds
         return self._steps_in_round == 0 and self.rounds % max(1, every // self.H) == 0
 
+    def checkpoint_due(self, step: int, every: int) -> int | None:
+        if not self.clock.adaptive:
+            return super().checkpoint_due(step, every)
+        # sites run different steps: at round boundaries, every every/H rounds (the same rounds on
+        # every site); the folder is named by the leading site's step, each rank's file holds its own
+        if self._steps_in_round or self.rounds % max(1, every // self.H):
+            return None
+        return max(sum(steps) for steps in zip(*self.clock.history, strict=True))
+
     def world_steps(self, step: int) -> int:
         if not self.clock.adaptive:
             return super().world_steps(step)
@@ -200,12 +209,15 @@ class DiLoCo(OuterSync):
             "in_round": self._steps_in_round,
             # sync.adapt: the round's H and codec as chosen (the next choice is measured again)
             "adapt": None if self.adapter is None else self.adapter.state_dict(),
+            "clock": self.clock.state_dict(),  # adaptive pace: the measured rates behind the next budget
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         self.outer_optimizer.load_state_dict(self.optim_in(state["outer"]))
         self._steps_in_round = state["in_round"]
+        if "clock" in state:  # (absent from checkpoints before the clock was kept)
+            self.clock.load_state_dict(state["clock"])
         if self.adapter is not None and state.get("adapt") is not None:
             self.adapter.load_state_dict(state["adapt"])
             self.H = self.clock.H = self.clock.limit = self.adapter.H

@@ -172,6 +172,17 @@ class RoundClock:
         if self.max_rounds and rounds_done >= self.max_rounds:
             self.done = True
 
+    # what a checkpoint keeps: the next round's limit and budget and the rates behind them
+    _STATE = ("limit", "budget_s", "steps_run", "history", "seconds_per_step", "log", "done")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clock at a round boundary (what the next rounds are budgeted from)."""
+        return {k: getattr(self, k) for k in self._STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k in self._STATE:
+            setattr(self, k, state[k])
+
     def world_steps(self, workers: list[int]) -> int:
         """Inner steps all ranks have run in the rounds that ended (rank-steps)."""
         return sum(w * s for steps in self.history for w, s in zip(workers, steps, strict=True))
