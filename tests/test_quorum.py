@@ -142,6 +142,31 @@ def test_a_quorum_of_every_site_and_an_endless_grace_window_is_lock_step_diloco(
     assert asy["inter_site_bytes"] > 0
 
 
+@pytest.mark.timeout(300)
+def test_quorum_rounds_checkpoint_at_a_barrier_and_resume_exactly(tmp_path: Path) -> None:
+    """Checkpoints of asynchronous rounds: the round before each is a barrier (every live site's
+    update merged, every site answered with the same model), then every rank writes its state and
+    site 0 the syncer's (global model, delayed momentum, version, log). A quorum of every site with
+    an endless grace window runs the same merges every time, so the run resumed from the
+    checkpoint at step 8 ends bit for bit where the run that never stopped ends; with a quorum of
+    2 of 3 and int8 both ways, the resumed run ends on one model."""
+    three = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]"
+    common = [three, "train.steps=14", "sync.H=4", "topology.links.emulate=off", "sync.quorum={sites: 3, grace_s: .inf}"]
+    ckpt = tmp_path / "ckpt"
+    full, full_w = _run(tmp_path, "full", [*common, "checkpoint.every=8", f"checkpoint.dir={ckpt}"])
+    assert [m["kind"] for m in full["pace"]] == ["quorum", "checkpoint", "quorum", "final"]
+    resumed, resumed_w = _run(tmp_path, "resumed", [*common, f"checkpoint.resume={ckpt / 'step-00000008'}"])
+    assert all(torch.equal(full_w[k], resumed_w[k]) for k in full_w)
+    assert resumed["final_eval_loss"] == full["final_eval_loss"]
+    assert resumed["pace"] == full["pace"][:2] + resumed["pace"][2:] and len(resumed["pace"]) == 4
+    two_of_three = [*common[:-1], "sync.quorum={sites: 2}", "sync.codec=int8", "train.steps=24"]
+    ckpt2 = tmp_path / "ckpt2"
+    _run(tmp_path, "q2", [*two_of_three, "checkpoint.every=8", f"checkpoint.dir={ckpt2}"])
+    q2, _ = _run(tmp_path, "q2-resumed", [*two_of_three, f"checkpoint.resume={ckpt2 / 'step-00000016'}"])
+    assert len(set(q2["global_param_hash"].values())) == 1 and q2["hashes_agree_within_sites"]
+    assert "checkpoint" in [m["kind"] for m in q2["pace"]]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_slow_site_is_late_never_waits_and_ends_on_the_same_model(tmp_path: Path) -> None:
@@ -402,6 +427,10 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
         (["sync.quorum={sites: 1}", "sync.pace=adaptive"], "sync.pace: not combined with sync.quorum yet"),
         (["sync.quorum={sites: 1}", "sync.codec=powersgd"], "sync.codec: not combined with sync.quorum yet"),
         (["sync.quorum={sites: 1}", "elastic.enabled=true"], "elastic.enabled: not combined with sync.quorum yet"),
+        (
+            ["sync.quorum={sites: 1, local_steps: dynamic}", "checkpoint.every=10"],
+            "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same step",
+        ),
         (
             ["sync.quorum={sites: 1}", "fault.kill=[A@5]"],
             "fault.kill: site A holds the quorum syncer; kill another site (allowed: B)",

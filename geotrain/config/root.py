@@ -175,10 +175,19 @@ class Config(Section):
             (self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
-            (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0 and resume=none"),
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
         ]
         _refuse(refused, "sync.quorum")
+        if self.checkpoint.every and q.local_steps == "dynamic":
+            raise ValueError(
+                "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same "
+                "step, and dynamic local steps give each site its own; use sync.quorum.local_steps=fixed or checkpoint.every=0"
+            )
+        if self.checkpoint.every and self.fault.site_faults():
+            raise ValueError(
+                "checkpoint.every: a checkpoint is written by every rank of the run together, and a site killed in "
+                "asynchronous rounds leaves the run's world for good; set checkpoint.every=0 or drop fault.kill"
+            )
 
     def _pace_fits(self) -> None:
         """sync.pace=adaptive and train.max_seconds end rounds by measurement: DiLoCo's lock-free parts only."""

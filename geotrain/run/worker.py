@@ -231,6 +231,7 @@ def _train(
         elastic=place.elastic,
     )
     closing.callback(sync.close)
+    sync.checkpoint_every = cfg.checkpoint.every
     objs = RankObjects(model, optimizer, scheduler, sync, data, comm, privacy, seal, cfg.checkpoint.allow_foreign)
     ckpt_root = Path(cfg.checkpoint.dir.replace("{site}", where.site)).expanduser() if cfg.checkpoint.dir else out / "checkpoints"
     if place.elastic:  # every site is its own world with its own checkpoints

@@ -190,6 +190,7 @@ class SyncAlgorithm:
         self.sharded = any(is_dtensor(p) for p in self.params)
         self.local_steps = 0
         self.rounds = 0
+        self.checkpoint_every = 0  # checkpoint.every (asynchronous quorum rounds plan a barrier round before each)
         self.region_rounds = 0  # multi-tier sync: rounds inside the region (rounds counts the world tier's)
         self.rounds_rolled_back = 0
         self.example_dp: GradientPrivatizer | None = None  # DP-SGD on the inner steps (privacy.dp.unit=example)

@@ -81,6 +81,7 @@ from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import pseudo_gradient
 from geotrain.sync.reducer import make_codec
 from geotrain.sync.syncer import (
+    CHECKPOINT,
     FIELDS,
     FINAL,
     UPDATE,
@@ -173,6 +174,7 @@ class AsyncDiLoCo(DiLoCo):
         self._done = False
         self._finished = False
         self._held: torch.Tensor | None = None  # FSDP with a codec: the whole model this site holds
+        self._barrier_passed = False  # a checkpoint's barrier round just ended: every site holds one model
 
     def add_compute(self, seconds: float) -> None:
         if self._t0 is None:
@@ -181,6 +183,14 @@ class AsyncDiLoCo(DiLoCo):
 
     def set_limits(self, steps: int, max_seconds: float) -> None:
         self._max_seconds = max_seconds  # each site checks its own clock; the final round is synchronous
+        if self.syncer is not None:  # after a resume has loaded its state
+            self.syncer.start()
+
+    def checkpoint_due(self, step: int, every: int) -> int | None:
+        """After a checkpoint's barrier round (every checkpoint.every / H rounds; the same steps on
+        every site, which all run H per round), while every site is in the run's world."""
+        passed, self._barrier_passed = self._barrier_passed, False
+        return step if passed and not self.world_broken else None
 
     @property
     def done(self) -> bool:
@@ -298,14 +308,17 @@ class AsyncDiLoCo(DiLoCo):
         delta = self._whole(pseudo_gradient(self.global_params, self.local_params()))
         if (self.full.site_names[self.site_index], self.rounds) in self.nan_at:  # failure injection
             delta.fill_(float("nan"))
+        every = max(1, self.checkpoint_every // self.H)
+        barrier = bool(self.checkpoint_every and steps and not final and (self.rounds + 1) % every == 0)
         t0 = time.perf_counter()
         self._hold()
         answer = None
         if self.leader:
             payload = delta if steps else delta[:0]
             answer = self._deliver(
-                Update(self.site_index, self.version, steps, self.site_workers, payload, final, self._round_compute)
+                Update(self.site_index, self.version, steps, self.site_workers, payload, final, self._round_compute, barrier)
             )
+        self._barrier_passed = barrier
         self._take(answer)
         self.comm.add_wait(time.perf_counter() - t0)
         self.waits.append(time.perf_counter() - t0)
@@ -314,6 +327,29 @@ class AsyncDiLoCo(DiLoCo):
             self.rounds += 1
         self._steps_in_round = 0
         self.clock.next_round(self.rounds)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Taken after a barrier round: this site's base version and counters, its error feedback,
+        and (site 0) the syncer's state at the barrier."""
+        return {
+            **super().checkpoint_state(),
+            "quorum": {
+                "version": self.version,
+                "world_total": self.world_total,
+                "site_steps": self._site_steps,
+                "residual": None if self.residual is None or self.residual.tensor is None else self.residual.tensor.clone(),
+                "syncer": None if self.syncer is None else self.syncer.snapshot,
+            },
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        q = state["quorum"]
+        self.version, self.world_total, self._site_steps = q["version"], q["world_total"], q["site_steps"]
+        if self.residual is not None:
+            self.residual.tensor = q["residual"]
+        if self.syncer is not None:
+            self.syncer.load_state_dict(q["syncer"])
 
     def _take(self, answer: tuple[list[float], torch.Tensor] | None) -> None:
         """Go on from the syncer's ``answer`` (the leader's; None on the site's other ranks, which
@@ -413,7 +449,7 @@ class AsyncDiLoCo(DiLoCo):
                         raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
         payload, raw, encoded = self._encode(update.delta)
         fields = [
-            FINAL if update.final else UPDATE,
+            FINAL if update.final else CHECKPOINT if update.checkpoint else UPDATE,
             float(update.base),
             float(update.steps),
             float(update.workers),

@@ -25,10 +25,9 @@ from geotrain.codecs import Codec
 from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join_key, silent_key
 from geotrain.config import QuorumConfig, SyncConfig
-from geotrain.sync.base import views_like
-from geotrain.sync.outer import outer_step_
+from geotrain.sync.merge import DelayedNesterov, weighted_mean
 
-UPDATE, FINAL = 1.0, 2.0
+UPDATE, FINAL, CHECKPOINT = 1.0, 2.0, 3.0  # CHECKPOINT: an update that waits for every live site (a checkpoint's barrier)
 # site → syncer: [kind, base, steps, workers, compute s, encoded, 0, 0]
 # syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's seconds,
 #                 encoded]
@@ -47,7 +46,8 @@ class Update:
     workers: int
     delta: torch.Tensor  # flat fp32 pseudo-gradient (empty: a final delivery of no steps)
     final: bool = False
-    compute_s: float = 0.0  # seconds of compute (pacing included, network waits not) the steps took
+    compute_s: float = 0.0
+    checkpoint: bool = False  # the round before a checkpoint: answered once every live site has delivered  # seconds of compute (pacing included, network waits not) the steps took
 
 
 def first_round_steps(cfg: SyncConfig) -> int:
@@ -118,66 +118,6 @@ def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: boo
     return [(float(u.workers * u.steps) if weight_by_tokens else 1.0) * (1.0 + (version - u.base)) ** -power for u in updates]
 
 
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], total: float) -> torch.Tensor:
-    """Σ w·Δ / ``total`` in order, with the synchronous round's arithmetic
-    (:meth:`OuterSync._weighted_average`): equal weights that add up to ``total`` sum then divide,
-    else scale then sum. ``total`` is a whole world round's undiscounted tokens, so a stale
-    update's discount shrinks its contribution outright, even when it is alone in its merge."""
-    if len(set(weights)) == 1 and total == sum(weights):
-        out = deltas[0].clone()
-        for d in deltas[1:]:
-            out.add_(d)
-        return out.div_(len(deltas))
-    out = deltas[0].mul(weights[0] / total)
-    for d, w in zip(deltas[1:], weights[1:], strict=True):
-        out.add_(d.mul(w / total))
-    return out
-
-
-class DelayedNesterov:
-    """DiLoCo's outer SGD with its momentum delayed until a world round's worth of updates has
-    been merged (the delayed Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135).
-
-    A merge's g is its updates' weighted sum over a whole world round's tokens (every site's
-    workers × its steps in the merge, or its round's H), so one site's update counts for its
-    share of the world, as in a synchronous average, and a fast site that delivers twice as often moves θ
-    twice as often. g is applied at once (``lr·g``); once ``sites`` updates have been merged
-    since the last time, the momentum buffer takes their sum and its part (``lr·β·m``) is applied
-    too. Over a world round θ moves as one synchronous outer step on the round's mean. A merge
-    that holds every site's update with nothing pending is exactly that step: the torch
-    optimizer itself (so a quorum of every site is lock-step DiLoCo: bit for bit with two sites,
-    to rounding with more, whose ring adds in another order); the momentum buffer is the
-    optimizer's own in both paths.
-    """
-
-    def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, sites: int) -> None:
-        self.theta, self.optimizer, self.sites = theta, optimizer, sites
-        self.lr, self.beta, self.nesterov = cfg.outer_lr, cfg.outer_momentum, cfg.nesterov
-        self.pending = [torch.zeros_like(t) for t in theta]
-        self.pending_updates = 0
-
-    @torch.no_grad()
-    def step(self, g: torch.Tensor, updates: int) -> None:
-        if not self.pending_updates and updates >= self.sites:  # a whole synchronous round
-            outer_step_(self.optimizer, self.theta, g)
-            return
-        self.pending_updates += updates
-        for t, p, v in zip(self.theta, self.pending, views_like(g, self.theta), strict=True):
-            t.add_(v, alpha=-self.lr)
-            p.add_(v)
-        if self.pending_updates < self.sites or not self.beta:
-            return
-        for t, p in zip(self.theta, self.pending, strict=True):
-            state = self.optimizer.state[t]
-            buf = state.get("momentum_buffer")
-            old = torch.zeros_like(p) if buf is None else buf.clone()
-            new = p.clone() if buf is None else buf.mul_(self.beta).add_(p)
-            state["momentum_buffer"] = new
-            t.add_(new if self.nesterov else old, alpha=-self.lr * self.beta)  # Nesterov: g + β·m_new; heavy ball: g + β·m_old
-            p.zero_()
-        self.pending_updates = 0
-
-
 class QuorumSyncer:
     """The global model, the outer optimizer and the merge rule, in a thread (see the module docstring).
 
@@ -229,14 +169,54 @@ class QuorumSyncer:
         self.outbox: queue.Queue[tuple[list[float], torch.Tensor]] = queue.Queue()  # to site 0
         self.log: list[dict[str, Any]] = []  # one entry per merge
         self.error: BaseException | None = None
+        self.snapshot: dict[str, Any] | None = None  # the state at the last checkpoint's barrier
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._guarded, name="quorum-syncer", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        """Start taking updates (after a resumed run has loaded :meth:`load_state_dict`)."""
+        if not self._thread.is_alive():
+            self._t0 = time.monotonic()
+            self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps, taken at a barrier (nothing in flight; every live site holds
+        the model exactly): the global model, the outer optimizer with its delayed momentum, the
+        version and the merge log, the sites' step counts and measured rates."""
+        return {
+            "theta": [t.clone() for t in self.theta],
+            "optimizer": self.outer.optimizer.state_dict(),
+            "pending": [p.clone() for p in self.outer.pending],
+            "pending_updates": self.outer.pending_updates,
+            "version": self.version,
+            "world_steps": self.world_steps,
+            "H": list(self.H),
+            "rates": list(self.rates),
+            "site_steps": list(self.site_steps),
+            "log": [dict(e) for e in self.log],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (before :meth:`start`)."""
+        assert not self._thread.is_alive()
+        for t, v in zip(self.theta, state["theta"], strict=True):
+            t.copy_(v)
+        self.outer.optimizer.load_state_dict(state["optimizer"])
+        for p, v in zip(self.outer.pending, state["pending"], strict=True):
+            p.copy_(v)
+        self.outer.pending_updates = state["pending_updates"]
+        self.version, self.world_steps = state["version"], state["world_steps"]
+        self.H, self.rates, self.site_steps = list(state["H"]), list(state["rates"]), list(state["site_steps"])
+        self.log = list(state["log"])
+        flat = torch.cat([t.reshape(-1) for t in self.theta])
+        self.held = {s: flat.clone() for s in self.held}  # the barrier's answer was exact
 
     def _guarded(self) -> None:
         try:
@@ -252,7 +232,16 @@ class QuorumSyncer:
             delta = self.codec.decode(msg.payload, sum(t.numel() for t in self.theta))
         else:
             delta = msg.floats()
-        return Update(site, int(base), int(steps), int(workers), delta, final=kind == FINAL, compute_s=compute_s)
+        return Update(
+            site,
+            int(base),
+            int(steps),
+            int(workers),
+            delta,
+            final=kind == FINAL,
+            compute_s=compute_s,
+            checkpoint=kind == CHECKPOINT,
+        )
 
     def _measure(self, u: Update) -> None:
         """Dynamic local updates: smooth the site's rate (half weight on the newest round) and give
@@ -272,6 +261,7 @@ class QuorumSyncer:
         open_: list[Update] = []
         waiting: list[int] = []
         finals: set[int] = set()
+        barrier: set[int] = set()  # sites waiting at a checkpoint's barrier
         gone: set[int] = set()  # sites whose connection closed, lost once their messages in flight are in
         quorum_at: float | None = None
         poll_joins_at = 0.0
@@ -310,6 +300,8 @@ class QuorumSyncer:
                 self._measure(u)
                 if u.final:
                     finals.add(u.site)
+                elif u.checkpoint:
+                    barrier.add(u.site)
                 elif u.base < self.version:  # late: merged later, and it goes on at once
                     self._reply([u.site])
                 else:
@@ -320,7 +312,14 @@ class QuorumSyncer:
                     else:
                         self._note("rejected", [u], [], f"site {u.site}: non-finite update left out")
             waiting = [s for s in waiting if s not in self.lost]
-            running = [s for s in range(n) if s not in finals and s not in self.lost]
+            barrier -= self.lost
+            running = [s for s in range(n) if s not in finals and s not in self.lost and s not in barrier]
+            if not running and barrier:  # a checkpoint: merge what is in, every waiting site gets the same model
+                self._merge(open_, "checkpoint")
+                self.snapshot = self.state_dict()
+                self._reply(sorted(barrier), exact=True)
+                open_, quorum_at, barrier = [], None, set()
+                continue
             if not running:  # the final round: merge what is left, every live site gets the same model
                 self._merge(open_, "final")
                 if not open_:  # nothing was left: logged all the same

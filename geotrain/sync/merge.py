@@ -1,0 +1,72 @@
+"""The syncer's arithmetic (:mod:`geotrain.sync.syncer`): the weighted mean of a merge's updates
+and DiLoCo's outer step with its momentum delayed over a world round."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from geotrain.config import SyncConfig
+from geotrain.sync.base import views_like
+from geotrain.sync.outer import outer_step_
+
+
+def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], total: float) -> torch.Tensor:
+    """Σ w·Δ / ``total`` in order, with the synchronous round's arithmetic
+    (:meth:`OuterSync._weighted_average`): equal weights that add up to ``total`` sum then divide,
+    else scale then sum. ``total`` is a whole world round's undiscounted tokens, so a stale
+    update's discount shrinks its contribution outright, even when it is alone in its merge."""
+    if len(set(weights)) == 1 and total == sum(weights):
+        out = deltas[0].clone()
+        for d in deltas[1:]:
+            out.add_(d)
+        return out.div_(len(deltas))
+    out = deltas[0].mul(weights[0] / total)
+    for d, w in zip(deltas[1:], weights[1:], strict=True):
+        out.add_(d.mul(w / total))
+    return out
+
+
+class DelayedNesterov:
+    """DiLoCo's outer SGD with its momentum delayed until a world round's worth of updates has
+    been merged (the delayed Nesterov of Async Local-SGD, Liu et al. 2024, arXiv:2401.09135).
+
+    A merge's g is its updates' weighted sum over a whole world round's tokens (every site's
+    workers × its steps in the merge, or its round's H), so one site's update counts for its
+    share of the world, as in a synchronous average, and a fast site that delivers twice as often moves θ
+    twice as often. g is applied at once (``lr·g``); once ``sites`` updates have been merged
+    since the last time, the momentum buffer takes their sum and its part (``lr·β·m``) is applied
+    too. Over a world round θ moves as one synchronous outer step on the round's mean. A merge
+    that holds every site's update with nothing pending is exactly that step: the torch
+    optimizer itself (so a quorum of every site is lock-step DiLoCo: bit for bit with two sites,
+    to rounding with more, whose ring adds in another order); the momentum buffer is the
+    optimizer's own in both paths.
+    """
+
+    def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, sites: int) -> None:
+        self.theta, self.optimizer, self.sites = theta, optimizer, sites
+        self.lr, self.beta, self.nesterov = cfg.outer_lr, cfg.outer_momentum, cfg.nesterov
+        self.pending = [torch.zeros_like(t) for t in theta]
+        self.pending_updates = 0
+
+    @torch.no_grad()
+    def step(self, g: torch.Tensor, updates: int) -> None:
+        if not self.pending_updates and updates >= self.sites:  # a whole synchronous round
+            outer_step_(self.optimizer, self.theta, g)
+            return
+        self.pending_updates += updates
+        for t, p, v in zip(self.theta, self.pending, views_like(g, self.theta), strict=True):
+            t.add_(v, alpha=-self.lr)
+            p.add_(v)
+        if self.pending_updates < self.sites or not self.beta:
+            return
+        for t, p in zip(self.theta, self.pending, strict=True):
+            state = self.optimizer.state[t]
+            buf = state.get("momentum_buffer")
+            old = torch.zeros_like(p) if buf is None else buf.clone()
+            new = p.clone() if buf is None else buf.mul_(self.beta).add_(p)
+            state["momentum_buffer"] = new
+            t.add_(new if self.nesterov else old, alpha=-self.lr * self.beta)  # Nesterov: g + β·m_new; heavy ball: g + β·m_old
+            p.zero_()
+        self.pending_updates = 0
