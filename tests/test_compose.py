@@ -213,6 +213,38 @@ def test_elastic_fsdp_streaming_int8_a_site_killed_heals_from_live_shards(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_secure_aggregation_in_elastic_rounds_a_site_drops_out_mid_round(tmp_path: Path) -> None:
+    """Issue 41's secure aggregation + elastic test: every round's parts are masked with a seed per
+    pair of admitted sites (from their fresh X25519 keys of that round), so the masks cancel only
+    in the sum of every site. B is SIGKILLed between the reduce-scatter and the all-gather: that
+    round rolls back everywhere (its sum is never used); A and C pause while only two sites are
+    up (a sum of two shows each the other's update); B's new incarnation heals and the three
+    sites end on one model. Without failures the masked rounds end where plain elastic rounds end (fixed point)."""
+    three = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
+    runs = {}
+    for name, extra in [("plain", []), ("masked", ["privacy.secure_aggregation=true"])]:
+        train_cli(out := tmp_path / name, [*ELASTIC, "train.steps=40", *extra], three)
+        runs[name] = read_summary(out)
+    assert runs["masked"]["final_eval_loss"] == pytest.approx(runs["plain"]["final_eval_loss"], rel=1e-5)
+    assert runs["masked"]["inter_site_bytes"] == runs["plain"]["inter_site_bytes"]  # int32 in the ring, as fp32
+    out = tmp_path / "kill"
+    overrides = [*ELASTIC, "privacy.secure_aggregation=true", "train.steps=60", 'fault.kill=["B@30"]']
+    proc = train_cli(out, [*overrides, "fault.restart_after=2"], three)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"]
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 30
+    a = records(out, "A")
+    assert all(len(r["admitted"]) == 3 for r in a if r["outcome"] == "committed")  # never fewer than 3 in a sum
+    # below 3 sites a round would show each site the other's update: A and C paused for B
+    assert next(r for r in a if r["step"] == 40)["quorum_s"] > 1.0
+    healed = [r for r in records(out, "B") if "B" in r["healers"]]
+    assert healed and healed[-1]["outcome"] == "committed"
+    assert proc.stdout.count("healed from") >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_secure_aggregation_over_sites_of_different_sizes_is_token_weighted(tmp_path: Path) -> None:
     """Secure aggregation on sites of 2, 1 and 1 workers: the carrying ranks mask their parts,
     each site's update scaled by its tokens over the largest site's (public weights) and the sum

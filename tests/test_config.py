@@ -115,7 +115,21 @@ BAD = [
     (None, ["privacy.secure_aggregation=true", "sync.algorithm=ddp"], "privacy.secure_aggregation: works on pseudo-gradients"),
     (None, ["fault.kill=[A@10]"], "fault.kill: killing, hanging or tampering with a site needs elastic.enabled=true"),
     (None, ["elastic.heartbeat_timeout_s=0.3"], "elastic.heartbeat_timeout_s: must exceed twice elastic.heartbeat_s"),
-    (None, ["elastic.enabled=true", "sync.algorithm=streaming"], "sync.algorithm: elastic mode runs diloco (allowed: diloco)"),
+    (
+        None,
+        ["elastic.enabled=true", "sync.algorithm=ddp"],
+        "sync.algorithm: elastic mode runs diloco or streaming (allowed: diloco, streaming)",
+    ),
+    (
+        None,
+        ["elastic.enabled=true", "sync.algorithm=streaming", "sync.eager=true"],
+        "sync.eager: the eager variant leaves each site on its own global model",
+    ),
+    (
+        None,
+        ["elastic.enabled=true", "privacy.dp.unit=site", "privacy.dp.noise_multiplier=1"],
+        "privacy.dp.unit: site-level DP splits its noise",
+    ),
     (None, ["elastic.enabled=true", "elastic.min_sites=3"], "elastic.min_sites: 3 is more than the number of sites (2)"),
     (None, ["elastic.enabled=true", "fault.hang=[Z@3]"], "fault.hang: unknown site 'Z' (sites: A, B)"),
     (None, ["elastic.enabled=true", "elastic.secret_file=/nonexistent/s"], "elastic.secret_file: cannot read /nonexistent/s"),

@@ -100,6 +100,36 @@ def test_private_average_equals_mean_and_is_identical_on_every_rank(secure: bool
 
 
 @pytest.mark.slow
+def test_pair_masks_cancel_in_the_ring_and_hide_each_update() -> None:
+    """Secure aggregation inside an elastic round: three sites mask their parts with a seed per
+    pair; each masked part alone looks nothing like the update, the ring sum of all three is the
+    fixed-point sum, and a sum that misses one site is garbage (a site that drops out fails the
+    round's vote, so that sum is never used)."""
+    from geotrain.privacy.masking import PairMasks, error_bound
+
+    masks = PairMasks(bound=8.0, sites=3)
+    names = ["A", "B", "C"]
+    pair = {(a, b): bytes([i]) * 32 for i, (a, b) in enumerate([("A", "B"), ("A", "C"), ("B", "C")])}
+    gen = torch.Generator().manual_seed(0)
+    xs = {s: torch.randn(1000, generator=gen) for s in names}
+    enc = {}
+    for s in names:
+        keys = {t: pair[tuple(sorted((s, t)))] for t in names if t != s}
+        enc[s] = masks.encode(xs[s], 40, s, keys, b"round-1|0")
+    assert enc["A"].dtype == torch.int32
+    alone = masks.decode(enc["A"])
+    span = (1 << 31) / (1 << masks.frac_bits)  # the ring, in decoded units: about 16 here
+    assert (alone - xs["A"]).abs().mean() > span / 4  # uniform in the ring, not the update (|x| is about 0.8)
+    acc = enc["A"].clone()
+    for s in ("B", "C"):
+        masks.add_(acc, enc[s])
+    total = xs["A"] + xs["B"] + xs["C"]
+    assert (masks.decode(acc) - total).abs().max() <= error_bound(3, masks.frac_bits) + 1e-6  # (+ the fp32 sums)
+    two = enc["A"].clone()
+    masks.add_(two, enc["B"])
+    assert (masks.decode(two) - (xs["A"] + xs["B"])).abs().mean() > span / 4
+
+
 def test_site_level_noise_is_calibrated_and_accounted() -> None:
     res = run_ranks(3, _private_average_rank, True, 0.4, timeout=120)
     mean = sum(torch.randn(5001, generator=torch.Generator().manual_seed(s)) for s in range(3)) / 3

@@ -65,13 +65,14 @@ class ElasticConfig(Section):
     enabled: bool = Field(
         default=False,
         description="Run sites as independent jobs joined per round by a membership layer (torchft Lighthouse): a site may "
-        "die, hang or rejoin without stopping the others. DiLoCo only.",
+        "die, hang or rejoin without stopping the others. DiLoCo or Streaming DiLoCo.",
     )
     min_sites: int = Field(
         default=1,
         ge=1,
         le=4096,
-        description="Fewest live sites a round needs; below it training pauses (logged) until sites return.",
+        description="Fewest live sites a round needs; below it training pauses (logged) until sites return. With "
+        "privacy.secure_aggregation a round needs 3 whatever this says.",
     )
     lighthouse: str | None = Field(
         default=None,

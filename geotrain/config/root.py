@@ -250,12 +250,24 @@ class Config(Section):
                 "sync.codec: PowerSGD's factors are all-reduced over a fixed world; in elastic mode use a byte codec "
                 "(bf16, fp16, int8, int4, fp4, topk, sparseloco) or none"
             )
-        if self.privacy.secure_aggregation or self.privacy.dp.unit == "site":
-            raise ValueError("privacy: not combined with elastic mode yet; set elastic.enabled=false")
+        if self.privacy.dp.unit == "site":
+            raise ValueError(
+                "privacy.dp.unit: site-level DP splits its noise among a fixed number of sites per round, and an elastic "
+                "round's sites change with membership (fewer would leave the sum short of noise); use none or example"
+            )
         if self.checkpoint.resume not in (None, "auto"):
             raise ValueError("checkpoint.resume: elastic sites resume from their own checkpoints; use auto (or none)")
         if self.topology.links.emulate == "kernel":
             raise ValueError("topology.links.emulate: elastic mode supports off or inprocess")
+
+    @property
+    def elastic_rounds(self) -> ElasticConfig:
+        """The elastic section as the rounds use it: with secure aggregation a round needs 3 sites
+        whatever ``elastic.min_sites`` says (a sum of two shows each site the other's update), so
+        below 3 training pauses instead of every round rolling back."""
+        if self.privacy.secure_aggregation and self.elastic.min_sites < 3:
+            return self.elastic.model_copy(update={"min_sites": 3})
+        return self.elastic
 
     def with_algorithm(self, algorithm: str) -> Config:
         """A copy of this config that trains with ``algorithm`` and no baseline."""

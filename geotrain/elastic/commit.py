@@ -55,6 +55,53 @@ class Feedback(Protocol):
     tensor: torch.Tensor | None
 
 
+class Masker(Protocol):
+    """Secure aggregation inside a round (:class:`geotrain.privacy.masking.PairMasks`)."""
+
+    def encode(self, x: torch.Tensor, start: int, me: str, pair_keys: dict[str, bytes], context: bytes) -> torch.Tensor:
+        """Fixed point plus the pair masks with every peer (int32)."""
+        ...
+
+    def decode(self, q: torch.Tensor) -> torch.Tensor: ...
+
+    def add_(self, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """acc ← acc + x mod 2^32."""
+        ...
+
+
+WEIGHT_UNIT = 1 << 16  # a masked round's weights travel as integers of this many parts
+
+
+def carried(
+    part: torch.Tensor, weight: float, contributes: bool, masker: Masker | None, factor: float, where: tuple[int, str, Any, int]
+) -> torch.Tensor:
+    """What a carrying rank sends: its ``part`` of the pseudo-gradient times ``weight``, then the
+    weight and 1 (zeros if it does not contribute), fp32. With a ``masker`` (secure aggregation):
+    the part times ``factor`` (rounded to 1/WEIGHT_UNIT), masked with every admitted peer of the
+    round, zeros masked all the same if it does not contribute (the masks cancel only if every
+    site adds its own), then the weight and count as plain int32. ``where``: the part's first
+    value, this site, the round's view and this local rank."""
+    if masker is None:
+        carry = torch.zeros(part.numel() + TRAILER)
+        if contributes:
+            carry[:-TRAILER] = part if weight == 1.0 else part * weight
+            carry[-TRAILER:] = torch.tensor([weight, 1.0])
+        return carry
+    start, me, view, local = where
+    on = contributes and weight > 0
+    w = round(factor * WEIGHT_UNIT) if on else 0
+    x = part * (w / WEIGHT_UNIT) if on else torch.zeros_like(part)
+    keys = {s: k for s, k in view.frame_keys.items() if s in view.admitted}
+    masked = masker.encode(x, start, me, keys, f"{view.round_id}|{local}".encode())
+    return torch.cat([masked, torch.tensor([w, int(on)], dtype=torch.int32)])
+
+
+def unmasked(masker: Masker, carry: torch.Tensor) -> torch.Tensor:
+    """A secure round's summed carry as fp32: the decoded values, then the weights and count."""
+    total = carry[-TRAILER:].to(torch.float32) / torch.tensor([WEIGHT_UNIT, 1.0])
+    return torch.cat([masker.decode(carry[:-TRAILER]), total])
+
+
 @dataclass
 class Contribution:
     """What this site puts into a round: whether it contributes, its weight, the codec and this

@@ -28,6 +28,7 @@ import torch
 
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import round_group
+from geotrain.config import ElasticConfig
 from geotrain.elastic.auth import FrameCipher, SealedStore, sealed_size
 from geotrain.elastic.commit import TRAILER, Encoder
 from geotrain.elastic.roundstore import Monitor
@@ -37,6 +38,15 @@ from geotrain.errors import RoundFailed
 HEAL_TAG = 2  # and 3: the healing state's size, then the state
 PIECE_TAG = 16  # a frame's piece j travels with tag PIECE_TAG + 2j, its arrival time with PIECE_TAG + 2j + 1
 PIECE = 4 << 20  # bytes of a frame sealed and sent at once
+
+
+def backstop(slowest_link: tuple[float, float], cfg: ElasticConfig, nbytes: int, sites: int) -> float:
+    """Seconds one wait of ``nbytes`` among ``sites`` may take before it fails on its own, over the
+    slowest link (bandwidth, latency). Heartbeats detect a dead or hung peer sooner; this bounds
+    how long an abandoned exchange thread can live."""
+    bps, latency = slowest_link
+    transfer = nbytes * 8 / bps + latency
+    return min(cfg.collective_timeout_s, 5 * cfg.heartbeat_timeout_s + 4 * sites * transfer)
 
 
 class Exchange:
@@ -54,6 +64,7 @@ class Exchange:
             (both 0 if not), summed exactly.
         outgoing: the source's serialised state for the healers (the source only).
         heals: this rank takes part in healing (local rank 0: the state crosses once per site).
+        add: how the ring adds a received chunk (secure aggregation: int32 mod 2^32; default fp32).
         codec: encode what crosses sites (None: fp32); with ``error_feedback``, ``residual`` (this
             rank's, or None) is added before encoding and the new one is left in
             :attr:`residual` for the main thread to keep if the round commits.
@@ -89,6 +100,7 @@ class Exchange:
         codec: Encoder | None = None,
         error_feedback: bool = False,
         residual: torch.Tensor | None = None,
+        add: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> None:
         self.view, self.site, self.local, self.names, self.wan = view, site, local, names, wan
         self.monitor, self.store, self.shard, self.outgoing = monitor, store, shard, outgoing
@@ -96,6 +108,7 @@ class Exchange:
         self.ciphers = {peer: FrameCipher(k) for peer, k in view.frame_keys.items()}
         self.tamper, self.heals, self.codec = tamper, heals, codec
         self.error_feedback, self.residual = error_feedback, residual
+        self.add = add or torch.Tensor.add_  # the ring's sum (secure aggregation: mod 2^32)
         self.raw_bytes = 0  # what an fp32 ring would have sent for the same sum (the codec's reference)
         self._seq = 0
         self.forged: str | None = None  # the first frame that failed to open
@@ -264,7 +277,7 @@ class Exchange:
             into = chunks[(i - s - 2) % n]
             buf = scratch[: into.numel()]
             self._send_recv(chunks[(i - s - 1) % n], nxt, buf, prv)
-            into.add_(buf)
+            self.add(into, buf)
         if self.on_mid_round is not None:
             self.on_mid_round()
         for s in range(n - 1):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import threading
 import time
@@ -45,13 +44,14 @@ from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.identity import Identity
 from geotrain.comm.topology import Topology
 from geotrain.config import ElasticConfig
-from geotrain.elastic import roundstore
+from geotrain.elastic import commit, roundstore
 from geotrain.elastic.auth import RunKeys, SealedStore, load_secret
-from geotrain.elastic.commit import TRAILER, Contribution, Encoder, Feedback, gather_site, share_in_site, span, vote
+from geotrain.elastic.commit import TRAILER, Contribution
 from geotrain.elastic.coordinator import Coordinator
-from geotrain.elastic.exchange import Exchange
+from geotrain.elastic.exchange import Exchange, backstop
 from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import meet
+from geotrain.elastic.records import append_record
 from geotrain.elastic.roundstore import Monitor
 from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_members, heal_source, same_initial_model
 from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
@@ -110,6 +110,7 @@ class SiteMember(Schedule):
         self.keys = RunKeys(load_secret(self.cfg))  # the secret itself is not kept
         self.incarnation = incarnation
         self.tamper_steps: set[int] = set()  # failure injection: rounds (by step) whose frames are altered after their MAC
+        self.masker: commit.Masker | None = None  # privacy.secure_aggregation: every round's parts are masked (PairMasks)
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
         self.raw_bytes = 0  # what fp32 rings would have sent for the same sums (the codec's reference)
         # the local ranks that carry a part across sites (:attr:`carries`); sharded (FSDP): each
@@ -275,13 +276,6 @@ class SiteMember(Schedule):
         with self._bytes_lock:
             self.inter_bytes += nbytes
 
-    def _backstop(self, nbytes: int, sites: int) -> float:
-        """Seconds one wait of ``nbytes`` may take before it fails on its own. Heartbeats detect a
-        dead or hung peer sooner; this bounds how long an abandoned exchange thread can live."""
-        bps, latency = self.slowest_link
-        transfer = nbytes * 8 / bps + latency
-        return min(self.cfg.collective_timeout_s, 5 * self.cfg.heartbeat_timeout_s + 4 * sites * transfer)
-
     def _drop_group(self) -> None:
         if self._pg is not None:
             with contextlib.suppress(Exception):
@@ -295,8 +289,8 @@ class SiteMember(Schedule):
         *,
         contribute: bool = True,
         weight: float = 1.0,
-        codec: Encoder | None = None,
-        residual: Feedback | None = None,
+        codec: commit.Encoder | None = None,
+        residual: commit.Feedback | None = None,
         part: int = -1,
         rest: int = 0,
         sizes: list[int] | None = None,
@@ -360,6 +354,10 @@ class SiteMember(Schedule):
         }
         if view.error:
             raise RoundFailed(view.error)
+        if self.masker is not None and len(view.admitted) < 3:  # every site decides alike, from the view
+            raise RoundFailed(
+                f"secure aggregation needs 3 sites in a round; {len(view.admitted)} met (each would see the other's update)"
+            )
         store = self._store(view.meeting)
         if not self.carries:  # nothing crosses sites from this rank: no exchange, no heartbeats to watch
             return self._exchange_and_vote(delta, view, store, None, what)
@@ -385,14 +383,12 @@ class SiteMember(Schedule):
         elif not finite:
             self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if what.contribute else "update guard)"))
         contributes = finite and self.site not in view.healers
-        lo, hi = (0, delta.numel()) if self.sharded else span(delta.numel(), self.local, self.carriers)
+        lo, hi = (0, delta.numel()) if self.sharded else commit.span(delta.numel(), self.local, self.carriers)
         carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
-        if contributes and self.carries:
-            values = carry[:-TRAILER]
-            values.copy_(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
-            if what.weight != 1.0:
-                values.mul_(what.weight)
-            carry[-TRAILER:] = torch.tensor([what.weight, 1.0])
+        if self.carries:  # secure: a masked part's weight is its share of the largest site's tokens (at most 1)
+            factor = 1.0 if what.weight == 1.0 else self.workers[self.site_index] / max(self.workers)
+            part = delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32)
+            carry = commit.carried(part, what.weight, contributes, self.masker, factor, (lo, self.site, view, self.local))
         outgoing = None
         if self.site == view.source and view.healers and (self.local == 0 or self.sharded):
             buf = io.BytesIO()
@@ -414,6 +410,7 @@ class SiteMember(Schedule):
                 why = monitor.failed or "aborted"
                 self._drop_group()
             else:
+                carry = commit.unmasked(self.masker, carry) if self.masker is not None and x.error is None else carry.float()
                 self._pg = (group_members(view), x.group) if x.group is not None else None
                 if x.error is not None:
                     ok.zero_()
@@ -423,15 +420,15 @@ class SiteMember(Schedule):
                     why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
             heal_blob = x.heal_blob
         if self.site in view.healers:  # complete: the source's state at the start of this round
-            heal_blob = share_in_site(heal_blob, self.local, self.G, self.intra, own=self.sharded)
+            heal_blob = commit.share_in_site(heal_blob, self.local, self.G, self.intra, own=self.sharded)
             if heal_blob is not None:
                 self._load_healing(heal_blob, view.source)
                 if what.residual is not None:  # a healed site starts its error feedback afresh
                     what.residual.tensor = None
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
         if ok.item() and self.G > 1 and not self.sharded:  # the site's ranks gather the carried parts
-            carry = gather_site(carry, delta.numel(), self.carriers, self.G, self.intra)
-        committed = vote(
+            carry = commit.gather_site(carry, delta.numel(), self.carriers, self.G, self.intra)
+        committed = commit.vote(
             round_store, view, monitor, bool(ok.item()), site=self.site, local=self.local, identity=self.identity,
             intra=self.intra, timeout_s=self.cfg.collective_timeout_s, log=self.log,
         )  # fmt: skip
@@ -465,9 +462,10 @@ class SiteMember(Schedule):
         return Exchange(
             view, self.site, self.local, self.names, self.wan, monitor, round_store,
             self._pg[1] if self._pg is not None else None, carry, outgoing,
-            lambda nbytes: self._backstop(nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
+            lambda nbytes: backstop(self.slowest_link, self.cfg, nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
             self.on_mid_round, tamper=self.hooks.step() in self.tamper_steps, heals=self.local == 0 or self.sharded,
             codec=what.codec, error_feedback=what.residual is not None, residual=residual,
+            add=self.masker.add_ if self.masker is not None else None,
         )  # fmt: skip
 
     def _load_healing(self, blob: bytes, source: str) -> None:
@@ -487,8 +485,7 @@ class SiteMember(Schedule):
         rec.update(site=self.site, hash=global_hash, committed=committed, step=step)
         self._current = {}
         if self.record_file is not None:
-            with open(self.record_file, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_record(self.record_file, rec)
 
     def close(self) -> None:
         if self.coordinator is not None:

@@ -17,6 +17,12 @@ from typing import Any
 from geotrain.comm.topology import Topology
 
 
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One round's record, one JSON line (a site's local rank 0, after the round's outcome)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def read_rounds(out: Path) -> dict[str, list[dict[str, Any]]]:
     """Every site's round records (all incarnations), in order."""
     logs = {}

@@ -100,7 +100,7 @@ def launch_elastic(
         LaunchError: no site finished.
     """
     topo = Topology.from_config(cfg.topology)
-    ecfg = cfg.elastic
+    ecfg = cfg.elastic_rounds  # (secure aggregation: the Lighthouse forms quorums of 3 sites at least)
     (out / "elastic").mkdir(parents=True, exist_ok=True)
     for old in (out / "elastic").iterdir():
         old.unlink()

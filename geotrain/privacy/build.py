@@ -117,6 +117,7 @@ def build_privacy(
     rounds_planned: int,
     sample_rate: float,
     run_id: str | None = None,
+    elastic: bool = False,
 ) -> Privacy:
     """The privacy machinery ``cfg`` asks for on this rank (nothing when privacy is off).
 
@@ -129,10 +130,12 @@ def build_privacy(
         sample_rate: this rank's sampling rate (batch ÷ windows of its shard); the largest over
             all ranks is used, so every rank stops at the same step.
         run_id: the run's public id (from its secret), named in the audit logs.
+        elastic: elastic mode, whose rounds mask their own parts (:class:`geotrain.privacy.masking.PairMasks`,
+            given to the member): no aggregation over the fixed world here.
     """
     groups = comm.groups
     aggregation = None
-    if cfg.secure_aggregation or cfg.dp.unit == "site":
+    if (cfg.secure_aggregation or cfg.dp.unit == "site") and not elastic:
         me = groups.me
         audit = None
         nonce = torch.tensor(list(os.urandom(16)) if me.rank == 0 else [0] * 16, dtype=torch.uint8)

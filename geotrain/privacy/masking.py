@@ -266,3 +266,40 @@ def unmask_chunk(
 
 def round_seed(run_seed: int, round_id: int) -> bytes:
     return hashlib.sha256(b"geotrain-secagg-graph" + struct.pack(">qq", run_seed, round_id)).digest()
+
+
+class PairMasks:
+    """Secure aggregation inside an elastic round (:mod:`geotrain.elastic`): each site's part is
+    fixed point mod 2^32 plus, for every other admitted site, +PRG or -PRG of a seed only the two
+    of them hold (HKDF of the pair's key of this round, which comes from their fresh X25519 keys;
+    the sign by the order of their names). Summed over every admitted site the pair masks cancel,
+    so the sum is exact and no single update is seen. A site that drops out fails the round's vote
+    and the round rolls back everywhere, so no mask is ever recovered (no Shamir shares).
+
+    Args:
+        bound: every value is clamped to ±bound (``privacy.update_bound``).
+        sites: the run's sites (the fixed point keeps a sum of that many in the ring).
+    """
+
+    def __init__(self, bound: float, sites: int) -> None:
+        self.bound = bound
+        self.frac_bits = frac_bits_for(sites, bound)
+
+    def encode(self, x: torch.Tensor, start: int, me: str, pair_keys: dict[str, bytes], context: bytes) -> torch.Tensor:
+        """``x`` (fp32, values ``start ..`` of this rank's part) in fixed point, masked with every
+        peer in ``pair_keys`` (site name -> the pair's key of this round); int32 bit patterns."""
+        acc = encode_fixed(x, self.frac_bits, self.bound).to(torch.int64)
+        for peer, key in sorted(pair_keys.items()):
+            lo, hi = sorted((me, peer))
+            seed = hkdf(key, b"geotrain-elastic-mask|" + context + f"|{lo}|{hi}".encode())
+            acc.add_(prg(seed, start, x.numel()), alpha=1 if me < peer else -1)
+        return wrap(acc)
+
+    def decode(self, q: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of a sum in which every mask has cancelled."""
+        return decode_fixed(q, self.frac_bits)
+
+    @staticmethod
+    def add_(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """acc ← acc + x mod 2^32 (the ring the exchange sums in)."""
+        return ring_add_(acc, x)

@@ -17,6 +17,7 @@ from typing import Any
 from geotrain.comm.identity import Identity, site_key
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import ElasticConfig
+from geotrain.elastic.commit import Masker
 from geotrain.elastic.member import SiteMember
 from geotrain.elastic.view import HealHooks
 from geotrain.errors import MembershipRefused
@@ -56,6 +57,7 @@ def join_elastic(
     incarnation: int,
     objs: RankObjects,
     keys: Path,
+    masker: Masker | None = None,
 ) -> tuple[SiteMember, Callable[[int], None]]:
     """Join the elastic membership (:mod:`geotrain.elastic`); a restarted site (``incarnation`` > 0)
     heals from a live peer first. Returns the member and the per-step failure-injection hook.
@@ -67,6 +69,7 @@ def join_elastic(
         where: this rank's place in the whole run.
         objs: this rank's training state (healing reads and replaces it).
         keys: the folder of the sites' own keys (``privacy.keys_dir``), for ``elastic.site_keys``.
+        masker: secure aggregation inside every round (``privacy.secure_aggregation``).
     """
     sync, data, groups = objs.sync, objs.data, objs.comm.groups
     assert isinstance(sync, OuterSync)  # the config allows elastic mode with DiLoCo and Streaming DiLoCo
@@ -119,6 +122,7 @@ def join_elastic(
         sharded=sharded,
     )
     member.tamper_steps = tamper
+    member.masker = masker
     if where.local_rank == 0:
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     sync.elastic = member

@@ -42,6 +42,7 @@ from geotrain.elastic.auth import optional_secret
 from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, LaunchError, MembershipRefused, SyncerTimeout
 from geotrain.models import build_model, count_params, export_model
 from geotrain.privacy.build import build_privacy, keys_dir
+from geotrain.privacy.masking import PairMasks
 from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import rank_record, run_summary
 from geotrain.report.trackers import open_tracker
@@ -214,6 +215,7 @@ def _train(
         rounds_planned=fragment_count(cfg.sync, n_tensors) * math.ceil(cfg.train.steps / cfg.sync.H),
         sample_rate=cfg.train.batch_size / (data.train.num_tokens - cfg.model.block_size - 1),
         run_id=seal.run if seal is not None else None,
+        elastic=place.elastic,
     )
     closing.push(lambda _type, exc, _tb: privacy.close(failure=exc))  # the audit log's closing line
     outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients
@@ -256,7 +258,8 @@ def _train(
     if place.elastic:
         faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
         keys = keys_dir(cfg.privacy)
-        member, inject = join_elastic(cfg.elastic, place.full, faults, out, where, place.incarnation, objs, keys)
+        masks = PairMasks(cfg.privacy.update_bound, place.full.num_sites) if cfg.privacy.secure_aggregation else None
+        member, inject = join_elastic(cfg.elastic_rounds, place.full, faults, out, where, place.incarnation, objs, keys, masks)
         closing.callback(member.close)  # its heartbeat thread must not outlive the interpreter
         start = member.healed_at_step if member.healed_at_step is not None else start
     n_params = count_params(model)
