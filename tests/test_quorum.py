@@ -398,10 +398,14 @@ def test_a_site_that_fails_at_the_start_still_stops_the_run(tmp_path: Path) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: Path) -> None:
-    """sync.quorum.local_steps=dynamic: a first round of H/10 steps measures every site's pace;
-    then the syncer gives site C, at a quarter speed, about a quarter of H, so it delivers about as
-    often as the fast sites."""
-    s, _ = _run(tmp_path, "dynamic", [*SLOW_C, "sync.H=160", "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}"])
+    """sync.quorum.local_steps=dynamic, here spelt sync.pace=adaptive (what adaptive pace means in
+    asynchronous rounds): a first round of H/10 steps measures every site's pace; then the syncer
+    gives site C, at a quarter speed, about a quarter of H, so it delivers about as often as the
+    fast sites."""
+    for spelling in (["sync.quorum={sites: 1, local_steps: dynamic}"], ["sync.quorum={sites: 1}", "sync.pace=adaptive"]):
+        assert load_config(None, spelling).sync.dynamic_quorum_steps
+    assert not load_config(None, ["sync.quorum={sites: 1}"]).sync.dynamic_quorum_steps
+    s, _ = _run(tmp_path, "dynamic", [*SLOW_C, "sync.H=160", "sync.quorum={sites: 1, grace_s: 0}", "sync.pace=adaptive"])
     merges = s["pace"]
     assert merges[0]["steps"] == [16] * len(merges[0]["steps"])  # the first round: H/10
     assigned = [m["next_H"] for m in merges if m["kind"] == "quorum"]
@@ -424,7 +428,10 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
     [
         (["sync.quorum={sites: 5}"], "sync.quorum.sites: 5 is more than the 2 sites in topology.sites (allowed: 1..2)"),
         (["sync.quorum={sites: 1}", "sync.algorithm=streaming"], "sync.algorithm: not combined with sync.quorum yet"),
-        (["sync.quorum={sites: 1}", "sync.pace=adaptive"], "sync.pace: not combined with sync.quorum yet"),
+        (
+            ["sync.quorum={sites: 1}", "sync.pace=adaptive", "checkpoint.every=10"],
+            "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same step",
+        ),
         (["sync.quorum={sites: 1}", "sync.codec=powersgd"], "sync.codec: not combined with sync.quorum yet"),
         (["sync.quorum={sites: 1}", "elastic.enabled=true"], "elastic.enabled: not combined with sync.quorum yet"),
         (

@@ -165,7 +165,6 @@ class Config(Section):
         p = self.privacy
         refused = [
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
-            (self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
             (
                 self.sync.codec == "powersgd",
                 "sync.codec",
@@ -178,10 +177,10 @@ class Config(Section):
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
         ]
         _refuse(refused, "sync.quorum")
-        if self.checkpoint.every and q.local_steps == "dynamic":
+        if self.checkpoint.every and self.sync.dynamic_quorum_steps:
             raise ValueError(
                 "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same "
-                "step, and dynamic local steps give each site its own; use sync.quorum.local_steps=fixed or checkpoint.every=0"
+                "step, and dynamic local steps (or sync.pace=adaptive) give each site its own; use fixed local steps or checkpoint.every=0"
             )
         if self.checkpoint.every and self.fault.site_faults():
             raise ValueError(

@@ -149,7 +149,8 @@ class SyncConfig(Section):
         description="How many inner steps each site runs per outer round: 'lockstep' (H everywhere: a fast site waits for the "
         "slowest at every round) or 'adaptive' (site s runs about H * rate_s / rate_max steps, from the step rates measured "
         "in the run and exchanged at each round boundary, so every site reaches the boundary at about the same time; "
-        "after a lock-step calibration round of max(1, H/20) steps the run lasts ceil(train.steps / H) rounds; docs/HETERO.md).",
+        "after a lock-step calibration round of max(1, H/20) steps the run lasts ceil(train.steps / H) rounds; docs/HETERO.md). "
+        "With sync.quorum: quorum.local_steps=dynamic.",
     )
     region_every: int = Field(
         default=0,
@@ -274,6 +275,12 @@ class SyncConfig(Section):
         if self.algorithm == "streaming" and not self.eager and self.tau >= self.H:
             raise ValueError(f"tau: must be below H={self.H}, a fragment merges before it syncs again (got {self.tau})")
         return self
+
+    @property
+    def dynamic_quorum_steps(self) -> bool:
+        """Asynchronous quorum rounds whose sites run steps by their measured rates: quorum.local_steps=dynamic,
+        or pace=adaptive (what adaptive pace means when no site waits for another)."""
+        return self.quorum is not None and (self.quorum.local_steps == "dynamic" or self.pace == "adaptive")
 
     @property
     def uses_error_feedback(self) -> bool:

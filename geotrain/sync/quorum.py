@@ -79,6 +79,7 @@ from geotrain.errors import SyncerTimeout
 from geotrain.sync.base import views_like
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import pseudo_gradient
+from geotrain.sync.pace import RoundClock
 from geotrain.sync.reducer import make_codec
 from geotrain.sync.syncer import (
     CHECKPOINT,
@@ -165,7 +166,9 @@ class AsyncDiLoCo(DiLoCo):
         self.ever_lost: list[int] = []  # sites lost at some point (the syncer's last answer)
         self.version = 0
         self.world_total = 0
-        self.clock.limit = first_round_steps(cfg)  # the syncer sets each later round's (dynamic local updates)
+        # the syncer sets each later round's steps (dynamic local updates: what adaptive pace is here)
+        self.clock = RoundClock(comm, self.H, adaptive=False)
+        self.clock.limit = first_round_steps(cfg)
         self._round_compute = 0.0
         self.waits: list[float] = []  # seconds this site waited at each of its boundaries
         self._max_seconds = 0.0

@@ -53,7 +53,7 @@ class Update:
 def first_round_steps(cfg: SyncConfig) -> int:
     """A site's first round: H, or with dynamic local updates max(1, H/10), to measure its pace."""
     assert cfg.quorum is not None
-    return max(1, cfg.H // 10) if cfg.quorum.local_steps == "dynamic" else cfg.H
+    return max(1, cfg.H // 10) if cfg.dynamic_quorum_steps else cfg.H
 
 
 def dynamic_steps(rates: Sequence[float], current: Sequence[int], H: int) -> list[int]:
@@ -147,7 +147,7 @@ class QuorumSyncer:
         self.site_ranks = [list(r) for r in site_ranks]
         self.watch = SilenceWatch([r for rs in self.site_ranks[1:] for r in rs], cfg.heartbeat_s, cfg.lost_after_s)
         self.max_H = sync_cfg.H
-        self.dynamic = cfg.local_steps == "dynamic"
+        self.dynamic = sync_cfg.dynamic_quorum_steps
         # every site's next round: H, or (dynamic) a first round of max(1, H/10) to measure its pace
         self.H = [first_round_steps(sync_cfg)] * len(self.workers)
         self.rates = [0.0] * len(self.workers)  # steps per second of compute, smoothed (dynamic)
