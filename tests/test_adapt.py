@@ -214,7 +214,7 @@ def test_link_state_left_by_a_killed_launcher_does_not_reach_the_next_run(tmp_pa
         (["sync.adapt={fragments: [4, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count once"),
         (["sync.adapt={fragments: [0, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count in 1..4096"),
         (["sync.adapt={H_min: 5}", "sync.algorithm=streaming", "sync.tau=5"], "sync.adapt.H_min: must exceed tau=5"),
-        (["sync.adapt={}", "sync.pace=adaptive"], "sync.pace: not combined with sync.adapt yet"),
+        (["sync.adapt={}", "train.max_seconds=5"], "train.max_seconds: not combined with sync.adapt yet"),
         (
             ["sync.adapt={}", "sync.algorithm=streaming", "checkpoint.every=5"],
             "checkpoint.every: not combined with sync.adapt yet",
@@ -257,6 +257,41 @@ def _slowdown_run(tmp_path: Path, after_s: float, steps: int, overrides: list[st
     s = launch_local(cfg, tmp_path / "run", console_print=None)
     assert s["rounds_rolled_back"] == 0 and len(set(s["global_param_hash"].values())) == 1
     return cfg, s, s["adapt"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_adaptation_with_adaptive_pace_takes_the_fastest_sites_step_time(tmp_path: Path) -> None:
+    """sync.adapt with sync.pace=adaptive: B runs at 0.4 speed, so each round budgets H steps of
+    A and B runs fewer; the adapter takes each site's own steps, the fastest site's step time as
+    the formula's T (a round lasts H of its steps), and chooses H from the measured 10 Mbit/s link
+    (the planner's answer for it). The run ends once A has run train.steps, on one model."""
+    lo, hi, target = 4, 200, 0.9
+    overrides = [
+        "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1, compute_speed: 0.4}]",
+        "topology.links.emulate=inprocess",
+        "topology.links.inter.bandwidth_bps=1e7",
+        "train.steps=60",
+        "train.eval_every=0",
+        "sync.H=6",
+        "sync.pace=adaptive",
+        f"sync.adapt={{target: {target}, H_min: {lo}, H_max: {hi}}}",
+        "run.baseline=none",
+    ]
+    s = launch_local(load_config(None, TINY + overrides), tmp_path / "run", console_print=None)
+    log = s["adapt"]
+    assert log and all(isinstance(a["steps"], int) for a in log)
+    for a, p in zip(log, s["pace"], strict=False):  # (the calibration round's measurement included)
+        per = p["steps"]
+        step_s = [round(x, 9) for x in a["step_s"]]
+        assert len(per) == 2 and a["steps"] == max(per)
+        T = min(a["step_s"])  # the fastest site's
+        assert a["next"] == choose_round(a["link_bps"], s["params"], T, 2, a["rtt_s"], lo, hi, CODECS, target), step_s
+    assert any(p["steps"][1] < p["steps"][0] for p in s["pace"][1:])  # B ran fewer steps than A
+    assert log[0]["changed"] and log[0]["next"]["H"] != 6
+    a_steps, b_steps = (p["steps"] for p in s["per_site"])
+    assert 60 <= a_steps and b_steps < a_steps
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
 
 
 @pytest.mark.slow

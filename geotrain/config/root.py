@@ -135,10 +135,11 @@ class Config(Section):
         p = self.privacy
         refused = [
             (self.sync.algorithm == "ddp", "sync.algorithm", "use sync.algorithm=diloco or streaming"),
+            (bool(self.train.max_seconds), "train.max_seconds", "set train.max_seconds=0 (adaptation plans rounds by steps)"),
             (
-                self.sync.pace != "lockstep" or bool(self.train.max_seconds),
+                self.sync.pace != "lockstep" and self.sync.algorithm == "streaming",
                 "sync.pace",
-                "use lock-step rounds without train.max_seconds",
+                "use sync.pace=lockstep",
             ),
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),

@@ -98,6 +98,8 @@ class NetworkAdapter:
         self._wait0 = comm.stats.wan_wait_seconds
         self._sent0 = 0
         self._avg_t0 = 0.0
+        # sync.pace=adaptive: each site runs its own steps, and a round lasts H steps of the fastest site
+        self.paced = False
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the settings in force and the pings the rtt is taken from."""
@@ -129,15 +131,18 @@ class NetworkAdapter:
         self._round_start, self._wait0 = now, wait
         return out
 
-    def end_round(self, round_id: int, steps: int) -> bool:
+    def end_round(self, round_id: int, steps: int | list[int]) -> bool:
         """DiLoCo, just after the round's average was applied (every rank of every site calls it):
-        measure, agree, choose; True when H or the codec changed for the next round."""
+        measure, agree, choose; True when H or the codec changed for the next round. ``steps``:
+        the round's inner steps, or (adaptive pace) every site's."""
         avg_s = time.perf_counter() - self._avg_t0
         sent = self.comm.stats.inter_bytes - self._sent0
         wall, waited = self.lap()  # the exchanges below count in the next round
         return self.decide(round_id, steps, [(sent, avg_s)], wall, waited)
 
-    def decide(self, round_id: int, steps: int, exchanges: list[tuple[int, float]], wall: float, waited: float) -> bool:
+    def decide(
+        self, round_id: int, steps: int | list[int], exchanges: list[tuple[int, float]], wall: float, waited: float
+    ) -> bool:
         """Agree on the link from every site's measurements of a round and choose the next round's
         settings (every rank of every site calls it with the same number of ``exchanges``: the
         bytes this rank sent across sites in each and its seconds); True when one changed.
@@ -177,8 +182,12 @@ class NetworkAdapter:
         k = int(kept.sum()) if top > 0 else 0  # 0: nothing crossed sites
         nbytes, secs = float(most[kept].sum()), float(least[kept].sum())
         link = achieved_bps(nbytes, secs, n, rtt, k) if k else None
-        step_s = [(w - x) / max(1, steps) for w, x in zip(walls, waits, strict=True)]
-        T = max(step_s)  # the slowest site's: lock-step exchanges wait for it
+        per_site = steps if isinstance(steps, list) else [steps] * n
+        step_s = [(w - x) / max(1, k) for w, x, k in zip(walls, waits, per_site, strict=True)]
+        # lock-step: the slowest site's (the exchanges wait for it); adaptive pace: the fastest's (a
+        # round's budget is H of its steps, and every site ends within it)
+        T = min(step_s) if self.paced else max(step_s)
+        steps = max(per_site)
         bps, exposed, u_link = link, None, None
         if self.counts and link is not None:
             # Streaming: the formula inverted on the slowest site's measured wait per cycle of H

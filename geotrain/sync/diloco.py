@@ -57,6 +57,7 @@ class DiLoCo(OuterSync):
         if cfg.adapt is not None:
             # the formula's P is the whole pseudo-gradient (under FSDP too: the site's shards carry all of it)
             self.adapter = NetworkAdapter(cfg.adapt, comm, sum(p.numel() for p in self.params), self.H, cfg.codec)
+            self.adapter.paced = self.clock.adaptive
             # one reducer per codec chosen (fixed-width codecs: no state to carry between them)
             self._reducers: dict[str, SiteReducer] = {cfg.codec: self.reducer}
 
@@ -76,15 +77,21 @@ class DiLoCo(OuterSync):
     def set_limits(self, steps: int, max_seconds: float) -> None:
         self._total_steps = steps
         self.clock.max_seconds = max_seconds
-        # adaptive: the calibration round, then ceil(steps / H) rounds (the fastest site runs H in each)
-        self.clock.max_rounds = 1 + -(-steps // self.H) if self.clock.adaptive else 0
+        # adaptive: the calibration round, then ceil(steps / H) rounds (the fastest site runs H in each);
+        # with sync.adapt, whose H changes, until the site furthest ahead has run the steps
+        self.clock.max_rounds = 1 + -(-steps // self.H) if self.clock.adaptive and self.adapter is None else 0
+        self.clock.max_steps = steps if self.clock.adaptive and self.adapter is not None else 0
 
     @property
     def done(self) -> bool:
         return self.clock.done
 
     def step_limit(self, steps: int) -> int:
-        return self.clock.first + (self.clock.max_rounds - 1) * round_limit(self.H) if self.clock.adaptive else steps
+        if not self.clock.adaptive:
+            return steps
+        if self.clock.max_steps:  # (sync.adapt) the last round may start just short of the steps, at the longest H
+            return steps + round_limit(self.cfg.adapt.H_max if self.cfg.adapt is not None else self.H)
+        return self.clock.first + (self.clock.max_rounds - 1) * round_limit(self.H)
 
     def eval_due(self, step: int, every: int) -> bool:
         if not self.clock.adaptive:
@@ -180,7 +187,8 @@ class DiLoCo(OuterSync):
         # 5. local ← global
         for g, p in zip(self.global_params, self.local_params(), strict=True):
             p.copy_(g)
-        if self.adapter is not None and self.adapter.end_round(self.rounds + 1, self._steps_in_round):
+        steps = list(self.clock.steps_run) if self.clock.adaptive else self._steps_in_round
+        if self.adapter is not None and self.adapter.end_round(self.rounds + 1, steps):
             # the next round's H and codec, chosen from this round's measured link (sync.adapt)
             self.H = self.clock.H = self.clock.limit = self.adapter.H
             codec = self.adapter.codec

@@ -73,6 +73,7 @@ class RoundClock:
         self.H = H
         self.adaptive = adaptive
         self.max_rounds = 0  # stop after this many rounds (0: no limit)
+        self.max_steps = 0  # stop once a site has run this many steps in all (0: no limit)
         self.max_seconds = 0.0  # stop at the first boundary after this much training (0: no limit)
         n = comm.groups.topology.num_sites
         self.first = max(1, H // CALIBRATION) if adaptive else H  # the calibration round
@@ -170,6 +171,8 @@ class RoundClock:
         self._round_t0 = None
         self._ending = False
         if self.max_rounds and rounds_done >= self.max_rounds:
+            self.done = True
+        if self.max_steps and max(sum(steps) for steps in zip(*self.history, strict=True)) >= self.max_steps:
             self.done = True
 
     # what a checkpoint keeps: the next round's limit and budget and the rates behind them
