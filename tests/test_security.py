@@ -175,8 +175,8 @@ def _run(
 
 @pytest.mark.slow
 def test_a_process_without_the_secret_changes_nothing(tmp_path: Path) -> None:
-    clean, _, listening = _run(tmp_path, "clean", attack=False, steps=80)
-    attacked, did, listening2 = _run(tmp_path, "attacked", attack=True, steps=80)
+    clean, _, listening = _run(tmp_path, "clean", attack=False, steps=50)
+    attacked, did, listening2 = _run(tmp_path, "attacked", attack=True, steps=50)
     # the attack ran: a fake quorum member with a huge heal claim, forged store keys, garbage
     assert did is not None and did["quorums"] >= 3 and did["garbage_connections"] > 0, did
     # it reached the round stores, and not one read, write, delete or flood got through
@@ -184,7 +184,7 @@ def test_a_process_without_the_secret_changes_nothing(tmp_path: Path) -> None:
     assert did["malformed"] >= 2, did  # malformed participants too (a non-ASCII tag once stopped every site)
     for s in (clean, attacked):
         assert s["survivors"] == ["A", "B"] and s["consistent"] and s["rounds_rolled_back"] == 0
-    assert attacked["rounds_committed"] == clean["rounds_committed"] == 8
+    assert attacked["rounds_committed"] == clean["rounds_committed"] == 5
     assert attacked["global_param_hash"] == clean["global_param_hash"]
     # nothing the run started listened on a wildcard address (0.0.0.0 or ::)
     assert listening and listening2
@@ -201,7 +201,7 @@ def test_replayed_claims_decide_nothing(tmp_path: Path) -> None:
     round that commits has both sites' data, nobody heals, and the sites end on one model."""
     from geotrain.elastic.records import read_rounds
 
-    attacked, did, _ = _run(tmp_path, "replayed", attack="replay", steps=200, extra=("elastic.min_sites=2",))
+    attacked, did, _ = _run(tmp_path, "replayed", attack="replay", steps=160, extra=("elastic.min_sites=2",))
     assert did is not None and did["recorded"] == 1 and did["replays"] >= 10, did
     assert attacked["survivors"] == ["A", "B"] and attacked["consistent"], attacked
     committed = [r for recs in read_rounds(tmp_path / "replayed").values() for r in recs if r["outcome"] == "committed"]
