@@ -4,7 +4,8 @@
    pairs load, and which are refused with what line.
 2. **Elastic rounds sum like lock-step rounds.** ``geotrain train`` (default model, 3 sites of
    2, 1 and 1 workers, H = 10) with each codec, once with elastic rounds and once lock-step, in
-   one run of this script: final eval loss, inter-site bytes, compression.
+   one run of this script: final eval loss, inter-site bytes, compression. The same for Streaming
+   DiLoCo with int8 (2 fragments, tau 2), and elastic rounds under secure aggregation.
 3. **Layouts.** The same run replicated and under FSDP (3 sites of 2 workers): asynchronous
    quorum rounds with SparseLoCo (bytes), and secure aggregation with site-level DP's clip
    biting (final loss, which must be equal).
@@ -70,6 +71,13 @@ def main() -> None:
                     name = f"{codec}-{mode}"
                     extra = [f"sync.codec={codec}", f"elastic.enabled={mode == 'elastic'}"]
                     runs[name] = row(train(Path(tmp) / name, [UNEQUAL, *base, *extra]))
+            streaming = ["sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2", "sync.codec=int8"]
+            for mode in ("lockstep", "elastic"):  # each fragment's sync one elastic round, merged tau steps later
+                name = f"streaming-int8-{mode}"
+                runs[name] = row(train(Path(tmp) / name, [UNEQUAL, *base, *streaming, f"elastic.enabled={mode == 'elastic'}"]))
+            # masked in the int32 ring, each site's part weighted by its share of the largest site's tokens
+            masked = ["elastic.enabled=true", "privacy.secure_aggregation=true"]
+            runs["secagg-elastic"] = row(train(Path(tmp) / "secagg-elastic", [UNEQUAL, *base, *masked]))
             result["elastic_vs_lockstep"] = runs
             layouts: dict[str, dict[str, Any]] = {}
             for layout in ("replicate", "fsdp"):

@@ -77,8 +77,8 @@ BAD = [
     ("topology:\n  sites: [{name: A, workers: 2}, {name: A, workers: 2}]\n", [], "site names must be unique"),
     (
         "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}]\nsync: {within_site: fsdp}\n",
-        [],
-        "sync.within_site: not combined with sites of different sizes [2, 1] yet",
+        ["sync.algorithm=streaming"],
+        "sync.algorithm: not combined with sync.within_site=fsdp over sites of different sizes [2, 1] yet",
     ),
     (None, ["elastic.enabled=true", "sync.codec=powersgd"], "sync.codec: PowerSGD's factors are all-reduced over a fixed world"),
     ("- just\n- a list\n", [], "must hold a mapping"),

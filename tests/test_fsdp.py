@@ -79,6 +79,27 @@ def test_fsdp_diloco_equals_replicated_over_rounds_with_the_same_wan_bytes(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_fsdp_over_sites_of_different_sizes_equals_replicated_and_resumes(tmp_path: Path) -> None:
+    """Sites of 2, 1 and 1 workers, each sharding its model over its own workers: their shards
+    differ, so each site gathers its pseudo-gradient whole inside the site, the carriers sum it
+    across sites like replicated sites (token-weighted, SparseLoCo with error feedback here), and each
+    rank cuts its shards back out. The run equals the replicated one with the same inter-site
+    bytes, and a checkpoint between rounds resumes to the same model."""
+    unequal = ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]"]
+    common = [*unequal, "train.steps=9", "sync.H=3", "sync.codec=sparseloco", "run.baseline=none"]
+    rep, rep_w = _run(tmp_path, "rep", common)
+    ck = tmp_path / "ck"
+    fs, fs_w = _run(tmp_path, "fsdp", [*common, *FSDP, "checkpoint.every=5", f"checkpoint.dir={ck}"])
+    _same(rep_w, fs_w, rtol=1e-4, atol=1e-5)
+    assert fs["inter_site_bytes"] == rep["inter_site_bytes"] > 0
+    _one_model(fs)
+    resumed, resumed_w = _run(tmp_path, "resumed", [*common, *FSDP, f"checkpoint.resume={ck / 'step-00000005'}"])
+    assert resumed["global_param_hash"] == fs["global_param_hash"]
+    _same(fs_w, resumed_w, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_streaming_with_a_codec_and_bf16_under_fsdp(tmp_path: Path) -> None:
     stream = ["train.steps=8", "sync.algorithm=streaming", "sync.H=4", "sync.fragments=2", "sync.tau=1", "sync.codec=int8"]
     rep, _ = _run(tmp_path, "rep", stream)

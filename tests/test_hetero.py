@@ -249,6 +249,25 @@ def test_tiers_with_h2_equal_to_h1_are_flat_diloco_and_cut_slow_tier_bytes(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_tiers_with_adaptive_pace_weigh_each_site_by_its_own_steps(tmp_path: Path) -> None:
+    """Tiers with adaptive pace: D runs at a quarter speed, so every region round (on the pace
+    clock's budget: one control exchange of steps and rates, a few bytes across regions) gives it
+    fewer steps than C; region averages weigh each site by its steps, world averages by its steps
+    since the last world round; the run ends at a world round, on one model."""
+    slow_d = "topology.sites.3.compute_speed=0.25"
+    s, _ = _tiered(tmp_path, "paced", ["sync.region_every=2", "sync.pace=adaptive", "sync.H=8", "train.steps=48", slow_d])
+    pace = s["pace"]
+    # a calibration round and 48 / 8 budgeted ones: 7 region rounds, then one of no steps and a
+    # world round to close the run (7 is not a world round: one every 2)
+    assert len(pace) == s["region_rounds"] == 8 and pace[-1]["steps"] == [0, 0, 0, 0] and s["rounds"] == 4
+    assert any(p["steps"][3] < p["steps"][2] for p in pace[1:]), pace  # D ran fewer steps than C
+    a, b, c, d = (p["steps"] for p in s["per_site"])
+    assert [sum(p["steps"][i] for p in pace) for i in range(4)] == [a, b, c, d] and d < c
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_time_limit_ends_a_tiered_run_at_a_world_round(tmp_path: Path) -> None:
     """train.max_seconds with two tiers: the sites agree on the time at world rounds (the only
     exchange every site is in), so every site stops after the same world round, on one model."""
@@ -286,8 +305,8 @@ def test_the_guard_leaves_a_nan_update_out_of_its_region_round(tmp_path: Path) -
         ("[]", ["sync.region_every=2"], "sync.region_every: needs at least two topology.regions"),
         (
             "[{name: eu, sites: [A]}, {name: us, sites: [B]}]",
-            ["sync.region_every=2", "sync.pace=adaptive"],
-            "sync.pace: not combined with",
+            ["sync.region_every=2", "elastic.enabled=true"],
+            "elastic.enabled: not combined with sync.region_every",
         ),
     ],
 )

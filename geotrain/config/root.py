@@ -124,7 +124,6 @@ class Config(Section):
             (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (self.privacy.secure_aggregation or self.privacy.dp.unit == "site", "privacy", "turn privacy off"),
-            (self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
         ]
         _refuse(refused, "sync.region_every")
 
@@ -215,10 +214,17 @@ class Config(Section):
         p = self.privacy
         refused = [
             (p.dp.unit == "site", "privacy.dp.unit", "set privacy.dp.unit=none or example"),
-            (self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
         ]
         _refuse(refused, f"sites of different sizes {workers}")
+        if self.sync.within_site == "fsdp":  # each site's pseudo-gradient is gathered whole in DiLoCo's rounds
+            fsdp = [
+                (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+                (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+                (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
+                (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
+            ]
+            _refuse(fsdp, f"sync.within_site=fsdp over sites of different sizes {workers}")
 
     def _fsdp_fits(self) -> None:
         """What sync.within_site=fsdp is not combined with yet (docs/DESIGN.md §23 says why)."""
@@ -279,6 +285,8 @@ class Config(Section):
             data["sync"]["quorum"] = None
         if algorithm == "ddp":  # network adaptation chooses DiLoCo's and Streaming DiLoCo's rounds
             data["sync"]["adapt"] = None
+            if len({s.workers for s in self.topology.sites}) > 1:  # (HSDP sums shards rank by rank: one layout)
+                data["sync"]["within_site"] = "replicate"
         if algorithm == "ddp" or (algorithm == "streaming" and self.sync.eager):  # no elastic rounds: it runs plain
             data["elastic"]["enabled"] = False
             data["fault"]["kill"], data["fault"]["hang"] = [], []

@@ -92,7 +92,7 @@ def build_sync(
         if private is not None and adapter is not None:  # sums of masked fixed-point values: H is all it can choose
             adapter.codecs = ["none"]
         if guard is not None:
-            guard.sharded = outer.sharded
+            guard.sharded = outer.sharded and not outer.resharded  # (resharded: it judges whole vectors)
         alg = outer
     alg.example_dp = example_dp
     return alg

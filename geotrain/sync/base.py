@@ -188,6 +188,7 @@ class SyncAlgorithm:
         # mesh), FSDP averages gradients inside the site, and pseudo-gradients, outer state and
         # cross-site exchanges are per shard (local rank i holds the same part in every site)
         self.sharded = any(is_dtensor(p) for p in self.params)
+        self.resharded = False  # FSDP over sites of different sizes (:class:`~geotrain.sync.outer.OuterSync`)
         self.local_steps = 0
         self.rounds = 0
         self.checkpoint_every = 0  # checkpoint.every (asynchronous quorum rounds plan a barrier round before each)
@@ -274,6 +275,8 @@ class SyncAlgorithm:
         if reducer is None:
             return None
         state: dict[str, Any] = reducer.state_dict()
+        if self.resharded:  # (its residual is a part of the whole vector, as with replicated sites)
+            return state
         return {**state, "residual": self.shards_out(state["residual"], which)}
 
     @classmethod

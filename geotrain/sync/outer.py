@@ -62,6 +62,9 @@ class OuterSync(SyncAlgorithm):
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
         self.idle = False  # elastic: this site has run its steps and takes part in the others' rounds without an update
         self._part_claim: dict[str, Any] = {}  # elastic: which part of the model a round is for (Streaming DiLoCo)
+        # FSDP over sites of different sizes: their shards differ, so each site gathers its
+        # pseudo-gradient whole in the site and sums it across sites as replicated sites do
+        self.resharded = self.sharded and len(set(topo.workers)) > 1
 
     # a pseudo-gradient's norm grows with the inner steps it spans (not so for Streaming DiLoCo,
     # whose merge keeps alpha of the local drift)
@@ -71,6 +74,8 @@ class OuterSync(SyncAlgorithm):
         """A reducer over tensors of ``shapes`` for ``codec`` (the configured one, or one that
         sync.adapt chose; its other settings as configured)."""
         cfg = self.cfg if codec == self.cfg.codec else self.cfg.model_copy(update={"codec": codec})
+        if self.resharded:  # whole tensors (DiLoCo's reducers are over every parameter)
+            return SiteReducer(cfg, self.comm, [p.shape for p in self.params], seed=seed, sharded=False)
         return SiteReducer(cfg, self.comm, shapes, seed=seed, sharded=self.sharded)
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -87,7 +92,17 @@ class OuterSync(SyncAlgorithm):
         self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int = 0, key: int = 0
     ) -> None:
         """Average a site's pseudo-gradient over sites (token-weighted if configured), via ``reducer``;
-        with privacy, clipped/noised and summed by :class:`PrivateAggregation` (may raise RoundFailed)."""
+        with privacy, clipped/noised and summed by :class:`PrivateAggregation` (may raise RoundFailed).
+        FSDP over sites of different sizes: over the whole vector, gathered in the site, then cut
+        back into this rank's shards."""
+        if self.resharded:
+            whole = self._whole(delta)
+            self._average(whole, reducer, steps, round_id, key)
+            delta.copy_(torch.cat([t.reshape(-1) for t in self._own(whole)]))
+            return
+        self._average(delta, reducer, steps, round_id, key)
+
+    def _average(self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int, key: int) -> None:
         site = self.comm.groups.topology.site_names[self.comm.groups.me.site_index]
         self._inject_nan(delta, round_id)
         if self.private is not None:
@@ -124,6 +139,26 @@ class OuterSync(SyncAlgorithm):
     def join_round(self) -> None:
         """Elastic: a restarted site's first round, in which it heals (see :mod:`geotrain.run.elastic_site`)."""
         raise NotImplementedError(f"{type(self).__name__} has no elastic rounds")
+
+    def _whole(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat vector laid out like :meth:`local_params`, whole: under FSDP the site's ranks
+        all-gather their shards (every rank calls it together); else ``flat`` itself."""
+        if not self.sharded:
+            return flat
+        return torch.cat([t.reshape(-1) for t in self.full_tensors(views_like(flat, self.local_params()))])
+
+    def _own(self, theta: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's part of each parameter in the whole flat ``theta`` (FSDP: its shards, cut
+        where FSDP cuts them, without communication)."""
+        if not self.sharded:
+            return views_like(theta, self.global_params)
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        whole = views_like(theta, list(self.params))
+        return [
+            distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None).to_local() if isinstance(p, DTensor) else w
+            for w, p in zip(whole, self.params, strict=True)
+        ]
 
     def _note(self, outcome: str, reason: str) -> None:
         """Elastic: the round's record, after it was applied or rolled back."""

@@ -76,7 +76,6 @@ from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, channel_keys, 
 from geotrain.comm.topology import Topology
 from geotrain.config import SyncConfig
 from geotrain.errors import SyncerTimeout
-from geotrain.sync.base import views_like
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import pseudo_gradient
 from geotrain.sync.pace import RoundClock
@@ -382,26 +381,6 @@ class AsyncDiLoCo(DiLoCo):
         self.lost_sites = [s for s in range(n) if s not in mask_sites(float(control[4]), n)]
         self.ever_lost = mask_sites(float(control[5]), n)
         self._site_steps, self._elapsed = int(control[6]), float(control[7])
-
-    def _whole(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat vector laid out like :meth:`local_params`, whole: under FSDP the site's ranks
-        all-gather their shards (every rank calls it together); else ``flat`` itself."""
-        if not self.sharded:
-            return flat
-        return torch.cat([t.reshape(-1) for t in self.full_tensors(views_like(flat, self.local_params()))])
-
-    def _own(self, theta: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's part of each parameter in the whole flat ``theta`` (FSDP: its shards, cut
-        where FSDP cuts them, without communication)."""
-        if not self.sharded:
-            return views_like(theta, self.global_params)
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        whole = views_like(theta, list(self.params))
-        return [
-            distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None).to_local() if isinstance(p, DTensor) else w
-            for w, p in zip(whole, self.params, strict=True)
-        ]
 
     def _hold(self) -> None:
         """FSDP with a codec: the syncer answers with an encoded change from the model the site

@@ -29,7 +29,10 @@ With region_every = 1, ``region`` and ``world`` are flat DiLoCo up to rounding
 pseudo-gradient, and in ``region`` the regions start every round from one model, so their
 momentum buffers, which are linear in the pseudo-gradients, average to flat DiLoCo's. The
 measured choice: docs/HETERO.md. Only step 2 crosses regions, so bytes on the slow tier fall by
-region_every. ``train.max_seconds`` ends the run at the first world round after that much
+region_every. With adaptive pace (``sync.pace=adaptive``) every region round ends on the pace
+clock's time budget: one control exchange of every site's steps and rates per region round (a
+few bytes across regions), region averages weighted by each site's steps, world averages by its
+steps since the last world round. ``train.max_seconds`` ends the run at the first world round after that much
 training: the sites agree on the time there (one control exchange of every site's elapsed
 seconds), since a region round does not reach the other regions.
 """
@@ -72,6 +75,7 @@ class TieredDiLoCo(DiLoCo):
         if outer == "region":
             self.outer_optimizer = _averaging(self.global_params)
         self._finishing = False
+        self._since_world = [0] * topo.num_sites  # adaptive pace: each site's steps since the last world round
 
     def finish(self) -> None:
         if self._steps_in_round or self.region_rounds % self.every:  # the world tier closes the run
@@ -89,6 +93,7 @@ class TieredDiLoCo(DiLoCo):
             "region_params": self.shards_out(self.region_params) if self.sharded else [r.clone() for r in self.region_params],
             "region_outer": self.optim_out(self.region_optimizer.state_dict()),
             "region_rounds": self.region_rounds,
+            "since_world": list(self._since_world),
         }
 
     @torch.no_grad()
@@ -98,13 +103,21 @@ class TieredDiLoCo(DiLoCo):
             r.copy_(saved)
         self.region_optimizer.load_state_dict(self.optim_in(state["region_outer"]))
         self.region_rounds = int(state["region_rounds"])
+        self._since_world = list(state.get("since_world", self._since_world))
         self.region_reducer.load_state_dict(self.reducer_in(state["region_reducer"]))
 
-    def _tier_weights(self, sites: list[int]) -> list[float]:
-        """Each site's weight in a tier's average over ``sites`` (0 for the others): every site runs
-        the same steps, so a site's tokens are in proportion to its workers."""
+    def _tier_weights(self, sites: list[int], steps: list[int] | None = None) -> list[float]:
+        """Each site's weight in a tier's average over ``sites`` (0 for the others): its tokens,
+        workers x ``steps`` (adaptive pace: each site's own), else in proportion to its workers
+        (every site runs the same steps)."""
         workers = self.comm.groups.topology.workers
-        return [float(workers[s] if self.weight_by_tokens else 1) if s in sites else 0.0 for s in range(self.num_sites)]
+        k = steps if steps is not None else [1] * self.num_sites
+        return [float(workers[s] * k[s] if self.weight_by_tokens else 1) if s in sites else 0.0 for s in range(self.num_sites)]
+
+    def eval_due(self, step: int, every: int) -> bool:
+        if not self.clock.adaptive:
+            return super().eval_due(step, every)
+        return self._steps_in_round == 0 and self.region_rounds % max(1, every // self.H) == 0
 
     def _region_included(self, delta: torch.Tensor) -> list[int]:
         """The sites of this region whose update goes into the region round: the guard's rule over
@@ -123,13 +136,19 @@ class TieredDiLoCo(DiLoCo):
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        # 1. inside the region
+        paced = self.clock.adaptive  # every site's steps this region round, and their rates (one control exchange)
+        steps = self.clock.exchange(self._steps_in_round) if paced else None
+        if steps is not None:
+            self._since_world = [a + b for a, b in zip(self._since_world, steps, strict=True)]
+        # 1. inside the region (a last region round of no steps, at the run's end, has nothing to average)
         delta = pseudo_gradient(self.region_params, self.local_params())
         included = self._region_included(delta)
-        if included:
-            self._weighted_average(delta, self.region_reducer, self._tier_weights(included))
+        if steps is not None and not any(steps[s] for s in self.region_sites):
+            included = []
+        elif included:
+            self._weighted_average(delta, self.region_reducer, self._tier_weights(included, steps))
             outer_step_(self.region_optimizer, self.region_params, delta)
-        else:  # every update of the region was rejected: the region round is rolled back
+        else:  # every update of the region was rejected by the guard: the region round is rolled back
             self.rounds_rolled_back += 1
             self.rollback_reasons.append(f"region round {self.region_rounds}: every site's update was rejected by the guard")
         self.region_rounds += 1
@@ -137,15 +156,19 @@ class TieredDiLoCo(DiLoCo):
         # 2. across regions, every `every` region rounds (and to close the run)
         if self.region_rounds % self.every == 0 or self._finishing:
             world = pseudo_gradient(self.global_params, self.region_params)
-            self._weighted_average(world, self.reducer, self._tier_weights(list(range(self.num_sites))))
+            since = self._since_world if paced else None  # each site's tokens since the last world round
+            self._weighted_average(world, self.reducer, self._tier_weights(list(range(self.num_sites)), since))
+            self._since_world = [0] * self.num_sites
             outer_step_(self.outer_optimizer, self.global_params, world)
             for r, g in zip(self.region_params, self.global_params, strict=True):
                 r.copy_(g)
             self.rounds += 1
             target = self.global_params
-            if self.clock.exchanges:  # train.max_seconds: agreed at world rounds only, the one tier
+            if self.clock.exchanges and not paced:  # train.max_seconds: agreed at world rounds only, the one tier
                 self.clock.exchange(self._steps_in_round)  # every site is in (region rounds are not)
                 self.clock.next_round(self.rounds)
+        if paced:  # the next region round's budget (and the run's end, counted in region rounds)
+            self.clock.next_round(self.region_rounds)
         for g, p in zip(target, self.local_params(), strict=True):
             p.copy_(g)
         self._steps_in_round = 0
