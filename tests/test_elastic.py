@@ -209,7 +209,7 @@ def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
 
     out = tmp_path / "auth"
     env = {**os.environ, "GEOTRAIN_SECRET": "the-right-shared-secret-0123456789"}
-    with _run_with_own_lighthouse(tmp_path, out, TWO, ["train.steps=1500"], env) as (_, addr, run):
+    with _run_with_own_lighthouse(tmp_path, out, TWO, ["train.steps=1000"], env) as (_, addr, run):
         # an impostor: site C of a three-site config, joining (incarnation 1) with another secret
         cfg = tmp_path / "impostor.yaml"
         cfg.write_text(THREE)

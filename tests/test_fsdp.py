@@ -350,7 +350,7 @@ def test_dcp_metadata_is_parsed_once_from_checked_bytes_and_holds_tensors_only(t
     [
         ["privacy.dp.unit=example", "privacy.dp.noise_multiplier=1"],
         ["sync.allreduce=flat"],
-        ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"],
+        ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]", "sync.algorithm=streaming"],
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(settings: list[str]) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from geotrain.comm.topology import Topology
-from geotrain.config import TopologyConfig, load_config
+from geotrain.config import CODEC_BITS, TopologyConfig, load_config
 from geotrain.errors import LaunchError
 from geotrain.launch.local import launch_local
 from tests.helpers import PLAIN_SGD, TINY, run_ranks
@@ -264,6 +264,35 @@ def test_tiers_with_adaptive_pace_weigh_each_site_by_its_own_steps(tmp_path: Pat
     a, b, c, d = (p["steps"] for p in s["per_site"])
     assert [sum(p["steps"][i] for p in pace) for i in range(4)] == [a, b, c, d] and d < c
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tiers_with_network_adaptation_choose_the_world_tiers_period_and_codec(tmp_path: Path) -> None:
+    """sync.adapt over tiers chooses the slow tier's settings: the world rounds' period (a whole
+    number of region rounds) and codec, from the cross-region link measured in each world round
+    (here 10 Mbit/s against regions on 10 Gbit/s); the region tier keeps H and its codec."""
+    from geotrain.plan.strategies import choose_round
+
+    slow = ["topology.links.emulate=inprocess", "topology.links.inter.bandwidth_bps=1e7", "train.steps=24"]
+    adapt = ["sync.region_every=2", "sync.adapt={target: 0.9, H_min: 2, H_max: 12}"]
+    s, _ = _tiered(tmp_path, "adapt", [*slow, *adapt])
+    log = s["adapt"]
+    assert log and log[0]["H"] == 4 and log[0]["codec"] == "none"  # H x region_every at first
+    for prev, a in zip(log, log[1:], strict=False):
+        assert a["H"] == 2 * max(1, round(prev["next"]["H"] / 2))  # whole region rounds of H = 2
+        assert a["codec"] == prev["next"]["codec"]
+    first = log[0]
+    codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
+    # the formula's ring is over the 2 regions (a region's sites hold one update, which crosses once)
+    assert first["next"] == choose_round(
+        first["link_bps"], s["params"], max(first["step_s"]), 2, first["rtt_s"], 2, 12, codecs, 0.9
+    )
+    # the cross-region link (10 Mbit/s), not the regions' own (10 Gbit/s); the ring over regions
+    # models the world tier's exchange only roughly (13.6 Mbit/s measured once)
+    assert 5e6 <= first["link_bps"] <= 2.5e7
+    assert first["changed"] and s["rounds"] < s["region_rounds"] // 2  # longer world periods than the first
+    assert len(set(s["global_param_hash"].values())) == 1
 
 
 @pytest.mark.slow

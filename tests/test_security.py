@@ -201,14 +201,14 @@ def test_replayed_claims_decide_nothing(tmp_path: Path) -> None:
     round that commits has both sites' data, nobody heals, and the sites end on one model."""
     from geotrain.elastic.records import read_rounds
 
-    attacked, did, _ = _run(tmp_path, "replayed", attack="replay", steps=160, extra=("elastic.min_sites=2",))
+    attacked, did, _ = _run(tmp_path, "replayed", attack="replay", steps=110, extra=("elastic.min_sites=2",))
     assert did is not None and did["recorded"] == 1 and did["replays"] >= 10, did
     assert attacked["survivors"] == ["A", "B"] and attacked["consistent"], attacked
     committed = [r for recs in read_rounds(tmp_path / "replayed").values() for r in recs if r["outcome"] == "committed"]
     assert committed and all(r["healers"] == [] and r["contributors"] == 2 for r in committed), committed
     # requests under A's name change when the Lighthouse forms quorums: rounds may roll back
     # (docs/SECURITY.md, "What stays exposed"), never commit without A's data
-    assert attacked["rounds_committed"] >= 5, attacked
+    assert attacked["rounds_committed"] >= 3, attacked
 
 
 @pytest.mark.slow

@@ -140,7 +140,6 @@ class Config(Section):
                 "sync.pace",
                 "use sync.pace=lockstep",
             ),
-            (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (
                 p.dp.unit == "site",

@@ -247,9 +247,11 @@ class SyncConfig(Section):
             raise ValueError(f"block_size: must be even, two 4-bit codes per byte (got {self.block_size})")
         if self.adapt is not None:
             a = self.adapt
-            if not a.H_min <= self.H <= a.H_max:
+            first = self.H * max(1, self.region_every)  # (tiers: adaptation chooses the world tier's period)
+            if not a.H_min <= first <= a.H_max:
+                what = f"H x region_every = {first}" if self.region_every else f"{self.H}"
                 raise ValueError(
-                    f"H: the first round's H must lie in sync.adapt's H_min..H_max ({a.H_min}..{a.H_max}; got {self.H})"
+                    f"H: the first round's H must lie in sync.adapt's H_min..H_max ({a.H_min}..{a.H_max}; got {what})"
                 )
             if self.codec not in a.codecs:
                 raise ValueError(

@@ -160,7 +160,7 @@ class SiteMember(Schedule):
         the meeting (a replayed quorum entry cannot fake a mismatch). Every rank returns the sites
         present."""
         view = RoundView()
-        self._hash = self.hooks.global_hash()
+        self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # (sharded: a collective)
         if self.local == 0:
             deadline = time.monotonic() + timeout
             try:
@@ -310,7 +310,7 @@ class SiteMember(Schedule):
             MembershipRefused: this site failed authentication.
         """
         t0, sent0, raw0 = time.monotonic(), self.inter_bytes, self.raw_bytes
-        self._hash = self.hooks.global_hash()
+        self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # only local rank 0 claims it
         self._part, self._rest, self._sizes = part, rest, sizes
         try:
             return self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual))

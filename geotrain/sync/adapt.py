@@ -100,6 +100,15 @@ class NetworkAdapter:
         self._avg_t0 = 0.0
         # sync.pace=adaptive: each site runs its own steps, and a round lasts H steps of the fastest site
         self.paced = False
+        # tiers: the link measured is the one between regions (the world tier's), and the formula's
+        # ring is over the regions (a region's sites hold one update, which crosses once)
+        self.across_regions = False
+        self.regions = 0
+
+    def _sent(self) -> int:
+        """Bytes this rank has sent over the link being measured."""
+        st = self.comm.stats
+        return st.inter_region_bytes if self.across_regions else st.inter_bytes
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the settings in force and the pings the rtt is taken from."""
@@ -110,7 +119,7 @@ class NetworkAdapter:
 
     def start_average(self) -> None:
         """Just before the round's cross-site average."""
-        self._sent0, self._avg_t0 = self.comm.stats.inter_bytes, time.perf_counter()
+        self._sent0, self._avg_t0 = self._sent(), time.perf_counter()
 
     def _clock(self) -> float:
         """Seconds into the run on the clock of scheduled link changes (else since this adapter began)."""
@@ -136,7 +145,7 @@ class NetworkAdapter:
         measure, agree, choose; True when H or the codec changed for the next round. ``steps``:
         the round's inner steps, or (adaptive pace) every site's."""
         avg_s = time.perf_counter() - self._avg_t0
-        sent = self.comm.stats.inter_bytes - self._sent0
+        sent = self._sent() - self._sent0
         wall, waited = self.lap()  # the exchanges below count in the next round
         return self.decide(round_id, steps, [(sent, avg_s)], wall, waited)
 
@@ -181,8 +190,9 @@ class NetworkAdapter:
         kept = most >= 0.5 * top
         k = int(kept.sum()) if top > 0 else 0  # 0: nothing crossed sites
         nbytes, secs = float(most[kept].sum()), float(least[kept].sum())
-        link = achieved_bps(nbytes, secs, n, rtt, k) if k else None
         per_site = steps if isinstance(steps, list) else [steps] * n
+        n = self.regions if self.across_regions else n  # the formula's ring
+        link = achieved_bps(nbytes, secs, n, rtt, k) if k else None
         step_s = [(w - x) / max(1, k) for w, x, k in zip(walls, waits, per_site, strict=True)]
         # lock-step: the slowest site's (the exchanges wait for it); adaptive pace: the fastest's (a
         # round's budget is H of its steps, and every site ends within it)

@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
+from geotrain.sync.adapt import NetworkAdapter
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import outer_step_, pseudo_gradient
 from geotrain.sync.reducer import SiteReducer
@@ -76,9 +77,14 @@ class TieredDiLoCo(DiLoCo):
             self.outer_optimizer = _averaging(self.global_params)
         self._finishing = False
         self._since_world = [0] * topo.num_sites  # adaptive pace: each site's steps since the last world round
+        self._region_since_world = 0  # region rounds since the last world round (sync.adapt changes self.every)
+        if self.adapter is not None and cfg.adapt is not None:  # it chooses the world tier's period (in steps) and codec
+            self.adapter = NetworkAdapter(cfg.adapt, comm, self.adapter.params, self.every * self.H, cfg.codec)
+            self.adapter.paced = self.clock.adaptive
+            self.adapter.across_regions, self.adapter.regions = True, len(set(topo.region_of))
 
     def finish(self) -> None:
-        if self._steps_in_round or self.region_rounds % self.every:  # the world tier closes the run
+        if self._steps_in_round or self._region_since_world:  # the world tier closes the run
             self._finishing = True
             self.outer_step()
 
@@ -94,11 +100,19 @@ class TieredDiLoCo(DiLoCo):
             "region_outer": self.optim_out(self.region_optimizer.state_dict()),
             "region_rounds": self.region_rounds,
             "since_world": list(self._since_world),
+            "region_since_world": self._region_since_world,
+            "every": self.every,
         }
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        super().load_checkpoint_state(state)
+        H = self.H
+        super().load_checkpoint_state(state)  # (sync.adapt: its H is the world tier's period, not the region's H)
+        self.H = self.clock.H = H
+        if "clock" in state:
+            self.clock.limit = state["clock"]["limit"]
+        self.every = int(state.get("every", self.every))
+        self._region_since_world = int(state.get("region_since_world", state["region_rounds"] % self.every))
         for r, saved in zip(self.region_params, self.shards_in(state["region_params"]), strict=True):
             r.copy_(saved)
         self.region_optimizer.load_state_dict(self.optim_in(state["region_outer"]))
@@ -113,6 +127,18 @@ class TieredDiLoCo(DiLoCo):
         workers = self.comm.groups.topology.workers
         k = steps if steps is not None else [1] * self.num_sites
         return [float(workers[s] * k[s] if self.weight_by_tokens else 1) if s in sites else 0.0 for s in range(self.num_sites)]
+
+    def _adapt(self, steps: int | list[int]) -> None:
+        """sync.adapt, after a world round: the world tier's next period (a whole number of region
+        rounds) and codec, from the cross-region link measured in this one."""
+        assert self.adapter is not None
+        if self.adapter.end_round(self.rounds, steps):
+            self.every = max(1, round(self.adapter.H / self.H))
+            self.adapter.H = self.every * self.H  # what the next world round will span
+            codec = self.adapter.codec
+            if codec not in self._reducers:
+                self._reducers[codec] = self._make_reducer(codec, [p.shape for p in self.local_params()])
+            self.reducer = self._reducers[codec]
 
     def eval_due(self, step: int, every: int) -> bool:
         if not self.clock.adaptive:
@@ -152,18 +178,24 @@ class TieredDiLoCo(DiLoCo):
             self.rounds_rolled_back += 1
             self.rollback_reasons.append(f"region round {self.region_rounds}: every site's update was rejected by the guard")
         self.region_rounds += 1
+        self._region_since_world += 1
         target = self.region_params
         # 2. across regions, every `every` region rounds (and to close the run)
-        if self.region_rounds % self.every == 0 or self._finishing:
+        if self._region_since_world >= self.every or self._finishing:
             world = pseudo_gradient(self.global_params, self.region_params)
             since = self._since_world if paced else None  # each site's tokens since the last world round
+            world_steps = list(self._since_world) if paced else self._region_since_world * self.H
+            if self.adapter is not None:
+                self.adapter.start_average()
             self._weighted_average(world, self.reducer, self._tier_weights(list(range(self.num_sites)), since))
-            self._since_world = [0] * self.num_sites
+            self._since_world, self._region_since_world = [0] * self.num_sites, 0
             outer_step_(self.outer_optimizer, self.global_params, world)
             for r, g in zip(self.region_params, self.global_params, strict=True):
                 r.copy_(g)
             self.rounds += 1
             target = self.global_params
+            if self.adapter is not None:
+                self._adapt(world_steps)
             if self.clock.exchanges and not paced:  # train.max_seconds: agreed at world rounds only, the one tier
                 self.clock.exchange(self._steps_in_round)  # every site is in (region rounds are not)
                 self.clock.next_round(self.rounds)
