@@ -245,6 +245,27 @@ def test_secure_aggregation_in_elastic_rounds_a_site_drops_out_mid_round(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_site_level_dp_in_elastic_rounds_stops_every_site_at_its_budget(tmp_path: Path) -> None:
+    """Issue 42's last part: site-level DP in the authenticated (elastic) mode, with secure
+    aggregation. Each site clips its whole update and adds noise of z · clip / √3 (a round holds 3
+    sites at least), and each round it sends an update is one step of its accountant. With z = 1
+    and an ε budget that fits 2 rounds (7.08 after 2, 9.01 after 3), every site stops after its
+    second round, with its last partial round not released, and all end on one model."""
+    three = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
+    dp = ["privacy.dp.unit=site", "privacy.dp.noise_multiplier=1.0", "privacy.dp.clip_norm=0.05", "privacy.dp.epsilon=8"]
+    out = tmp_path / "run"
+    train_cli(out, [*ELASTIC, "privacy.secure_aggregation=true", *dp, "train.steps=40"], three)
+    s = read_summary(out)
+    assert len(set(s["global_param_hash"].values())) == 1 and s["consistent"]
+    assert s["dp_unit"] == "site" and s["noise_multiplier"] == 1.0 and s["clip_norm"] == 0.05
+    for site in s["per_site"].values():  # each site's own accountant: 2 rounds of z = 1
+        assert site["epsilon"] == pytest.approx(7.0774, abs=1e-3) and site["epsilon"] <= 8
+    assert s["privacy_stopped_at_step"] == 20
+    assert [r["outcome"] for r in records(out, "A")][:2] == ["committed", "committed"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_secure_aggregation_over_sites_of_different_sizes_is_token_weighted(tmp_path: Path) -> None:
     """Secure aggregation on sites of 2, 1 and 1 workers: the carrying ranks mask their parts,
     each site's update scaled by its tokens over the largest site's (public weights) and the sum

@@ -127,8 +127,8 @@ BAD = [
     ),
     (
         None,
-        ["elastic.enabled=true", "privacy.dp.unit=site", "privacy.dp.noise_multiplier=1"],
-        "privacy.dp.unit: site-level DP splits its noise",
+        ["elastic.enabled=true", "privacy.inject=[A@1:drop]"],
+        "privacy.inject: drops secure-aggregation rounds of plain mode; in elastic mode a site drops out for real",
     ),
     (None, ["elastic.enabled=true", "elastic.min_sites=3"], "elastic.min_sites: 3 is more than the number of sites (2)"),
     (None, ["elastic.enabled=true", "fault.hang=[Z@3]"], "fault.hang: unknown site 'Z' (sites: A, B)"),

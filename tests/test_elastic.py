@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from geotrain.comm.procs import free_port
@@ -353,6 +354,33 @@ def test_a_round_sums_the_fragment_of_its_source_and_a_site_on_another_heals() -
     assert not sched.all_finished(40)  # B still owes one fragment's round
     sched.round_rests = [0, 0]
     assert sched.all_finished(40)
+
+
+def test_one_fault_plan_per_site_holds_every_injection() -> None:
+    """Failure injection is one plan per site (comm/faults.py), built from the whole run's
+    fault.nan, fault.tamper and privacy.inject; each seam asks it, and an empty plan answers no."""
+    from geotrain.comm.faults import FaultPlan
+    from geotrain.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]",
+            "fault.nan=[B@3]",
+            "privacy.secure_aggregation=true",
+            "privacy.inject=[B@2:drop]",
+        ],
+    )
+    tampered = [("B", 30), ("A", 20)]  # (fault.tamper needs elastic mode, and privacy.inject plain mode)
+    b = FaultPlan.for_site("B", cfg.fault.nan_at(), tampered, cfg.privacy.injections())
+    x = torch.ones(4)
+    b.corrupt_update(x, 2)
+    assert torch.isfinite(x).all()
+    b.corrupt_update(x, 3)
+    assert torch.isnan(x).all()
+    assert b.tampers(30) and not b.tampers(20) and b.secagg_fault(2) == "drop" and b.secagg_fault(3) is None
+    empty = FaultPlan("A")
+    assert not empty.tampers(20) and empty.secagg_fault(2) is None
 
 
 def test_a_fault_is_judged_only_until_its_site_heals() -> None:

@@ -255,10 +255,10 @@ class Config(Section):
                 "sync.codec: PowerSGD's factors are all-reduced over a fixed world; in elastic mode use a byte codec "
                 "(bf16, fp16, int8, int4, fp4, topk, sparseloco) or none"
             )
-        if self.privacy.dp.unit == "site":
+        if self.privacy.inject:
             raise ValueError(
-                "privacy.dp.unit: site-level DP splits its noise among a fixed number of sites per round, and an elastic "
-                "round's sites change with membership (fewer would leave the sum short of noise); use none or example"
+                "privacy.inject: drops secure-aggregation rounds of plain mode; in elastic mode a site drops out "
+                "for real (fault.kill or fault.hang)"
             )
         if self.checkpoint.resume not in (None, "auto"):
             raise ValueError("checkpoint.resume: elastic sites resume from their own checkpoints; use auto (or none)")

@@ -69,6 +69,43 @@ class Masker(Protocol):
         ...
 
 
+class Noise(Protocol):
+    """Site-level DP inside a round (:class:`geotrain.privacy.dp.RoundNoise`)."""
+
+    def clip_scale(self, norm: float) -> float: ...
+
+    def privatize_(self, part: torch.Tensor, scale: float) -> None: ...
+
+    def spend(self) -> None: ...
+
+    def at_least(self, rounds: int) -> None: ...
+
+    def affords(self) -> bool: ...
+
+
+def site_dp(
+    noise: Noise | None, delta: torch.Tensor, sends: bool, sharded: bool, intra: Any
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Site-level DP for one round, on every rank of the site: the site's whole update is clipped
+    (its norm, under FSDP, a sum over the site's shards) and each carried part noised once; the
+    round is counted if the site ``sends`` an update. Returns what to apply to this rank's part."""
+    if noise is None:
+        return lambda part: part
+    sq = delta.detach().to("cpu", torch.float64).pow(2).sum().reshape(1)
+    if sharded:
+        dist.all_reduce(sq, group=intra)
+    scale = noise.clip_scale(float(sq.sqrt()))
+    if not sends:
+        return lambda part: part
+    noise.spend()
+
+    def apply(part: torch.Tensor) -> torch.Tensor:
+        noise.privatize_(part, scale)
+        return part
+
+    return apply
+
+
 WEIGHT_UNIT = 1 << 16  # a masked round's weights travel as integers of this many parts
 
 

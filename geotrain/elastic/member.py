@@ -41,6 +41,7 @@ import torch.distributed as dist
 from geotrain.comm.authstore import AuthStore, AuthStoreServer
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.emulate.inprocess import WanEmulator
+from geotrain.comm.faults import FaultPlan
 from geotrain.comm.identity import Identity
 from geotrain.comm.topology import Topology
 from geotrain.config import ElasticConfig
@@ -109,13 +110,12 @@ class SiteMember(Schedule):
         self.on_mid_round = on_mid_round
         self.keys = RunKeys(load_secret(self.cfg))  # the secret itself is not kept
         self.incarnation = incarnation
-        self.tamper_steps: set[int] = set()  # failure injection: rounds (by step) whose frames are altered after their MAC
-        self.masker: commit.Masker | None = None  # privacy.secure_aggregation: every round's parts are masked (PairMasks)
+        self.faults = FaultPlan(site)  # failure injection: frames altered after sealing (fault.tamper)
+        self.masker: commit.Masker | None = None  # privacy.secure_aggregation: parts masked (PairMasks)
+        self.noise: commit.Noise | None = None  # privacy.dp.unit=site: each site's update clipped and noised (RoundNoise)
         self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
         self.raw_bytes = 0  # what fp32 rings would have sent for the same sums (the codec's reference)
-        # the local ranks that carry a part across sites (:attr:`carries`); sharded (FSDP): each
-        # carries its own shard whole, and heals from the same local rank of the source
-        self.sharded = sharded
+        self.sharded = sharded  # FSDP: each rank carries its own shard, and heals from the same local rank of the source
         self.carriers = workers if sharded else topology.carriers
         Schedule.__init__(self, list(topology.workers), site_index)
         self._bytes_lock = threading.Lock()
@@ -325,8 +325,7 @@ class SiteMember(Schedule):
 
     @property
     def carries(self) -> bool:
-        """This local rank carries a part of the pseudo-gradient across sites: one of the first
-        ``carriers`` (the smallest site's size), so the same local rank exists at every site."""
+        """This local rank carries a part across sites: one of the first ``carriers`` (the smallest site's size)."""
         return self.local < self.carriers
 
     def _round(self, delta: torch.Tensor, can_postpone: bool, t0: float, what: Contribution) -> int | None:
@@ -385,9 +384,10 @@ class SiteMember(Schedule):
         contributes = finite and self.site not in view.healers
         lo, hi = (0, delta.numel()) if self.sharded else commit.span(delta.numel(), self.local, self.carriers)
         carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
+        dp = commit.site_dp(self.noise, delta, contributes and what.weight > 0, self.sharded, self.intra)  # every rank
         if self.carries:  # secure: a masked part's weight is its share of the largest site's tokens (at most 1)
             factor = 1.0 if what.weight == 1.0 else self.workers[self.site_index] / max(self.workers)
-            part = delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32)
+            part = dp(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
             carry = commit.carried(part, what.weight, contributes, self.masker, factor, (lo, self.site, view, self.local))
         outgoing = None
         if self.site == view.source and view.healers and (self.local == 0 or self.sharded):
@@ -449,6 +449,9 @@ class SiteMember(Schedule):
         self._current["weight"] = total
         return self._current["contributors"]
 
+    def affords(self) -> bool:  # site-level DP: whether the ε budget allows one more noised update
+        return self.noise is None or self.noise.affords()
+
     def _exchange(
         self, view: RoundView, monitor: Monitor, round_store: SealedStore, carry: torch.Tensor, outgoing: bytes | None,
         what: Contribution,
@@ -463,7 +466,7 @@ class SiteMember(Schedule):
             view, self.site, self.local, self.names, self.wan, monitor, round_store,
             self._pg[1] if self._pg is not None else None, carry, outgoing,
             lambda nbytes: backstop(self.slowest_link, self.cfg, nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
-            self.on_mid_round, tamper=self.hooks.step() in self.tamper_steps, heals=self.local == 0 or self.sharded,
+            self.on_mid_round, tamper=self.faults.tampers(self.hooks.step()), heals=self.local == 0 or self.sharded,
             codec=what.codec, error_feedback=what.residual is not None, residual=residual,
             add=self.masker.add_ if self.masker is not None else None,
         )  # fmt: skip

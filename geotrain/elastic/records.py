@@ -177,7 +177,10 @@ def merge_summaries(
         "intra_site_bytes": sum(s["intra_site_bytes"] for s in finished.values()),
         "wall_seconds": wall,
         "per_site": {
-            name: {k: s[k] for k in ("steps", "rounds", "rounds_committed", "started_at_step", "final_eval_loss")}
+            name: {
+                **{k: s[k] for k in ("steps", "rounds", "rounds_committed", "started_at_step", "final_eval_loss")},
+                "epsilon": s.get("epsilon"),  # site-level DP: each site's own accountant
+            }
             for name, s in finished.items()
         },
         "per_rank": [r for s in finished.values() for r in s["per_rank"]],

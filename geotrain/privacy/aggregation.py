@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import torch
 
 from geotrain.comm.collectives import Collectives
+from geotrain.comm.faults import FaultPlan
 from geotrain.config import PrivacyConfig
 from geotrain.errors import RoundFailed, SecAggAborted
 from geotrain.privacy.audit import AuditChain
@@ -35,6 +36,7 @@ class PrivateAggregation:
         seed: int,
         rounds_planned: int,
         audit: AuditChain | None,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.cfg = cfg
         self.comm = comm
@@ -71,7 +73,7 @@ class PrivateAggregation:
         if self.secagg is not None:
             self.secagg.set_range(self.bound + 8 * self.noise_std)
         self.gen = secure_generator()
-        self.injections = {(s, r): k for (s, r), k in cfg.injections().items() if s == self.site_names[self.site]}
+        self.faults = faults if faults is not None else FaultPlan(self.site_names[self.site])  # dropouts to inject
         self.audit = audit
         self.aggregations = 0
         self.dropouts = 0
@@ -130,7 +132,7 @@ class PrivateAggregation:
         shard = delta if self.sharded else delta.split(sizes)[g.me.local_rank]
         if self.noise_std > 0 and shard.numel():
             shard.add_(gaussian_noise(self.gen, shard, self.noise_std))
-        inject = self.injections.get((self.site_names[self.site], round_id))
+        inject = self.faults.secagg_fault(round_id)
         if not finite:
             inject = "drop"
         report: RoundReport | None = None

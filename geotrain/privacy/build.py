@@ -13,10 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
+from geotrain.comm.faults import FaultPlan
 from geotrain.config import PrivacyConfig
 from geotrain.privacy.aggregation import PrivateAggregation
 from geotrain.privacy.audit import AuditChain, site_key
-from geotrain.privacy.dp import Accountant, ExampleDP, calibrate_noise
+from geotrain.privacy.dp import Accountant, ExampleDP, RoundNoise, calibrate_noise
 
 
 def global_max(value: float, group: dist.ProcessGroup) -> float:
@@ -29,10 +30,16 @@ class Privacy:
     """A rank's privacy machinery for one run: what the training loop and the summary need."""
 
     def __init__(
-        self, cfg: PrivacyConfig, aggregation: PrivateAggregation | None, example: ExampleDP | None, max_steps: int
+        self,
+        cfg: PrivacyConfig,
+        aggregation: PrivateAggregation | None,
+        example: ExampleDP | None,
+        max_steps: int,
+        round_noise: RoundNoise | None = None,
     ) -> None:
         self.cfg = cfg
         self.aggregation = aggregation
+        self.round_noise = round_noise  # site-level DP inside elastic rounds (the member adds it)
         self.example = example
         self.max_steps = max_steps  # the ε budget allows this many inner steps (example unit)
         self.stopped_at: int | None = None
@@ -40,11 +47,13 @@ class Privacy:
 
     @property
     def active(self) -> bool:
-        return self.aggregation is not None or self.example is not None
+        return self.aggregation is not None or self.example is not None or self.round_noise is not None
 
     def accountant(self) -> Accountant | None:
         if self.example is not None:
             return self.example.accountant
+        if self.round_noise is not None:
+            return self.round_noise.accountant
         return self.aggregation.accountant if self.aggregation is not None else None
 
     def epsilon(self) -> float | None:
@@ -91,6 +100,8 @@ class Privacy:
         }
         if self.aggregation is not None:
             out.update(self.aggregation.summary())
+        if self.round_noise is not None:
+            out.update(noise_multiplier=self.round_noise.noise_multiplier, clip_norm=self.round_noise.clip)
         if self.example is not None:
             out.update(
                 noise_multiplier=self.example.noise_multiplier,
@@ -118,6 +129,8 @@ def build_privacy(
     sample_rate: float,
     run_id: str | None = None,
     elastic: bool = False,
+    faults: FaultPlan | None = None,
+    min_sites: int = 1,
 ) -> Privacy:
     """The privacy machinery ``cfg`` asks for on this rank (nothing when privacy is off).
 
@@ -131,7 +144,10 @@ def build_privacy(
             all ranks is used, so every rank stops at the same step.
         run_id: the run's public id (from its secret), named in the audit logs.
         elastic: elastic mode, whose rounds mask their own parts (:class:`geotrain.privacy.masking.PairMasks`,
-            given to the member): no aggregation over the fixed world here.
+            given to the member) and add site-level DP noise (:class:`RoundNoise`): no aggregation
+            over the fixed world here.
+        min_sites: elastic mode, the fewest sites a round may hold (site-level DP's noise is split among them).
+        faults: failure injection (a site that drops out of a secure-aggregation round, ``privacy.inject``).
     """
     groups = comm.groups
     aggregation = None
@@ -144,7 +160,14 @@ def build_privacy(
             path = out / ("audit.jsonl" if me.rank == 0 else f"audit-{me.site}.jsonl")
             key = site_key(keys_dir(cfg) / f"{me.site}.key")
             audit = AuditChain(path, key, me.site, run_id, bytes(nonce.tolist()).hex(), start=False)
-        aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit)
+        aggregation = PrivateAggregation(cfg, comm, seed, rounds_planned, audit, faults)
+    round_noise = None
+    if elastic and cfg.dp.unit == "site":
+        d = cfg.dp
+        nm = d.noise_multiplier
+        if nm is None:  # the run's planned rounds, each one step of the accountant
+            nm = calibrate_noise(d.epsilon or 0.0, d.delta, 1.0, rounds_planned, d.accountant)
+        round_noise = RoundNoise(d.clip_norm, nm, min_sites, Accountant(d.accountant, d.delta, d.epsilon))
     example = None
     max_steps = steps
     if cfg.dp.unit == "example":
@@ -156,4 +179,4 @@ def build_privacy(
         accountant = Accountant(d.accountant, d.delta, d.epsilon)
         example = ExampleDP(model, d.clip_norm, nm, groups.topology.workers[groups.me.site_index], q, accountant)
         max_steps = accountant.max_steps(nm, q, steps) if nm > 0 else (0 if d.epsilon else steps)
-    return Privacy(cfg, aggregation, example, max_steps)
+    return Privacy(cfg, aggregation, example, max_steps, round_noise)

@@ -158,3 +158,42 @@ class ExampleDP:
         if self.accountant is not None:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
         return total.div_(batch)
+
+
+class RoundNoise:
+    """Site-level DP inside elastic rounds (``privacy.dp.unit=site`` with ``elastic.enabled``):
+    each site clips its whole update to ``clip`` and adds Gaussian noise of standard deviation
+    z · clip / √m, where m is the fewest sites a round may hold (``elastic.min_sites``, 3 with
+    secure aggregation): a round of k ≥ m sites then carries at least z · clip in its sum, as the
+    lock-step mode's k sites do. Each round this site sends a noised update is one step of the
+    accountant (rolled-back rounds included: their sum may have been formed). A restarted site has
+    lost its own count; it counts at least the run's committed rounds it healed into
+    (:meth:`at_least`), each of which held at most one update of its.
+    """
+
+    def __init__(self, clip: float, noise_multiplier: float, min_sites: int, accountant: Accountant) -> None:
+        self.clip, self.noise_multiplier = clip, noise_multiplier
+        self.std = noise_multiplier * clip / math.sqrt(max(1, min_sites))
+        self.accountant = accountant
+        self.gen = secure_generator()
+
+    def clip_scale(self, norm: float) -> float:
+        """The factor that clips an update of L2 norm ``norm`` to the bound."""
+        return min(1.0, self.clip / norm) if norm > 0 else 1.0
+
+    def privatize_(self, part: torch.Tensor, scale: float) -> None:
+        """This rank's ``part`` of the site's update, clipped by ``scale`` and noised (each part once)."""
+        part.mul_(scale).add_(gaussian_noise(self.gen, part, self.std))
+
+    def spend(self) -> None:
+        """This site sent a noised update in a round."""
+        self.accountant.step(self.noise_multiplier, 1.0)
+
+    def at_least(self, rounds: int) -> None:
+        """After a heal: count at least ``rounds`` rounds (the run's committed ones)."""
+        while self.accountant.steps < rounds:
+            self.spend()
+
+    def affords(self) -> bool:
+        """Whether one more noised update fits the ε budget (always, without one)."""
+        return self.accountant.fits(self.noise_multiplier, 1.0)

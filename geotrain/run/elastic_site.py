@@ -14,10 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from geotrain.comm.faults import FaultPlan
 from geotrain.comm.identity import Identity, site_key
 from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import ElasticConfig
-from geotrain.elastic.commit import Masker
+from geotrain.elastic.commit import Masker, Noise
 from geotrain.elastic.member import SiteMember
 from geotrain.elastic.view import HealHooks
 from geotrain.errors import MembershipRefused
@@ -58,23 +59,25 @@ def join_elastic(
     objs: RankObjects,
     keys: Path,
     masker: Masker | None = None,
+    plan: FaultPlan | None = None,
+    noise: Noise | None = None,
 ) -> tuple[SiteMember, Callable[[int], None]]:
     """Join the elastic membership (:mod:`geotrain.elastic`); a restarted site (``incarnation`` > 0)
     heals from a live peer first. Returns the member and the per-step failure-injection hook.
 
     Args:
         topology: the whole run.
-        faults: {step: 'kill' | 'hang' | 'tamper'} injected into this site. A restarted incarnation injects only
-            those after the step it healed at (the earlier ones happened to its predecessors).
+        faults: {step: 'kill' | 'hang'} the launcher carries out on this site. A restarted incarnation
+            asks only for those after the step it healed at (the earlier ones happened to its predecessors).
         where: this rank's place in the whole run.
         objs: this rank's training state (healing reads and replaces it).
         keys: the folder of the sites' own keys (``privacy.keys_dir``), for ``elastic.site_keys``.
         masker: secure aggregation inside every round (``privacy.secure_aggregation``).
+        plan: the faults the member injects itself (frames altered after sealing, ``fault.tamper``).
+        noise: site-level DP inside every round (``privacy.dp.unit=site``).
     """
     sync, data, groups = objs.sync, objs.data, objs.comm.groups
     assert isinstance(sync, OuterSync)  # the config allows elastic mode with DiLoCo and Streaming DiLoCo
-    tamper = {step for step, kind in faults.items() if kind == "tamper"}  # done by the member, not the launcher
-    faults = {step: kind for step, kind in faults.items() if kind != "tamper"}
     (out / "elastic").mkdir(parents=True, exist_ok=True)
 
     def inject(step: int) -> None:
@@ -87,6 +90,8 @@ def join_elastic(
 
     def load(state: dict[str, Any]) -> None:
         objs.load_training(sharded_like(objs.model, objs.optimizer, state) if sharded else state)
+        if member.noise is not None:  # site-level DP: every committed round healed into held at most one update of ours
+            member.noise.at_least(int(state["committed"]))
         if member.joining:  # a restarted site takes the source's step: its data stream catches up
             data.train.skip(int(state["step"]) * data.micro_batches)
 
@@ -121,8 +126,9 @@ def join_elastic(
         identity=_identity(cfg, where.site, keys),
         sharded=sharded,
     )
-    member.tamper_steps = tamper
-    member.masker = masker
+    if plan is not None:
+        member.faults = plan
+    member.masker, member.noise = masker, noise
     if where.local_rank == 0:
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     sync.elastic = member

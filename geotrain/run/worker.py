@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.emulate import describe_links, link_mode
+from geotrain.comm.faults import FaultPlan
 from geotrain.comm.procs import die_with_parent, leave, rank_threads
 from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import RankInfo, Topology
@@ -205,6 +206,9 @@ def _train(
     tokens_per_rank_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
     seal = ckpt.Seal.of(optional_secret(cfg.elastic))
+    # failure injection, one plan for this site: NaN updates, altered frames, secure-aggregation dropouts
+    tampered = [(site, step) for (site, step), k in cfg.fault.site_faults().items() if k == "tamper"]
+    plan = FaultPlan.for_site(where.site, cfg.fault.nan_at(), tampered, cfg.privacy.injections())
     privacy = build_privacy(
         cfg.privacy,
         comm,
@@ -216,6 +220,8 @@ def _train(
         sample_rate=cfg.train.batch_size / (data.train.num_tokens - cfg.model.block_size - 1),
         run_id=seal.run if seal is not None else None,
         elastic=place.elastic,
+        faults=plan,
+        min_sites=cfg.elastic_rounds.min_sites,
     )
     closing.push(lambda _type, exc, _tb: privacy.close(failure=exc))  # the audit log's closing line
     outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients
@@ -228,7 +234,7 @@ def _train(
         example_dp=privacy.example,
         private=privacy.aggregation,
         guard=UpdateGuard(cfg.guard, comm) if outer and cfg.guard.enabled and place.full.num_sites > 1 else None,
-        nan_at=cfg.fault.nan_at() if outer else None,
+        faults=plan,
         rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
         elastic=place.elastic,
     )
@@ -256,10 +262,13 @@ def _train(
     inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None else None
     member = None
     if place.elastic:
-        faults = {step: kind for (site, step), kind in cfg.fault.site_faults().items() if site == where.site}
+        launcher = ("kill", "hang")  # carried out by the launcher (tamper: by the member, from the plan)
+        faults = {step: k for (site, step), k in cfg.fault.site_faults().items() if site == where.site and k in launcher}
         keys = keys_dir(cfg.privacy)
         masks = PairMasks(cfg.privacy.update_bound, place.full.num_sites) if cfg.privacy.secure_aggregation else None
-        member, inject = join_elastic(cfg.elastic_rounds, place.full, faults, out, where, place.incarnation, objs, keys, masks)
+        member, inject = join_elastic(
+            cfg.elastic_rounds, place.full, faults, out, where, place.incarnation, objs, keys, masks, plan, privacy.round_noise
+        )
         closing.callback(member.close)  # its heartbeat thread must not outlive the interpreter
         start = member.healed_at_step if member.healed_at_step is not None else start
     n_params = count_params(model)

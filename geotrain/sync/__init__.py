@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
+from geotrain.comm.faults import FaultPlan
 from geotrain.config import SyncConfig
 from geotrain.sync.base import GradientPrivatizer, PrivateAverage, SyncAlgorithm, params_hash
 from geotrain.sync.ddp import DDP
@@ -57,7 +58,7 @@ def build_sync(
     example_dp: GradientPrivatizer | None = None,
     private: PrivateAverage | None = None,
     guard: UpdateGuard | None = None,
-    nan_at: set[tuple[str, int]] | None = None,
+    faults: FaultPlan | None = None,
     rejoin: Rejoin | None = None,
     elastic: bool = False,
 ) -> SyncAlgorithm:
@@ -67,8 +68,9 @@ def build_sync(
     Args:
         grad_clip: clip the averaged gradient's norm to this (0: off).
         example_dp: DP-SGD on the inner steps (any algorithm).
-        private, guard, nan_at: for the pseudo-gradients of DiLoCo and Streaming DiLoCo: private
-            aggregation, the update guard, and failure injection ({(site, round)} sent as NaN).
+        private, guard: for the pseudo-gradients of DiLoCo and Streaming DiLoCo: private
+            aggregation and the update guard.
+        faults: failure injection (:class:`~geotrain.comm.faults.FaultPlan`: NaN updates).
         rejoin: asynchronous quorum rounds, a site that came back (its world is its own ranks).
         elastic: elastic mode (its membership is attached later, when the site joins).
     """
@@ -87,7 +89,9 @@ def build_sync(
             outer = DiLoCo(model, optimizer, comm, grad_clip, cfg)
         if cfg.quorum is not None:  # the guard's outlier test is collective; the syncer leaves non-finite updates out
             guard = None
-        outer.private, outer.guard, outer.nan_at = private, guard, set(nan_at or ())
+        outer.private, outer.guard = private, guard
+        if faults is not None:
+            outer.faults = faults
         adapter = getattr(outer, "adapter", None)
         if private is not None and adapter is not None:  # sums of masked fixed-point values: H is all it can choose
             adapter.codecs = ["none"]

@@ -26,6 +26,7 @@ import torch.nn as nn
 from geotrain.codecs import Codec, Residual
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.control import all_gather_json
+from geotrain.comm.faults import FaultPlan
 from geotrain.sync.guard import UpdateGuard
 
 
@@ -114,6 +115,10 @@ class RoundMembership(Protocol):
         """Record the round's outcome after the caller applied or rolled it back."""
         ...
 
+    def affords(self) -> bool:
+        """Whether this site's ε budget (site-level DP) allows one more round."""
+        ...
+
 
 def is_dtensor(t: object) -> bool:
     """Whether ``t`` is an FSDP2 / DCP ``DTensor``, without importing ``torch.distributed.tensor``
@@ -196,7 +201,7 @@ class SyncAlgorithm:
         self.rounds_rolled_back = 0
         self.example_dp: GradientPrivatizer | None = None  # DP-SGD on the inner steps (privacy.dp.unit=example)
         self.guard: UpdateGuard | None = None  # leaves non-finite / outlier pseudo-gradients out (DiLoCo, streaming)
-        self.nan_at: set[tuple[str, int]] = set()  # failure injection: (site, round) whose update is NaN
+        self.faults = FaultPlan()  # failure injection (nothing, unless a test or a soak plans it)
         self._handles = [
             optimizer.register_step_pre_hook(lambda *_: self.sync_gradients()),
             optimizer.register_step_post_hook(lambda *_: self.after_step()),

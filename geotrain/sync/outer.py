@@ -104,7 +104,7 @@ class OuterSync(SyncAlgorithm):
 
     def _average(self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int, key: int) -> None:
         site = self.comm.groups.topology.site_names[self.comm.groups.me.site_index]
-        self._inject_nan(delta, round_id)
+        self.faults.corrupt_update(delta, round_id)
         if self.private is not None:
             weights = self.site_weights(steps, [True] * self.num_sites)  # public: workers x steps (or 1)
             self.private.average(delta, round_id, weights if len(set(weights)) > 1 else None)
@@ -165,11 +165,6 @@ class OuterSync(SyncAlgorithm):
         if self.elastic is not None:
             self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, self.local_steps)
 
-    def _inject_nan(self, delta: torch.Tensor, round_id: int) -> None:
-        """Failure injection (``fault.nan``): this site's update of round ``round_id`` is NaN."""
-        if (self.comm.groups.topology.site_names[self.comm.groups.me.site_index], round_id) in self.nan_at:
-            delta.fill_(float("nan"))
-
     def _weighted_average(self, delta: torch.Tensor, reducer: SiteReducer, weights: Sequence[float]) -> None:
         """Replace this site's ``delta`` by the average over sites with ``weights`` (one per site, in
         site order; 0 for a site left out, or outside the sites ``reducer`` sums over)."""
@@ -208,6 +203,8 @@ class OuterSync(SyncAlgorithm):
         self.rollback_reasons.append(why)
 
     def _privacy_allows_round(self) -> bool:
+        if self.elastic is not None and not self.elastic.affords():  # site-level DP inside elastic rounds
+            return False
         return self.private is None or self.private.can_afford()
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -308,8 +308,7 @@ class AsyncDiLoCo(DiLoCo):
         model the syncer sends back, and go on from it."""
         steps = self._steps_in_round
         delta = self._whole(pseudo_gradient(self.global_params, self.local_params()))
-        if (self.full.site_names[self.site_index], self.rounds) in self.nan_at:  # failure injection
-            delta.fill_(float("nan"))
+        self.faults.corrupt_update(delta, self.rounds)
         every = max(1, self.checkpoint_every // self.H)
         barrier = bool(self.checkpoint_every and steps and not final and (self.rounds + 1) % every == 0)
         t0 = time.perf_counter()

@@ -295,7 +295,7 @@ class StreamingDiLoCo(OuterSync):
         exchange's decision for this site is the same): a Δ it will leave out is not applied."""
         step = torch.zeros_like(local)
         self._settle_eager(f, step)
-        self._inject_nan(local, self.rounds)
+        self.faults.corrupt_update(local, self.rounds)
         kept = self.guard is None or self.guard.would_include(local, f)
         applied = local / self.num_sites if kept else torch.zeros_like(local)
         step.add_(applied)

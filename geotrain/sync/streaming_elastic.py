@@ -130,6 +130,10 @@ class ElasticStreaming(StreamingDiLoCo):
         for f in list(self.pending):
             self._merge(f)
         while todo := [f for f in range(self.F) if self.last_sync[f] < self.local_steps]:
+            if not self._privacy_allows_round():  # site-level DP: the budget is spent, the steps are not released
+                self._mark_synced(todo[0])
+                self._roll_back(self.fragments[todo[0]], "privacy budget: the last partial round is not released")
+                continue
             if not self._round(todo[0], rest=len(todo) - 1):
                 time.sleep(self.elastic.retry_seconds)
             for f in list(self.pending):

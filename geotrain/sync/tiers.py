@@ -150,8 +150,7 @@ class TieredDiLoCo(DiLoCo):
         the region's norms (``guard.enabled``), after the failure injection (``fault.nan``, by
         region round); a site left out contributes zeros."""
         g = self.comm.groups
-        if (g.topology.site_names[g.me.site_index], self.region_rounds) in self.nan_at:
-            delta.fill_(float("nan"))
+        self.faults.corrupt_update(delta, self.region_rounds)
         if self.guard is None:
             return self.region_sites
         ok = self.guard.include(delta, 0, self.region_rounds, region=self.region_sites)
