@@ -130,6 +130,26 @@ def test_pair_masks_cancel_in_the_ring_and_hide_each_update() -> None:
     assert (masks.decode(two) - (xs["A"] + xs["B"])).abs().mean() > span / 4
 
 
+def test_round_noise_clips_the_whole_update_and_noises_each_part_once() -> None:
+    """Site-level DP in elastic rounds: the site's whole update is clipped to the bound, each
+    carried part gets noise of z · clip / √(min sites) once, and each round sent is one step."""
+    from geotrain.elastic.commit import site_dp
+    from geotrain.privacy.dp import Accountant, RoundNoise
+
+    noise = RoundNoise(clip=1.0, noise_multiplier=0.5, min_sites=4, accountant=Accountant("rdp", 1e-5, None))
+    assert noise.std == pytest.approx(0.25)
+    delta = torch.full((40_000,), 0.01)  # norm 2: clipped by half
+    apply = site_dp(noise, delta, True, False, None)
+    parts = [apply(p.clone()) for p in delta.split(20_000)]  # two carriers, each its own part
+    got = torch.cat(parts)
+    assert (got - 0.005).mean().abs() < 0.01 and (got - 0.005).std() == pytest.approx(0.25, rel=0.02)
+    assert noise.accountant.steps == 1
+    idle = site_dp(noise, delta, False, False, None)  # a site that sends nothing spends nothing
+    assert torch.equal(idle(delta.clone()), delta) and noise.accountant.steps == 1
+    noise.at_least(5)
+    assert noise.accountant.steps == 5
+
+
 def test_site_level_noise_is_calibrated_and_accounted() -> None:
     res = run_ranks(3, _private_average_rank, True, 0.4, timeout=120)
     mean = sum(torch.randn(5001, generator=torch.Generator().manual_seed(s)) for s in range(3)) / 3
