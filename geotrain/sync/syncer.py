@@ -46,8 +46,8 @@ class Update:
     workers: int
     delta: torch.Tensor  # flat fp32 pseudo-gradient (empty: a final delivery of no steps)
     final: bool = False
-    compute_s: float = 0.0
-    checkpoint: bool = False  # the round before a checkpoint: answered once every live site has delivered  # seconds of compute (pacing included, network waits not) the steps took
+    compute_s: float = 0.0  # seconds of compute (pacing included, network waits not) the steps took
+    checkpoint: bool = False  # the round before a checkpoint: answered once every live site has delivered
 
 
 def first_round_steps(cfg: SyncConfig) -> int:
