@@ -223,6 +223,23 @@ def test_a_frame_altered_on_the_path_rolls_the_round_back(tmp_path: Path) -> Non
     assert "a frame from site B failed authentication (AES-GCM tag)" in proc.stdout
 
 
+@pytest.mark.slow
+def test_a_masked_frame_altered_on_the_path_rolls_the_round_back(tmp_path: Path) -> None:
+    """Secure aggregation in elastic mode rides the authenticated transport: B's masked frames of
+    the round at step 30 are altered after sealing (an attacker on the path); the frame fails
+    its AES-GCM tag, that round rolls back on every site, and the other rounds commit with every
+    site's masked update."""
+    from tests.helpers import train_cli
+
+    three = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
+    out = tmp_path / "tamper"
+    overrides = ["elastic.enabled=true", "sync.H=10", "train.eval_every=0", "train.steps=50", 'fault.tamper=["B@30"]']
+    proc = train_cli(out, [*overrides, "privacy.secure_aggregation=true"], three)
+    s = read_summary(out)
+    assert s["rounds_rolled_back"] == 1 and s["rounds_committed"] == 4 and s["consistent"]
+    assert "a frame from site B failed authentication (AES-GCM tag)" in proc.stdout
+
+
 def test_the_lighthouse_does_not_get_the_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """It never needs the run secret: the Lighthouse the launcher starts is not handed it in its
     environment (where any process of the user, or a crash dump, could read it)."""
