@@ -11,14 +11,12 @@ once per DiLoCo outer round. A round is built from parts, each in its own module
    (:mod:`geotrain.comm.authstore`) every site proves the run's key over fresh nonces and
    claims what it holds; one agreed view names the round, its heal source and its healers
    (:mod:`geotrain.elastic.view`); a site that cannot prove it is left out;
-3. **exchange** (:mod:`geotrain.elastic.exchange`, a thread): healing state from the source to
-   the healers (once per site), then each carrying local rank sums its part of the
-   pseudo-gradient with the same local rank of every admitted site, fp32 or encoded, weighted;
-   every wait watches the peers' heartbeats (:class:`geotrain.elastic.roundstore.Monitor`);
-4. **commit** (:mod:`geotrain.elastic.commit`): the site's ranks agree, every site writes a
-   signed vote, and any missing or negative vote rolls the round back everywhere (the caller
-   restores the global parameters; error feedback keeps its old residual). A site that missed
-   a commit is healed at the next round, so survivors are bit-identical again one round later.
+3. **exchange** (:mod:`geotrain.elastic.exchange`, a thread): healing state from the source to the healers
+   (once per site), then each carrier sums its part with the same local rank of every admitted site, fp32,
+   encoded or masked, weighted; every wait watches the peers' heartbeats (:class:`~.roundstore.Monitor`);
+4. **commit** (:mod:`geotrain.elastic.commit`): the site's ranks agree, every site writes a signed vote, and
+   any missing or negative vote rolls the round back everywhere (the caller restores the global parameters;
+   error feedback keeps its old residual). A site that missed a commit heals at the next round.
 
 docs/ELASTIC.md describes the protocol, its bounds and what was measured; the Lighthouse is
 supervised by the launcher (:class:`geotrain.elastic.lighthouse.LighthouseProcess`).
@@ -341,7 +339,9 @@ class SiteMember(Schedule):
         self.round_steps = [m.step for m in view.members if m.site in view.admitted]
         self.round_rests = [m.rest for m in view.members if m.site in view.admitted]
         self.part = view.part
-        if view.part != self._part and view.part >= 0 and self._sizes is not None:  # a healer: the source's part
+        if self._sizes is not None and not -1 <= view.part < len(self._sizes):  # a claim no site of this run makes
+            view.error = f"round {view.key}: it sums part {view.part}, which this run does not have"
+        elif view.part != self._part and view.part >= 0 and self._sizes is not None:  # a healer: the source's part
             delta, what = torch.zeros(self._sizes[view.part], device=delta.device), Contribution(False, 0.0, what.codec, None)
         self._current = {
             "key": view.key,
