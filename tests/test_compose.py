@@ -317,3 +317,67 @@ def test_secure_aggregation_with_adaptive_pace_weights_each_round_by_its_steps(t
     assert s["secagg"] and s["dropouts"] == 0 and len(set(s["global_param_hash"].values())) == 1
     rounds = s["pace"]
     assert any(r["steps"][2] < r["steps"][0] for r in rounds[1:]), rounds  # the slow site ran fewer steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_elastic_rounds_with_adaptive_pace_a_site_killed_heals_and_the_slow_site_runs_fewer_steps(tmp_path: Path) -> None:
+    """Adaptive pace in elastic rounds: each site claims its measured rate in the round's meeting
+    and every site takes the round's time budget from the fastest claim, so C, at a third of the
+    speed, runs fewer steps a round and its update weighs by its tokens; B is SIGKILLed mid-run,
+    heals from a live site (taking its round count) and all three end on one model, on the
+    same number of rounds."""
+    three = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.33}]\n"
+    overrides = [*ELASTIC, "sync.pace=adaptive", "train.steps=60", 'fault.kill=["B@25"]', "fault.restart_after=0.5"]
+    train_cli(out := tmp_path / "run", overrides, three)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"], s["failures"]
+    assert len(set(s["global_param_hash"].values())) == 1
+    site = s["per_site"]
+    assert site["B"]["started_at_step"] > 25
+    assert site["C"]["steps"] < site["A"]["steps"], site  # the slow site ran fewer steps
+    assert len({v["rounds"] for v in site.values()}) == 1, site  # and the same rounds
+    committed = [r for r in records(out, "A") if r["outcome"] == "committed" and r["contributors"] == 3]
+    # token weights: a round's total is the steps its sites ran (one worker each), not 3 plain votes
+    # (the calibration round runs one step on each)
+    assert committed[0]["weight"] == 3 and len(committed) > 1 and all(r["weight"] > 3 for r in committed[1:]), committed
+    assert any(r["outcome"] == "committed" and "B" in r["healers"] for r in records(out, "A"))
+
+
+FOUR_TIERS = (
+    "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
+    "  regions: [{name: eu, sites: [A, B, C]}, {name: us, sites: [D]}]\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_secure_aggregation_in_both_tiers_a_site_drops_out_of_each(tmp_path: Path) -> None:
+    """Tiers with secure aggregation: region rounds mask over the region's three sites, world
+    rounds over all four; the us region's one site sums nothing in its region rounds. Without a
+    dropout the masked run ends where the plain tiered run ends (fixed point), and the region
+    rounds stay off the slow links. B drops out of region round 1 and of world round 1 after key
+    agreement: the region round, below its threshold, rolls back in B's region only; the world
+    round completes with the survivors, B's masks removed with their shares."""
+    base = ["sync.H=5", "sync.region_every=2", "train.steps=20", "train.eval_every=0"]
+    masked = ["privacy.secure_aggregation=true"]
+    runs = {}
+    for name, extra in (("plain", []), ("masked", masked), ("dropout", [*masked, 'privacy.inject=["B@1:drop"]'])):
+        train_cli(out := tmp_path / name, [*base, *extra], FOUR_TIERS)
+        runs[name] = read_summary(out)
+        assert len(set(runs[name]["global_param_hash"].values())) == 1, name
+    plain, secure = runs["plain"], runs["masked"]
+    assert secure["secagg"] and secure["dropouts"] == 0 and secure["rounds_rolled_back"] == 0
+    assert secure["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=1e-5)
+    assert 0 < secure["inter_region_bytes"] < 1.2 * plain["inter_region_bytes"]  # world rounds only cross regions
+    audit = [json.loads(line) for line in (tmp_path / "dropout" / "audit.jsonl").read_text().splitlines()]
+    region = [a for a in audit if a["kind"] == "round" and a["tier"] == "region"]
+    world = [a for a in audit if a["kind"] == "round" and a["tier"] == "world"]
+    assert [a["round"] for a in region] == [0, 1, 2, 3] and [a["round"] for a in world] == [0, 1]
+    assert region[0]["participants"] == ["A", "B", "C"] and world[0]["participants"] == ["A", "B", "C", "D"]
+    # a region of three needs all three (the threshold is at least 3): its round rolls back; the
+    # world round goes on with three of four, B's masks removed with the survivors' shares
+    assert region[1]["status"] == "rolled_back" and "2 of 3 sites survived" in region[1]["error"], region[1]
+    assert world[1]["status"] == "committed" and world[1]["dropped"] == world[1]["masks_recovered"] == ["B"], world[1]
+    assert [a["status"] for a in region + world].count("committed") == 5
+    assert runs["dropout"]["dropouts"] == 1

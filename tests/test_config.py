@@ -175,9 +175,11 @@ def test_a_run_refused_before_launch_leaves_no_zygote(tmp_path: Path) -> None:
     (tmp_path / "tiny.txt").write_text("too small")
     args = train_args(tmp_path / "out", [f"data.corpus={tmp_path / 'tiny.txt'}"])
     t0 = _ticks()
+    tag = f"GEOTRAIN_TEST_RUN={tmp_path.name}-{os.getpid()}"  # this run's processes inherit it (tests run in parallel)
+    env = {**os.environ, tag.split("=")[0]: tag.split("=")[1]}
     with open(tmp_path / "err", "w") as err:  # a file, not a pipe: the zygote would hold a pipe open
-        code = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=err, timeout=60).returncode
-    assert not _zygotes_since(t0), "a refused run left its zygote behind"
+        code = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=err, timeout=60, env=env).returncode
+    assert not _zygotes_since(t0, tag), "a refused run left its zygote behind"
     assert code == 2
     assert (tmp_path / "err").read_text().startswith("geotrain: config error: data.corpus: held-out split too small")
 
@@ -188,12 +190,17 @@ def _ticks() -> float:
         return float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
 
 
-def _zygotes_since(t0: float) -> list[int]:
-    """Live (not zombie) zygote processes started at or after ``t0`` (:func:`_ticks`)."""
+def _zygotes_since(t0: float, tag: str) -> list[int]:
+    """Live (not zombie) zygote processes started at or after ``t0`` (:func:`_ticks`) whose
+    environment holds ``tag`` (``NAME=value``)."""
     found = []
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and b"geotrain.launch.zygote" in (d / "cmdline").read_bytes():
+            if (
+                d.name.isdigit()
+                and b"geotrain.launch.zygote" in (d / "cmdline").read_bytes()
+                and tag.encode() in (d / "environ").read_bytes().split(b"\0")
+            ):
                 fields = (d / "stat").read_text().rsplit(") ", 1)[1].split()
                 if fields[0] != "Z" and int(fields[19]) >= t0 - 1:
                     found.append(int(d.name))

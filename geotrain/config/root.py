@@ -123,9 +123,23 @@ class Config(Section):
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
             (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
-            (self.privacy.secure_aggregation or self.privacy.dp.unit == "site", "privacy", "turn privacy off"),
+            (self.privacy.dp.unit == "site", "privacy.dp.unit", "use none or example"),
         ]
         _refuse(refused, "sync.region_every")
+        if self.privacy.secure_aggregation:  # region rounds sum securely over each region's sites
+            for region in self.topology.regions:
+                k = len(region.sites)
+                if k == 2:
+                    raise ValueError(
+                        f"privacy.secure_aggregation: region {region.name} has 2 sites, and a region round's sum of two "
+                        "shows each the other's update; give every region 1 or at least 3 sites (or set sync.region_every=0)"
+                    )
+                t = self.privacy.threshold
+                if k > 1 and t is not None and t > k:
+                    raise ValueError(
+                        f"privacy.threshold: {t} is more than region {region.name}'s {k} sites (region rounds aggregate "
+                        f"securely among a region's sites; allowed: at most {k})"
+                    )
 
     def _adapt_fits(self) -> None:
         """sync.adapt: lock-step rounds of DiLoCo or Streaming DiLoCo; what it is not combined with yet (docs/HETERO.md)."""
@@ -195,7 +209,11 @@ class Config(Section):
         p = self.privacy
         refused = [
             (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
-            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (
+                self.elastic.enabled and bool(self.train.max_seconds),
+                "elastic.enabled",
+                "set train.max_seconds=0 (elastic sites end on their steps or, with sync.pace=adaptive, on rounds)",
+            ),
             (
                 p.dp.unit == "site",
                 "privacy.dp.unit",

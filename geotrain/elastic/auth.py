@@ -330,6 +330,7 @@ CLAIM_TYPES: dict[str, type] = {
     "session": str,
     "part": int,  # the part of the model it syncs, plus one (0: the whole model, or none)
     "rest": int,  # rounds it still owes after this one once its steps are run
+    "pace": int,  # adaptive pace: its measured compute microseconds per inner step (0: none)
     "eph": str,  # this round's X25519 public key (hex): the frame keys between sites come from it
 }
 

@@ -122,7 +122,7 @@ class SiteMember(Schedule):
         self.joining = False  # a restarted site with no valid state yet: it heals before it trains
         self.record_file: Path | None = None  # local rank 0: one JSON line per round
         self._current: dict[str, Any] = {}
-        self._part, self._rest, self._sizes = -1, 0, cast("list[int] | None", None)  # the round under way (:meth:`round`)
+        self._part, self._rest, self._sizes, self._pace = -1, 0, cast("list[int] | None", None), 0  # the round under way
         self.part, self.average = -1, cast("torch.Tensor | None", None)  # the last round's part (view.round_part), average
         self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
@@ -187,16 +187,10 @@ class SiteMember(Schedule):
         """What this site holds now (local rank 0): in its quorum request, and again inside the round."""
         assert self.coordinator is not None
         return {
-            "hash": self._hash,
-            "step": self.hooks.step(),
-            "joining": self.joining,
-            "committed": self.hooks.committed(),
-            "store": self.coordinator.store_address,
-            "incarnation": self.incarnation,
-            "session": self.hints.session,
-            "part": self._part + 1,
-            "rest": self._rest,
-        }
+            "hash": self._hash, "step": self.hooks.step(), "joining": self.joining, "committed": self.hooks.committed(),
+            "store": self.coordinator.store_address, "incarnation": self.incarnation, "session": self.hints.session,
+            "part": self._part + 1, "rest": self._rest, "pace": self._pace,
+        }  # fmt: skip
 
     def _quorum(self, can_postpone: bool) -> Any:
         assert self.coordinator is not None  # local rank 0
@@ -292,6 +286,7 @@ class SiteMember(Schedule):
         part: int = -1,
         rest: int = 0,
         sizes: list[int] | None = None,
+        pace: int = 0,
     ) -> int | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
         sites in place, each site weighted by ``weight`` (its tokens, or 1); the number of sites
@@ -299,7 +294,8 @@ class SiteMember(Schedule):
         guard withdrew it): this site sends zeros. ``codec``: what crosses sites is encoded, with
         this rank's error feedback ``residual`` (updated only if the round commits). ``part``: the
         part of the model ``delta`` is (-1: all, or none), ``sizes`` this rank's values of each
-        part, ``rest`` the rounds this site still owes after this one once its steps are run.
+        part, ``rest`` the rounds this site still owes after this one once its steps are run,
+        ``pace`` its compute microseconds per inner step (adaptive pace; 0: none).
         The round sums :attr:`part`; where it is another than ``part`` (this site healed from a
         source on another schedule), the average is in :attr:`average`, not in ``delta``.
 
@@ -309,7 +305,7 @@ class SiteMember(Schedule):
         """
         t0, sent0, raw0 = time.monotonic(), self.inter_bytes, self.raw_bytes
         self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # only local rank 0 claims it
-        self._part, self._rest, self._sizes = part, rest, sizes
+        self._part, self._rest, self._sizes, self._pace = part, rest, sizes, pace
         try:
             return self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual))
         finally:  # the training thread was blocked on the wide area all along
@@ -336,8 +332,7 @@ class SiteMember(Schedule):
         view = self._broadcast(view)
         if view.postponed:
             return None
-        self.round_steps = [m.step for m in view.members if m.site in view.admitted]
-        self.round_rests = [m.rest for m in view.members if m.site in view.admitted]
+        self.heard([m for m in view.members if m.site in view.admitted])
         self.part = view.part
         if self._sizes is not None and not -1 <= view.part < len(self._sizes):  # a claim no site of this run makes
             view.error = f"round {view.key}: it sums part {view.part}, which this run does not have"

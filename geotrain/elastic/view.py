@@ -38,6 +38,7 @@ class Member:
     step: int = 0  # the inner step it was at when it claimed (inside the round; 0 from a quorum hint)
     part: int = -1  # which part of the model it syncs in this round (a Streaming DiLoCo fragment; -1: the whole, or any)
     rest: int = 0  # rounds it still owes after this one once its steps are run (Streaming DiLoCo's last fragments)
+    pace: int = 0  # adaptive pace: its measured compute microseconds per inner step (0: none)
 
 
 @dataclass
@@ -105,7 +106,7 @@ def member_from_claims(site: str, claims: dict[str, Any]) -> Member:
     c = claims
     return Member(
         site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"], c["step"], c["part"] - 1,
-        c["rest"],
+        c["rest"], c["pace"],
     )  # fmt: skip
 
 
@@ -172,24 +173,41 @@ def next_boundary(claimed: list[int], step: int, H: int, total: int) -> int:
 
 class Schedule:
     """What the last round's meeting said about the sites' schedules: the steps the admitted sites
-    had reached and the rounds each still owed; and this site's weight."""
+    had reached, the rounds each still owed and (adaptive pace) their rates; and this site's weight.
+
+    With adaptive pace (``paced``) the sites run different steps in a round: a site's weight is
+    always its tokens, a round's time budget comes from the fastest admitted site's claimed rate
+    (:meth:`fastest_seconds`), and the run ends on rounds, not steps (every site's ``rest`` is the
+    rounds it still owes)."""
 
     def __init__(self, workers: list[int], site_index: int) -> None:
         self.workers, self.site_index = workers, site_index
+        self.paced = False
         self.round_steps: list[int] = []
         self.round_rests: list[int] = []
+        self.round_paces: list[int] = []
+
+    def heard(self, admitted: list[Member]) -> None:
+        """What the admitted members of a round claimed about their schedules."""
+        self.round_steps = [m.step for m in admitted]
+        self.round_rests = [m.rest for m in admitted]
+        self.round_paces = [m.pace for m in admitted]
 
     def weight(self, steps: int) -> float:
-        """This site's tokens in a round of ``steps`` steps where the sites differ in size; else 1 (a plain mean)."""
-        return float(self.workers[self.site_index] * steps) if len(set(self.workers)) > 1 else 1.0
+        """This site's tokens in a round of ``steps`` steps where the sites differ in size or pace; else 1 (a plain mean)."""
+        return float(self.workers[self.site_index] * steps) if self.paced or len(set(self.workers)) > 1 else 1.0
 
     def next_boundary(self, step: int, H: int, total: int) -> int:
         """The step at which the next round ends, the same on every site (:func:`next_boundary`)."""
         return next_boundary(self.round_steps, step, H, total)
 
     def all_finished(self, total: int) -> bool:
-        """Whether every site in the last round had run its ``total`` steps and owed no other round."""
-        return all(s >= total for s in self.round_steps) and not any(self.round_rests)
+        """Whether every site in the last round had run its ``total`` steps (paced: its rounds) and owed no other round."""
+        return (self.paced or all(s >= total for s in self.round_steps)) and not any(self.round_rests)
+
+    def fastest_seconds(self) -> float:
+        """The fastest admitted site's seconds per inner step, as claimed in the last round (0: none claimed)."""
+        return min((p for p in self.round_paces if p > 0), default=0) / 1e6
 
 
 def group_members(view: RoundView) -> tuple[str, ...]:

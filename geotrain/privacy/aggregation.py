@@ -73,6 +73,11 @@ class PrivateAggregation:
         if self.secagg is not None:
             self.secagg.set_range(self.bound + 8 * self.noise_std)
         self.gen = secure_generator()
+        self.seed = seed
+        # multi-tier DiLoCo: region rounds sum securely over the region's sites alone (made on first use)
+        topo = g.topology
+        self.region_sites = [s for s in range(self.num_sites) if topo.same_region(s, self.site)]
+        self._region_secagg: SecureAggregator | None = None
         self.faults = faults if faults is not None else FaultPlan(self.site_names[self.site])  # dropouts to inject
         self.audit = audit
         self.aggregations = 0
@@ -99,10 +104,27 @@ class PrivateAggregation:
         with self._lock:
             self._pending += 1
 
+    def _aggregator(self, region: bool) -> SecureAggregator | None:
+        """This rank's secure aggregator over every site, or over its region's sites (``region``)."""
+        if not region:
+            return self.secagg
+        if self._region_secagg is None and self.secure and self.carries and len(self.region_sites) > 1:
+            t = None if self.cfg.threshold is None else min(self.cfg.threshold, len(self.region_sites))
+            self._region_secagg = SecureAggregator(self.comm, self.cfg.graph, t, self.bound, self.seed, region=True)
+            self._region_secagg.set_range(self.bound + 8 * self.noise_std)
+        return self._region_secagg
+
     @torch.no_grad()
-    def average(self, delta: torch.Tensor, round_id: int, weights: list[float] | None = None) -> int:
+    def average(self, delta: torch.Tensor, round_id: int, weights: list[float] | None = None, region: bool = False) -> int:
         """Replace ``delta`` by the average over surviving sites; returns how many survived.
-        A non-finite update is withdrawn (secure aggregation) or left out (plain), never summed."""
+        A non-finite update is withdrawn (secure aggregation) or left out (plain), never summed.
+        ``region``: over the sites of this site's region (multi-tier DiLoCo's region round);
+        ``weights`` are still one per site of the run."""
+        sites = self.region_sites if region else list(range(self.num_sites))
+        if region and len(sites) == 1:  # a region of one site: nothing is summed, nothing released
+            if not bool(torch.isfinite(delta).all()):
+                raise RoundFailed(f"region round {round_id}: this site's update is not finite")
+            return 1
         lane = self.comm.lanes[0].intra  # the site group of whichever thread aggregates (see _secure_sum)
         finite = bool(torch.isfinite(delta).all())
         if self.sharded:  # FSDP: each rank holds a shard of the site's update; the site decides as one
@@ -123,7 +145,7 @@ class PrivateAggregation:
         # sites weighted by their tokens (sites of different sizes or speeds, sync.weight_by_tokens):
         # each site's update is scaled by its weight over the largest one's before masking (public
         # weights, at most 1, so the fixed-point range holds), the sum divided by the survivors'
-        scale = None if weights is None else [w / max(weights) for w in weights]
+        scale = None if weights is None else [w / max(weights[u] for u in sites) for w in weights]
         if scale is not None:
             delta.mul_(scale[self.site])
         sizes = self.comm.site_split(delta.numel())
@@ -137,25 +159,25 @@ class PrivateAggregation:
             inject = "drop"
         report: RoundReport | None = None
         if self.secure:
-            report = self._secure_sum(shard, round_id, inject, guard)
+            report = self._secure_sum(shard, round_id, inject, guard, self._aggregator(region), sites)
             if not self.sharded:
                 self.comm.all_gather_intra(delta, sizes)
             survivors = len(report.survivors)
             divisor = float(survivors) if scale is None else sum(scale[u] for u in report.survivors)
         else:
-            survivors = int(sum(self.comm.site_values(1.0 if finite else 0.0)))
+            survivors = int(sum(self.comm.site_values(1.0 if finite else 0.0, region=region)))
             if survivors == 0:
-                self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"), guard)
-            self.comm.all_reduce_across_sites(delta, sharded=self.sharded)
+                self._failed(round_id, RoundFailed(f"round {round_id}: no site had a finite update"), guard, sites)
+            self.comm.all_reduce_across_sites(delta, sharded=self.sharded, region=region)
             divisor = float(survivors)
         delta.div_(divisor)
         with self._lock:
             self._pending = max(0, self._pending - 1)
             self.aggregations += 1
-            self.dropouts += self.num_sites - survivors
+            self.dropouts += len(sites) - survivors
             if self.accountant is not None:
                 self.accountant.step(self.noise_multiplier * math.sqrt(survivors / self.num_sites), 1.0)
-        self._write_audit(round_id, report, None, guard)
+        self._write_audit(round_id, report, None, guard, sites)
         return survivors
 
     def _site_max(self, value: float) -> float:
@@ -163,25 +185,34 @@ class PrivateAggregation:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.comm.groups.intra)
         return float(t.item())
 
-    def _secure_sum(self, shard: torch.Tensor, round_id: int, inject: str | None, guard: str) -> RoundReport:
-        """Securely sum this rank's ``shard`` over the sites (in place), on every carrying rank;
-        the site's ranks then agree on one outcome: the survivors every carrier saw, or an abort
-        (a carrier that aborted, or carriers that saw different survivors, abort the site's round,
-        which the caller rolls back). The round's report, the same on every rank of the site."""
-        n = self.num_sites
+    def _secure_sum(
+        self,
+        shard: torch.Tensor,
+        round_id: int,
+        inject: str | None,
+        guard: str,
+        secagg: SecureAggregator | None,
+        sites: list[int],
+    ) -> RoundReport:
+        """Securely sum this rank's ``shard`` over ``sites`` (in place) with ``secagg`` (None on a
+        rank that carries nothing), on every carrying rank; the site's ranks then agree on one
+        outcome: the survivors every carrier saw, or an abort (a carrier that aborted, or carriers
+        that saw different survivors, abort the site's round, which the caller rolls back). The
+        round's report, the same on every rank of the site, naming sites by their index in the run."""
+        n = len(sites)
         report: RoundReport | None = None
         error = ""
-        if self.secagg is not None:
+        if secagg is not None:
             try:
-                summed, report = self.secagg.aggregate(shard.contiguous(), round_id, inject)
+                summed, report = secagg.aggregate(shard.contiguous(), round_id, inject)
                 shard.copy_(summed)
             except SecAggAborted as exc:
                 error = str(exc)
         # [aborted, survivor mask (as low and high: the same on every carrier), ...] agreed in the site
         mask = 0 if report is None else sum(1 << u for u in report.survivors)
-        aborting = float(bool(error) or (self.secagg is not None and report is None))
+        aborting = float(bool(error) or (secagg is not None and report is None))
         flags = torch.tensor([aborting, float(mask), -float(mask)], dtype=torch.float64)  # exact masks up to 2^53
-        if self.secagg is None:  # a rank that carries nothing: neutral in the agreement
+        if secagg is None:  # a rank that carries nothing: neutral in the agreement
             flags = torch.tensor([0.0, 0.0, -float((1 << n) - 1)], dtype=torch.float64)
         # on lane 0's site group, as the all-gather that follows: Streaming DiLoCo aggregates in its
         # exchange thread while the training thread uses the main site group
@@ -189,7 +220,7 @@ class PrivateAggregation:
         aborted, high, low = bool(flags[0].item()), int(flags[1].item()), -int(flags[2].item())
         if aborted or high != low:
             why = error or ("the site's ranks saw different survivors" if high != low else "another rank of this site aborted")
-            self._failed(round_id, SecAggAborted(f"round {round_id}: {why}"), guard)
+            self._failed(round_id, SecAggAborted(f"round {round_id}: {why}"), guard, sites)
         if report is None:  # a rank that carries nothing takes the carriers' survivors
             survivors = [u for u in range(n) if high >> u & 1]
             report = RoundReport(
@@ -204,17 +235,20 @@ class PrivateAggregation:
                 0,
                 0,
             )
+        if n < self.num_sites:  # a region's participants: their indices in the region, named by their sites'
+            for name in ("participants", "survivors", "dropped", "malformed", "masks_recovered"):
+                setattr(report, name, [sites[u] for u in getattr(report, name)])
         return report
 
-    def _failed(self, round_id: int, exc: RoundFailed, guard: str) -> NoReturn:
-        """Count and audit a round that cannot complete, then raise ``exc`` for the caller to roll back."""
+    def _failed(self, round_id: int, exc: RoundFailed, guard: str, sites: list[int]) -> NoReturn:
+        """Count and audit a round over ``sites`` that cannot complete, then raise ``exc`` for the caller to roll back."""
         with self._lock:
             self.failed += 1
             self._pending = max(0, self._pending - 1)
-        self._write_audit(round_id, None, str(exc), guard)
+        self._write_audit(round_id, None, str(exc), guard, sites)
         raise exc
 
-    def _write_audit(self, round_id: int, report: RoundReport | None, error: str | None, guard: str) -> None:
+    def _write_audit(self, round_id: int, report: RoundReport | None, error: str | None, guard: str, sites: list[int]) -> None:
         g = self.comm.groups
         if self.audit is None or g.me.local_rank != 0:
             return
@@ -222,6 +256,8 @@ class PrivateAggregation:
         rec: dict[str, Any] = {
             "kind": "round",
             "round": round_id,
+            # multi-tier DiLoCo: a region round (over its region's sites) or a world round, each numbered apart
+            **({"tier": "region" if len(sites) < self.num_sites else "world"} if g.topology.tiered else {}),
             "site": names[self.site],
             "secure_aggregation": self.secure,
             "clip_norm": self.bound,
@@ -247,7 +283,7 @@ class PrivateAggregation:
                 notes=report.notes,
             )
         elif error is None:
-            rec.update(participants=names, survivors=names, dropped=[])
+            rec.update(participants=[names[i] for i in sites], survivors=[names[i] for i in sites], dropped=[])
         if error is not None:
             rec.update(status="rolled_back", error=error)
         else:

@@ -105,17 +105,25 @@ class SecureAggregator:
         threshold: shares needed to reconstruct a secret (None: a majority of each sharing set).
         bound: every encoded value is clamped to ±bound (the caller clips the vector's norm to it).
         run_seed: public seed of the run (the sparse graph of a round derives from it).
+        region: over the sites of this rank's region only (participants are their indices in it).
     """
 
     def __init__(
-        self, comm: Collectives, graph: str = "complete", threshold: int | None = None, bound: float = 100.0, run_seed: int = 0
+        self,
+        comm: Collectives,
+        graph: str = "complete",
+        threshold: int | None = None,
+        bound: float = 100.0,
+        run_seed: int = 0,
+        region: bool = False,
     ) -> None:
         g = comm.groups
         self.comm = comm
-        self.ranks = list(g.inter_ranks)
+        # region: over the sites of this rank's region (multi-tier DiLoCo's region rounds)
+        self.ranks = list(g.region_inter_ranks if region else g.inter_ranks)
         self.me = self.ranks.index(g.me.rank)
         self.n = len(self.ranks)
-        group = comm.lanes[0].inter
+        group = comm.lanes[0].region if region else comm.lanes[0].inter
         assert group is not None, "secure aggregation runs on equal sites (config-checked): every rank carries"
         self.group = group
         self.graph = graph
@@ -133,7 +141,7 @@ class SecureAggregator:
             )
         self.set_range(bound)
         self.run_seed = run_seed
-        self.context = b"geotrain-secagg" + struct.pack(">q", run_seed)
+        self.context = (b"geotrain-secagg-region" if region else b"geotrain-secagg") + struct.pack(">q", run_seed)
 
     def set_range(self, bound: float) -> None:
         """Values are clamped to ±``bound``; the fixed point keeps the sum of n of them in the ring."""

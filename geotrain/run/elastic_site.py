@@ -129,6 +129,7 @@ def join_elastic(
     if plan is not None:
         member.faults = plan
     member.masker, member.noise = masker, noise
+    member.paced = sync.paced  # adaptive pace: tokens weigh every update, the run ends on rounds
     if where.local_rank == 0:
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     sync.elastic = member

@@ -42,9 +42,10 @@ class PrivateAverage(Protocol):
     """Clipping, site-level DP and secure aggregation of pseudo-gradients
     (:class:`geotrain.privacy.aggregation.PrivateAggregation`)."""
 
-    def average(self, delta: torch.Tensor, round_id: int, weights: list[float] | None = None) -> int:
-        """Replace ``delta`` by the average over surviving sites, each weighted by ``weights`` (one
-        per site, public; None: equal); the number that survived.
+    def average(self, delta: torch.Tensor, round_id: int, weights: list[float] | None = None, region: bool = False) -> int:
+        """Replace ``delta`` by the average over surviving sites (``region``: of this site's
+        region), each weighted by ``weights`` (one per site of the run, public; None: equal); the
+        number that survived.
 
         Raises:
             RoundFailed: the round cannot complete; the caller rolls it back.
@@ -64,6 +65,7 @@ class RoundMembership(Protocol):
     """Elastic mode's cross-site round (:class:`geotrain.elastic.member.SiteMember`)."""
 
     part: int  # the part of the model the last round summed
+    paced: bool  # adaptive pace: sites run different steps, weighted by tokens, and the run ends on rounds
     average: torch.Tensor | None  # the last round's average
 
     @property
@@ -82,14 +84,16 @@ class RoundMembership(Protocol):
         part: int = -1,
         rest: int = 0,
         sizes: list[int] | None = None,
+        pace: int = 0,
     ) -> int | None:
         """Average ``delta`` over the admitted sites, each weighted by ``weight``
         (``contribute=False``: this site withdraws its own and takes the others' average),
         encoded with ``codec`` and this rank's error feedback ``residual``; None when postponed.
         ``part``: which part of the model ``delta`` is (a fragment; -1: all of it, or none),
         ``sizes`` this rank's values of each part, ``rest`` the rounds this site still owes after
-        this one once its steps are run. The round sums the part in :attr:`part`; its average is
-        in :attr:`average` (``delta`` itself unless the part is another).
+        this one once its steps are run, ``pace`` its compute microseconds per inner step (adaptive
+        pace). The round sums the part in :attr:`part`; its average is in :attr:`average`
+        (``delta`` itself unless the part is another).
 
         Raises:
             RoundFailed: roll the round back.
@@ -103,12 +107,16 @@ class RoundMembership(Protocol):
         ...
 
     def all_finished(self, total: int) -> bool:
-        """Whether every site of the last round had run its ``total`` steps."""
+        """Whether every site of the last round had run its ``total`` steps (adaptive pace: its rounds)."""
+        ...
+
+    def fastest_seconds(self) -> float:
+        """Adaptive pace: the fastest site's seconds per inner step claimed in the last round (0: none)."""
         ...
 
     def weight(self, steps: int) -> float:
         """This site's weight in a round of ``steps`` inner steps: its tokens where the sites differ
-        in size and sync.weight_by_tokens is set, else 1 (equal sites: a plain mean)."""
+        in size or pace, else 1 (equal sites: a plain mean)."""
         ...
 
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:

@@ -168,6 +168,9 @@ class DiLoCo(OuterSync):
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
         if self.adapter is not None:
             self.adapter.start_average()
+        if self.elastic is not None and self.clock.adaptive:  # the meeting hears this site's rate and rounds owed
+            rate, owed = self.clock.seconds_per_step[self.comm.groups.me.site_index], self.clock.max_rounds - self.rounds - 1
+            self._part_claim = {"pace": 0 if self.idle else round(1e6 * rate), "rest": 0 if self.idle else max(0, owed)}
         try:
             self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
         except RoundPostponed:
@@ -179,8 +182,7 @@ class DiLoCo(OuterSync):
             self._steps_in_round = 0
             self.rounds += 1
             self._note("rolled_back", str(exc))
-            self.clock.next_round(self.rounds)
-            self._align()
+            self._next_round()
             return
         # 4. outer optimizer step with Δ as the gradient
         outer_step_(self.outer_optimizer, self.global_params, delta)
@@ -198,12 +200,16 @@ class DiLoCo(OuterSync):
         self._steps_in_round = 0
         self.rounds += 1
         self._note("committed", "")
-        self.clock.next_round(self.rounds)
-        self._align()
+        self._next_round()
 
-    def _align(self) -> None:
-        """Elastic rounds: the next round ends at the step every site agrees on (see
-        :meth:`RoundMembership.next_boundary`), not H steps after this site's own boundary."""
+    def _next_round(self) -> None:
+        """After a round, committed or rolled back: the next round's limit. Elastic rounds end at
+        the step every site agrees on (see :meth:`RoundMembership.next_boundary`), not H steps
+        after this site's own boundary; with adaptive pace, on the budget of the fastest site's
+        claimed rate."""
+        if self.elastic is not None and self.clock.adaptive:
+            self.clock.claimed_fastest = self.elastic.fastest_seconds()
+        self.clock.next_round(self.rounds)
         if self.elastic is not None and not self.clock.adaptive:
             self.clock.limit = max(1, self.elastic.next_boundary(self.local_steps, self.H, self._total_steps) - self.local_steps)
 

@@ -61,7 +61,9 @@ class OuterSync(SyncAlgorithm):
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
         self.idle = False  # elastic: this site has run its steps and takes part in the others' rounds without an update
-        self._part_claim: dict[str, Any] = {}  # elastic: which part of the model a round is for (Streaming DiLoCo)
+        # elastic: what a round's claims say besides the step (Streaming DiLoCo's part; adaptive pace's rate)
+        self._part_claim: dict[str, Any] = {}
+        self.paced = cfg.pace == "adaptive"  # each site runs its own steps in a round (sync.pace, DiLoCo's)
         # FSDP over sites of different sizes: their shards differ, so each site gathers its
         # pseudo-gradient whole in the site and sums it across sites as replicated sites do
         self.resharded = self.sharded and len(set(topo.workers)) > 1

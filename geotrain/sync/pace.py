@@ -25,6 +25,15 @@ elapsed time: the steps weight the round's
 average by tokens (workers × steps; :meth:`OuterSync.site_weights`), the rates set the next
 budget, and the elapsed time ends the run for ``train.max_seconds`` on every site at once.
 
+In elastic mode (``elastic.enabled``) each site is a torch.distributed world of its own and the
+rounds meet in the elastic membership: each site claims its smoothed seconds per step in the
+round's meeting, next to its step, and every admitted site takes the same budget from the
+fastest claim (:attr:`RoundClock.claimed_fastest`); each site's tokens weigh its update
+(:meth:`geotrain.elastic.view.Schedule.weight`). The run ends on rounds (the calibration round
+and ``ceil(steps / H)`` more): a site claims the rounds it still owes, a site that healed takes
+its source's round count, and a site done with its rounds stays in the others' rounds without an
+update until no admitted site owes one (:meth:`geotrain.sync.diloco.DiLoCo.finish`).
+
 Nothing is measured before the first round, so the run opens with a short lock-step
 calibration round of ``max(1, H // 20)`` steps (``CALIBRATION``: the fast sites wait for the
 slowest in it). The rates come from the run, never from
@@ -82,6 +91,9 @@ class RoundClock:
         self.steps_run = [self.first] * n  # every site's steps in the round being averaged
         self.history: list[list[int]] = []  # every site's steps in every round that ended
         self.seconds_per_step = [0.0] * n  # smoothed, per site
+        # elastic mode: the fastest admitted site's seconds per step as claimed in the last round
+        # (each site is its own world there, so the control exchange sees this site alone)
+        self.claimed_fastest = 0.0
         self.log: list[dict[str, Any]] = []  # per boundary: what was measured, what the next round gets, why
         self.done = False
         self._compute = 0.0
@@ -94,6 +106,10 @@ class RoundClock:
     def exchanges(self) -> bool:
         """Whether round boundaries need the control exchange (else the clock only counts)."""
         return self.adaptive or self.max_seconds > 0
+
+    def fastest(self) -> float:
+        """The fastest site's smoothed seconds per step (elastic mode: as the sites claimed it)."""
+        return self.claimed_fastest or min(self.seconds_per_step)
 
     def add_compute(self, seconds: float) -> None:
         """Account one inner step's compute on this rank (called by the loop after backward)."""
@@ -112,7 +128,7 @@ class RoundClock:
         me = self.comm.groups.me.site_index
         left = self.budget_s - (time.perf_counter() - (self._round_t0 or time.perf_counter()))
         # end when the next step would overrun by more than half a step of the fastest site
-        last = left < self.seconds_per_step[me] - 0.5 * min(self.seconds_per_step)
+        last = left < self.seconds_per_step[me] - 0.5 * self.fastest()
         want = torch.tensor([1.0 if last else 0.0], dtype=torch.float64)
         if len(self.comm.groups.intra_ranks) > 1:  # the site ends together when any of its ranks is out of time
             self.comm.sum_in_site(want)
@@ -153,12 +169,13 @@ class RoundClock:
                 self.done = True
             if self.adaptive:
                 self.limit = round_limit(self.H)
-                self.budget_s = self.H * min(self.seconds_per_step)
+                self.budget_s = self.H * self.fastest()
             self.log.append(
                 {
                     "round": rounds_done,
                     "steps": list(self.steps_run),
                     "seconds_per_step": [round(t, 4) for t in self.seconds_per_step],
+                    "fastest_s": round(self.fastest(), 4),  # (elastic mode: the fastest rate the round's sites claimed)
                     "elapsed_s": round(self._elapsed, 3),
                     "next_budget_s": round(self.budget_s, 3),
                     "next_steps_expected": expected_steps(self.H, self.seconds_per_step)

@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
+from geotrain.errors import RoundFailed
 from geotrain.sync.adapt import NetworkAdapter
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import outer_step_, pseudo_gradient
@@ -145,14 +146,28 @@ class TieredDiLoCo(DiLoCo):
             return super().eval_due(step, every)
         return self._steps_in_round == 0 and self.region_rounds % max(1, every // self.H) == 0
 
+    def _tier_average(self, delta: torch.Tensor, reducer: SiteReducer, weights: list[float], round_id: int) -> None:
+        """Average ``delta`` over one tier's sites (those of nonzero ``weights``): with privacy,
+        securely over the region's sites (a region round: ``reducer`` is the region's) or every
+        site (may raise RoundFailed); else with ``reducer``."""
+        if self.private is None:
+            self._weighted_average(delta, reducer, weights)
+            return
+        weighted = len({w for w in weights if w}) > 1
+        self.private.average(delta, round_id, weights if weighted else None, region=reducer is self.region_reducer)
+
+    def _rolled_back(self, why: str) -> None:
+        self.rounds_rolled_back += 1
+        self.rollback_reasons.append(why)
+
     def _region_included(self, delta: torch.Tensor) -> list[int]:
         """The sites of this region whose update goes into the region round: the guard's rule over
         the region's norms (``guard.enabled``), after the failure injection (``fault.nan``, by
         region round); a site left out contributes zeros."""
         g = self.comm.groups
         self.faults.corrupt_update(delta, self.region_rounds)
-        if self.guard is None:
-            return self.region_sites
+        if self.guard is None or self.private is not None:  # (secure aggregation: no norm is revealed; a
+            return self.region_sites  # site withdraws its own non-finite update, sync.guard)
         ok = self.guard.include(delta, 0, self.region_rounds, region=self.region_sites)
         if not ok[g.me.site_index]:
             delta.zero_()
@@ -171,11 +186,13 @@ class TieredDiLoCo(DiLoCo):
         if steps is not None and not any(steps[s] for s in self.region_sites):
             included = []
         elif included:
-            self._weighted_average(delta, self.region_reducer, self._tier_weights(included, steps))
-            outer_step_(self.region_optimizer, self.region_params, delta)
+            try:
+                self._tier_average(delta, self.region_reducer, self._tier_weights(included, steps), self.region_rounds)
+                outer_step_(self.region_optimizer, self.region_params, delta)
+            except RoundFailed as exc:  # secure aggregation below its threshold: the region round is rolled back
+                self._rolled_back(f"region round {self.region_rounds}: {exc}")
         else:  # every update of the region was rejected by the guard: the region round is rolled back
-            self.rounds_rolled_back += 1
-            self.rollback_reasons.append(f"region round {self.region_rounds}: every site's update was rejected by the guard")
+            self._rolled_back(f"region round {self.region_rounds}: every site's update was rejected by the guard")
         self.region_rounds += 1
         self._region_since_world += 1
         target = self.region_params
@@ -186,15 +203,22 @@ class TieredDiLoCo(DiLoCo):
             world_steps = list(self._since_world) if paced else self._region_since_world * self.H
             if self.adapter is not None:
                 self.adapter.start_average()
-            self._weighted_average(world, self.reducer, self._tier_weights(list(range(self.num_sites)), since))
-            self._since_world, self._region_since_world = [0] * self.num_sites, 0
-            outer_step_(self.outer_optimizer, self.global_params, world)
-            for r, g in zip(self.region_params, self.global_params, strict=True):
-                r.copy_(g)
+            self._region_since_world = 0
+            try:
+                self._tier_average(world, self.reducer, self._tier_weights(list(range(self.num_sites)), since), self.rounds)
+            except RoundFailed as exc:  # the regions keep their models; the next world round spans these steps too
+                self._rolled_back(f"world round {self.rounds}: {exc}")
+                if self.adapter is not None:
+                    self.adapter.skip_round()
+            else:
+                self._since_world = [0] * self.num_sites
+                outer_step_(self.outer_optimizer, self.global_params, world)
+                for r, g in zip(self.region_params, self.global_params, strict=True):
+                    r.copy_(g)
+                target = self.global_params
+                if self.adapter is not None:
+                    self._adapt(world_steps)
             self.rounds += 1
-            target = self.global_params
-            if self.adapter is not None:
-                self._adapt(world_steps)
             if self.clock.exchanges and not paced:  # train.max_seconds: agreed at world rounds only, the one tier
                 self.clock.exchange(self._steps_in_round)  # every site is in (region rounds are not)
                 self.clock.next_round(self.rounds)
