@@ -17,6 +17,10 @@ from geotrain.launch.local import launch_local
 from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, streaming_effective_bps, utilization
 from tests.helpers import TINY, drawn, lines
 
+# timing-sensitive runs (relative speeds, time limits, measured links): under pytest-xdist they share one
+# worker (--dist loadgroup), so two of them never run at once
+pytestmark = pytest.mark.xdist_group("timing")
+
 BITS = {"none": 32.0, "bf16": 16.0, "int8": 8.0, "fp4": 4.0}
 
 

@@ -30,6 +30,10 @@ from geotrain.sync.outer import outer_step_
 from geotrain.sync.syncer import DelayedNesterov, Rejoins, Update, dynamic_steps, merge_weights, weighted_mean
 from tests.helpers import TINY
 
+# timing-sensitive runs (relative speeds, time limits, measured links): under pytest-xdist they share one
+# worker (--dist loadgroup), so two of them never run at once
+pytestmark = pytest.mark.xdist_group("timing")
+
 TWO = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
 # sites A and B at full speed, C at a quarter, for 6 s on an emulated 100 Mbit/s, 10 ms link
 SLOW_C = [

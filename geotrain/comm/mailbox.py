@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,12 @@ class Message:
     def floats(self) -> torch.Tensor:
         """The payload as the fp32 vector it was sent as."""
         return self.payload.view(torch.float32)
+
+
+class Sink(Protocol):
+    """Where a listener puts the messages it receives (a queue, which may take other items too)."""
+
+    def put(self, item: Message) -> None: ...
 
 
 class Mailbox:
@@ -178,7 +184,7 @@ class Mailbox:
         except RuntimeError:
             return Message(src, 0.0, [], torch.empty(0, dtype=torch.uint8), lost=True)
 
-    def listen(self, src: int, into: queue.Queue[Message], last: Callable[[Message], bool]) -> threading.Thread:
+    def listen(self, src: int, into: Sink, last: Callable[[Message], bool]) -> threading.Thread:
         """Put every message from ``src`` into ``into`` (as it comes in, not at its arrival time),
         from a thread that stops after the message ``last`` says is the last, or after a lost
         message if ``src`` dies first."""
@@ -330,7 +336,7 @@ class StoreChannel:
             self._store = None  # a new client next time: a store's client does not reconnect
         return msg
 
-    def listen(self, into: queue.Queue[Message], last: Callable[[Message], bool]) -> threading.Thread:
+    def listen(self, into: Sink, last: Callable[[Message], bool]) -> threading.Thread:
         """Put every message into ``into`` as it comes in, from a thread of its own (with its own
         client) that stops after the message ``last`` says is the last, or at :meth:`close`."""
 

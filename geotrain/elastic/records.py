@@ -160,7 +160,9 @@ def merge_summaries(
         "guard_rejections": {k: v for s in finished.values() for k, v in s.get("guard_rejections", {}).items() if v},
         "guard_events": _unique_events(finished.values()),
         "world_size": topo.world_size,
-        "tokens": first["tokens"] * topo.num_sites,  # nominal: as if every site had trained every step
+        # each site's own tokens (sites of different sizes or paces differ); a site that healed counts
+        # from its source's step, as if it had trained the steps it missed (nominal)
+        "tokens": sum(s["tokens"] for s in finished.values()),
         "steps": max(s["steps"] for s in finished.values()),
         "rounds": outcomes["rounds"],
         "rounds_committed": max(s["rounds_committed"] for s in finished.values()),

@@ -167,8 +167,12 @@ def next_boundary(claimed: list[int], step: int, H: int, total: int) -> int:
     round's meeting (or this site's ``step``). A round postponed while the Lighthouse was down
     meets with sites at different steps; from the next one on they are back on the multiples of
     H, so they run the same rounds to the end."""
-    top = max([s for s in claimed if s < total], default=step)
-    return (max(step, top) // H + 1) * H
+    return (furthest(claimed, step, total) // H + 1) * H
+
+
+def furthest(claimed: list[int], step: int, total: int) -> int:
+    """The furthest step a site still training (below ``total``) had ``claimed``, or this site's ``step`` if further."""
+    return max(step, max([s for s in claimed if s < total], default=step))
 
 
 class Schedule:
@@ -200,6 +204,10 @@ class Schedule:
     def next_boundary(self, step: int, H: int, total: int) -> int:
         """The step at which the next round ends, the same on every site (:func:`next_boundary`)."""
         return next_boundary(self.round_steps, step, H, total)
+
+    def furthest(self, step: int, total: int) -> int:
+        """The furthest step a site still training had reached in the last round (:func:`furthest`)."""
+        return furthest(self.round_steps, step, total)
 
     def all_finished(self, total: int) -> bool:
         """Whether every site in the last round had run its ``total`` steps (paced: its rounds) and owed no other round."""

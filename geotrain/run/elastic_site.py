@@ -29,12 +29,17 @@ from geotrain.run.state import RankObjects
 from geotrain.sync import OuterSync
 
 
+def fault_file(folder: Path, site: str, step: int) -> Path:
+    """The request file for a fault of ``site`` at ``step`` (the launcher reads it)."""
+    return folder / f"fault-{site}-{step}.json"
+
+
 def request_fault(folder: Path, where: RankInfo, kind: str, step: int, timeout_s: float = 120.0) -> None:
     """Failure injection at ``step``: the site's local rank 0 asks the launcher to signal every
     process of this site (``kind``: kill or hang) with a request file in ``folder``, and every rank
     of it waits for the signal. Returns only if the launcher declined (a ``.skip`` file: it is the
     last live site); raises if nothing happened within ``timeout_s`` (no launcher that injects faults)."""
-    request = folder / f"fault-{where.site}-{step}.json"
+    request = fault_file(folder, where.site, step)
     if where.local_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         # renamed into place: the launcher never reads half a file
@@ -68,7 +73,8 @@ def join_elastic(
     Args:
         topology: the whole run.
         faults: {step: 'kill' | 'hang'} the launcher carries out on this site. A restarted incarnation
-            asks only for those after the step it healed at (the earlier ones happened to its predecessors).
+            asks only for those after the step it healed at that no predecessor asked for (those
+            happened to its predecessors).
         where: this rank's place in the whole run.
         objs: this rank's training state (healing reads and replaces it).
         keys: the folder of the sites' own keys (``privacy.keys_dir``), for ``elastic.site_keys``.
@@ -84,6 +90,8 @@ def join_elastic(
         kind = faults.pop(step, None)
         if kind is None or (incarnation and (member.healed_at_step is None or step <= member.healed_at_step)):
             return
+        if incarnation and fault_file(out / "elastic", where.site, step).exists():
+            return  # a predecessor asked for it already (with adaptive pace a heal can set this site's step back)
         request_fault(out / "elastic", where, kind, step)
 
     sharded = sync.sharded  # FSDP: each rank heals its own shards from the same local rank of the source

@@ -106,6 +106,11 @@ class RoundMembership(Protocol):
         steps after a postponed round)."""
         ...
 
+    def furthest(self, step: int, total: int) -> int:
+        """The furthest step a site still training toward ``total`` had reached in the last round
+        (this site's ``step`` if it is further)."""
+        ...
+
     def all_finished(self, total: int) -> bool:
         """Whether every site of the last round had run its ``total`` steps (adaptive pace: its rounds)."""
         ...

@@ -106,7 +106,7 @@ class DiLoCo(OuterSync):
         # every site); the folder is named by the leading site's step, each rank's file holds its own
         if self._steps_in_round or self.rounds % max(1, every // self.H):
             return None
-        return max(sum(steps) for steps in zip(*self.clock.history, strict=True))
+        return max(self.clock.totals)
 
     def world_steps(self, step: int) -> int:
         if not self.clock.adaptive:
@@ -135,23 +135,13 @@ class DiLoCo(OuterSync):
                 self._roll_back(range(len(self.params)), "privacy budget: the last partial round is not released")
                 self._steps_in_round = 0
         if self.elastic is not None:
-            self._stay_for_the_others()
+            self._stay_for_the_others(self._idle_round)
 
-    def _stay_for_the_others(self) -> None:
-        """Elastic: a site that has run its steps stays in the rounds of the sites still training
-        (it sends no update and applies their average), until a round in which every site has run
-        its steps; so no site commits its last rounds alone and all end on one model. Bounded:
-        without other sites its rounds are its own, and a quorum that never forms ends in
-        ElasticTimeout after elastic.wait_timeout_s."""
-        assert self.elastic is not None
-        self.idle = True
-        target = self.local_steps  # where this site stopped: the run's steps (or the privacy budget's, the same everywhere)
-        while not self.elastic.all_finished(target):
-            rounds = self.rounds
-            self.outer_step()
-            if self.rounds == rounds:  # postponed: ask again after a heartbeat
-                time.sleep(self.elastic.retry_seconds)
-        self.idle = False
+    def _idle_round(self) -> bool:
+        """One round of a site that has run its steps (no update of its own); False: postponed."""
+        rounds = self.rounds
+        self.outer_step()
+        return self.rounds != rounds
 
     def join_round(self) -> None:
         self.outer_step()

@@ -6,7 +6,8 @@ rollback of a failed round.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -137,6 +138,21 @@ class OuterSync(SyncAlgorithm):
                 delta.zero_()
                 reducer.forget_residual()  # else its old error feedback would still be sent
         self._weighted_average(delta, reducer, self.site_weights(steps, included))
+
+    def _stay_for_the_others(self, one_round: Callable[[], bool]) -> None:
+        """Elastic: a site that has run its steps stays in the rounds of the sites still training
+        (``one_round``: it sends no update and applies their average; False when the round was
+        postponed), until a round in which every site has run its steps (its rounds, with
+        adaptive pace) and owes no other; so no site commits its last rounds alone and all end on
+        one model. Bounded: without other sites its rounds are its own, and a quorum that never
+        forms ends in ElasticTimeout after elastic.wait_timeout_s."""
+        assert self.elastic is not None
+        self.idle = True
+        target = self.local_steps  # where this site stopped: the run's steps (or the privacy budget's, the same everywhere)
+        while not self.elastic.all_finished(target):
+            if not one_round():  # postponed: ask again after a heartbeat
+                time.sleep(self.elastic.retry_seconds)
+        self.idle = False
 
     def join_round(self) -> None:
         """Elastic: a restarted site's first round, in which it heals (see :mod:`geotrain.run.elastic_site`)."""

@@ -90,6 +90,7 @@ class RoundClock:
         self.budget_s = 0.0  # adaptive: this round's time budget (0: the step limit only)
         self.steps_run = [self.first] * n  # every site's steps in the round being averaged
         self.history: list[list[int]] = []  # every site's steps in every round that ended
+        self.totals = [0] * n  # every site's steps in all those rounds (kept as it goes, not summed again)
         self.seconds_per_step = [0.0] * n  # smoothed, per site
         # elastic mode: the fastest admitted site's seconds per step as claimed in the last round
         # (each site is its own world there, so the control exchange sees this site alone)
@@ -164,6 +165,7 @@ class RoundClock:
     def next_round(self, rounds_done: int) -> None:
         """After the boundary: the next round's budget and whether the run is done (no communication)."""
         self.history.append(list(self.steps_run))
+        self.totals = [a + b for a, b in zip(self.totals, self.steps_run, strict=True)]
         if self.exchanges:
             if self.max_seconds and self._elapsed >= self.max_seconds:
                 self.done = True
@@ -189,7 +191,7 @@ class RoundClock:
         self._ending = False
         if self.max_rounds and rounds_done >= self.max_rounds:
             self.done = True
-        if self.max_steps and max(sum(steps) for steps in zip(*self.history, strict=True)) >= self.max_steps:
+        if self.max_steps and max(self.totals) >= self.max_steps:
             self.done = True
 
     # what a checkpoint keeps: the next round's limit and budget and the rates behind them
@@ -202,6 +204,7 @@ class RoundClock:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self._STATE:
             setattr(self, k, state[k])
+        self.totals = [sum(steps) for steps in zip(*self.history, strict=True)] or [0] * len(self.steps_run)
 
     def world_steps(self, workers: list[int]) -> int:
         """Inner steps all ranks have run in the rounds that ended (rank-steps)."""

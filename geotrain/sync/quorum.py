@@ -420,11 +420,11 @@ class AsyncDiLoCo(DiLoCo):
         if self.syncer is not None:
             self.syncer.inbox.put(replace(update, delta=update.delta.clone()))
             deadline = time.monotonic() + timeout
-            while True:
+            while True:  # a blocking wait, woken every quarter second to see whether the syncer failed
                 if self.syncer.error is not None:
                     raise RuntimeError(f"sync.quorum: the syncer failed: {self.syncer.error!r}") from self.syncer.error
                 try:
-                    return self.syncer.outbox.get(timeout=0.01)
+                    return self.syncer.outbox.get(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
                 except queue.Empty:
                     if time.monotonic() > deadline:
                         raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None

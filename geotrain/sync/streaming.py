@@ -251,22 +251,26 @@ class StreamingDiLoCo(OuterSync):
             self.rollback_reasons.append(str(exc))
         into.sub_(applied)
 
+    def _mark_synced(self, f: int, t: int) -> None:
+        """Fragment ``f`` synced at step ``t``: its sync step and its parameters'."""
+        self.last_sync[f] = t
+        for i in self.fragments[f]:
+            self._param_sync[i] = t
+
     @torch.no_grad()
     def _sync(self, f: int, t: int) -> None:
         frag = self.fragments[f]
         local = self.local_params()
         delta = pseudo_gradient(self._globals(f), [local[i] for i in frag])
         steps = t - self.last_sync[f]
-        self.last_sync[f] = t
-        for i in frag:
-            self._param_sync[i] = t
+        self._mark_synced(f, t)
         if self.eager:
             self.rounds += 1  # for streaming, a round is one fragment's sync
             self._eager_step(f, delta, steps)
             return
         if self.private is not None:
             self.private.reserve()
-        fut = self._start(f, delta, steps)
+        fut = self._start(f, delta, steps)  # (its round id is the rounds before this one)
         self.rounds += 1
         self.pending[f] = (t + self.tau, fut, delta)
         if self.tau == 0:

@@ -95,13 +95,13 @@ class ElasticStreaming(StreamingDiLoCo):
         except RoundFailed as exc:
             p = self.elastic.part if self.elastic.part >= 0 else f
             if p >= 0:  # the fragment goes back to its global value on every site (else nothing was synced)
-                self._mark_synced(p)
+                self._synced(p)
                 self._roll_back(self.fragments[p], str(exc))
             self._note("rolled_back", str(exc))
         else:
             p, average = self.elastic.part, self.elastic.average
             assert p >= 0 and average is not None  # a round with no fragment has no contributor: it fails
-            self._mark_synced(p)
+            self._synced(p)
             done: Future[None] = Future()
             done.set_result(None)
             self.pending[p] = (self.local_steps + self.tau, done, average)
@@ -109,16 +109,12 @@ class ElasticStreaming(StreamingDiLoCo):
                 self._merge(p)
             self._note("committed", "")
         # the next round: the first sync past the furthest step a site still training has reached
-        furthest = self.elastic.next_boundary(self.local_steps, 1, self._total_steps) - 1
-        self._slot = self._slot_after(max(self.local_steps, furthest))
+        self._slot = self._slot_after(self.elastic.furthest(self.local_steps, self._total_steps))
         return True
 
-    def _mark_synced(self, f: int) -> None:
-        """Fragment ``f`` was synced at this step (by this round, committed or rolled back)."""
-        t = self.local_steps
-        self.last_sync[f] = t
-        for i in self.fragments[f]:
-            self._param_sync[i] = t
+    def _synced(self, f: int) -> None:
+        """Fragment ``f`` was synced at this step, by a round committed or rolled back (one round)."""
+        self._mark_synced(f, self.local_steps)
         self.rounds += 1
 
     def finish(self) -> None:
@@ -131,19 +127,14 @@ class ElasticStreaming(StreamingDiLoCo):
             self._merge(f)
         while todo := [f for f in range(self.F) if self.last_sync[f] < self.local_steps]:
             if not self._privacy_allows_round():  # site-level DP: the budget is spent, the steps are not released
-                self._mark_synced(todo[0])
+                self._synced(todo[0])
                 self._roll_back(self.fragments[todo[0]], "privacy budget: the last partial round is not released")
                 continue
             if not self._round(todo[0], rest=len(todo) - 1):
                 time.sleep(self.elastic.retry_seconds)
             for f in list(self.pending):
                 self._merge(f)
-        self.idle = True
-        target = self.local_steps
-        while not self.elastic.all_finished(target):  # bounded: a quorum that never forms ends in ElasticTimeout
-            if not self._round(-1):
-                time.sleep(self.elastic.retry_seconds)
-        self.idle = False
+        self._stay_for_the_others(lambda: self._round(-1))
         self._network.shutdown()
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:

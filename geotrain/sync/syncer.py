@@ -34,6 +34,7 @@ UPDATE, FINAL, CHECKPOINT = 1.0, 2.0, 3.0  # CHECKPOINT: an update that waits fo
 # encoded: the payload is sync.codec's bytes (site → syncer: the pseudo-gradient; syncer → site: the
 # change since the model the site holds); 0: fp32 (a pseudo-gradient, or the whole model)
 FIELDS = 8
+TICK = 0.05  # the syncer's longest wait for input: failed sends, silent sites and restarted sites are checked this often
 
 
 @dataclass
@@ -165,7 +166,9 @@ class QuorumSyncer:
         self.codec = codec
         flat = torch.cat([t.reshape(-1) for t in self.theta])
         self.held = {s: flat.clone() for s in range(1, len(self.workers))} if codec is not None else {}
-        self.inbox: queue.Queue[Update] = queue.Queue()  # from site 0 (same process)
+        # site 0's updates (same process) and the other sites' messages (the mailbox's listener
+        # threads put them here): the loop blocks on it, so it wakes on input, not on a poll
+        self.inbox: queue.Queue[Update | Message] = queue.Queue()
         self.outbox: queue.Queue[tuple[list[float], torch.Tensor]] = queue.Queue()  # to site 0
         self.log: list[dict[str, Any]] = []  # one entry per merge
         self.error: BaseException | None = None
@@ -254,9 +257,8 @@ class QuorumSyncer:
 
     def _run(self) -> None:
         n = len(self.workers)
-        incoming: queue.Queue[Message] = queue.Queue()
         for r in self.leaders[1:]:  # each site's messages, until its final one (or its death)
-            self.mailbox.listen(r, incoming, lambda m: m.fields[0] == FINAL)
+            self.mailbox.listen(r, self.inbox, lambda m: m.fields[0] == FINAL)
         pending: list[tuple[float, Update]] = []
         open_: list[Update] = []
         waiting: list[int] = []
@@ -273,15 +275,7 @@ class QuorumSyncer:
                 for s, k in self.rejoins.poll(self.lost):
                     pending = [p for p in pending if p[1].site != s]  # its dead incarnation's: late forever
                     finals.discard(s)
-                    self._rejoin(s, k, incoming)
-            while not incoming.empty():
-                m = incoming.get_nowait()
-                if m.lost:
-                    gone.add(self.leaders.index(m.src))
-                else:
-                    pending.append((m.arrival, self._decode(m)))
-            while not self.inbox.empty():
-                pending.append((0.0, self.inbox.get_nowait()))
+                    self._rejoin(s, k)
             now = time.monotonic()
             due = sorted((p for p in pending if p[0] <= now), key=lambda p: p[0])
             pending = [p for p in pending if p[0] > now]
@@ -334,7 +328,29 @@ class QuorumSyncer:
                     open_, quorum_at = [], None
                     self._reply(waiting)
                     waiting = []
-            time.sleep(0.001)
+            # wait for input, at most until the next message lands, the grace window closes, or TICK
+            # (failed sends, silent sites and restarted sites are checked that often)
+            deadlines = [p[0] for p in pending] + ([quorum_at + self.cfg.grace_s] if quorum_at is not None else [])
+            self._receive(pending, gone, min([TICK, *(d - time.monotonic() for d in deadlines)]))
+
+    def _receive(self, pending: list[tuple[float, Update]], gone: set[int], wait_s: float) -> None:
+        """Block up to ``wait_s`` for an update or message, then take every other one already in:
+        updates into ``pending`` with the time they land (link emulation), closed connections into ``gone``."""
+        try:
+            item = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, Update):
+                pending.append((0.0, item))
+            elif item.lost:
+                gone.add(self.leaders.index(item.src))
+            else:
+                pending.append((item.arrival, self._decode(item)))
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
 
     def _merge(self, updates: list[Update], why: str) -> None:
         if not updates:
@@ -394,7 +410,7 @@ class QuorumSyncer:
             channel.close()
         self._note("lost", [], [], f"site {site}: {why}; late forever", sites=[site])
 
-    def _rejoin(self, site: int, incarnation: int, incoming: queue.Queue[Message]) -> None:
+    def _rejoin(self, site: int, incarnation: int) -> None:
         """Lost ``site`` came back as ``incarnation``: from now on it counts in the world round
         again, its messages come through the run's store, and it is answered at once with the
         global model (its new base) and the steps it had delivered (where its data goes on)."""
@@ -402,7 +418,7 @@ class QuorumSyncer:
         self.outer.sites = len(self.workers) - len(self.lost)
         assert self.rejoins is not None
         channel = self.channels[site] = self.rejoins.channel(site, incarnation)
-        channel.listen(incoming, lambda m: m.fields[0] == FINAL)
+        channel.listen(self.inbox, lambda m: m.fields[0] == FINAL)
         if self.site_ranks:
             self.watch.restart(self.site_ranks[site])
         why = f"site {site}: incarnation {incarnation} came back; it goes on from version {self.version}, its step {self.site_steps[site]}"
