@@ -359,7 +359,8 @@ def test_secure_aggregation_in_both_tiers_a_site_drops_out_of_each(tmp_path: Pat
     dropout the masked run ends where the plain tiered run ends (fixed point), and the region
     rounds stay off the slow links. B drops out of region round 1 and of world round 1 after key
     agreement: the region round, below its threshold, rolls back in B's region only; the world
-    round completes with the survivors, B's masks removed with their shares."""
+    round completes with the survivors, B's masks removed with their shares. A last world round
+    that fails leaves every site on the world model before it."""
     base = ["sync.H=5", "sync.region_every=2", "train.steps=20", "train.eval_every=0"]
     masked = ["privacy.secure_aggregation=true"]
     runs = {}
@@ -382,3 +383,8 @@ def test_secure_aggregation_in_both_tiers_a_site_drops_out_of_each(tmp_path: Pat
     assert world[1]["status"] == "committed" and world[1]["dropped"] == world[1]["masks_recovered"] == ["B"], world[1]
     assert [a["status"] for a in region + world].count("committed") == 5
     assert runs["dropout"]["dropouts"] == 1
+    # the last world round below its threshold too (B and C drop out): every site ends on the last
+    # world model, not on its region's
+    train_cli(out := tmp_path / "last", [*base, *masked, 'privacy.inject=["B@1:drop", "C@1:drop"]'], FOUR_TIERS)
+    last = read_summary(out)
+    assert len(set(last["global_param_hash"].values())) == 1 and last["rounds_rolled_back"] == 2, last["rounds_rolled_back"]

@@ -210,6 +210,10 @@ class TieredDiLoCo(DiLoCo):
                 self._rolled_back(f"world round {self.rounds}: {exc}")
                 if self.adapter is not None:
                     self.adapter.skip_round()
+                if self._finishing:  # no next world round: every site ends on the last world model
+                    for r, g in zip(self.region_params, self.global_params, strict=True):
+                        r.copy_(g)
+                    target = self.global_params
             else:
                 self._since_world = [0] * self.num_sites
                 outer_step_(self.outer_optimizer, self.global_params, world)
