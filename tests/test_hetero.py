@@ -140,7 +140,12 @@ def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Pa
     a, b = ad["per_site"]
     # a 1-step calibration round, then rounds budgeted for H steps of the fastest site (at most 1.5 H)
     assert ad["rounds"] == 6 and 1 + 5 * 5 <= a["steps"] <= 1 + 5 * 12, a  # at most ceil(1.5 H) per round
-    assert 1 + 5 <= b["steps"] <= 1 + 5 * 4, b  # about H/4 per round (1 to 4 here)
+    # about H/4 per round for B (1 to 4 here) once the rates are measured on budgeted rounds: the first
+    # budget comes from the calibration round's one step, the run's first, whose warm-up can stretch
+    # it so far that both sites run to the cap (seen under a parallel test run; docs/HETERO.md)
+    rounds = [p["steps"] for p in ad["pace"]]
+    assert all(1 <= s[1] <= 4 < s[0] for s in rounds[2:]), rounds
+    assert 1 + 5 <= b["steps"] <= 1 + 12 + 4 * 4, b
     # the pace log has every boundary: each site's steps (they add up) and the next budget, with the reason
     assert [sum(p["steps"][i] for p in ad["pace"]) for i in range(2)] == [a["steps"], b["steps"]]
     assert all(p["why"].startswith("budget") and p["next_budget_s"] > 0 for p in ad["pace"])

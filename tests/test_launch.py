@@ -254,7 +254,6 @@ def test_threads_are_shared_with_every_geotrain_rank_on_the_machine(tmp_path: Pa
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(12)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    base = procs.host_ranks()
     # stand-ins for ranks of other sites: processes running a file at the worker's path (a process
     # that only mentions the name, as `grep geotrain.run.worker` does, is not one)
     stand_in = tmp_path / "geotrain" / "run" / "worker.py"
@@ -262,12 +261,18 @@ def test_threads_are_shared_with_every_geotrain_rank_on_the_machine(tmp_path: Pa
     stand_in.write_text("import time\ntime.sleep(60)\n")
     mention = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "x", "geotrain.run.worker"])
     others = [mention, *(subprocess.Popen([sys.executable, str(stand_in)]) for _ in range(3))]
+    # the scan sees this test's processes only: ranks of tests running beside it (pytest-xdist)
+    # would come and go in the count
+    listdir = os.listdir
+    mine = [str(p.pid) for p in others] + [str(os.getpid())]
+    monkeypatch.setattr(os, "listdir", lambda path: mine if path == "/proc" else listdir(path))
+    base = 0  # (this test runs no rank)
     try:
         deadline = time.monotonic() + 20
-        while procs.host_ranks() < base + 3 and time.monotonic() < deadline:
+        while procs.host_ranks() < base + 3 and time.monotonic() < deadline:  # (their exec takes a moment)
             time.sleep(0.05)
         assert procs.host_ranks() == base + 3
-        assert procs.rank_threads(0) == 12 // (base + 3) == 4  # (this test runs no rank: base is 0)
+        assert procs.rank_threads(0) == 12 // (base + 3) == 4
         assert procs.rank_threads(5) == 5  # as configured
         monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 0.0, 0.0))
         hint = procs.oversubscribed()
