@@ -17,9 +17,9 @@ from geotrain.launch.local import launch_local
 from geotrain.plan.strategies import _volume_latency, achieved_bps, choose_round, streaming_effective_bps, utilization
 from tests.helpers import TINY, drawn, lines
 
-# timing-sensitive runs (relative speeds, time limits, measured links): under pytest-xdist they share one
-# worker (--dist loadgroup), so two of them never run at once
-pytestmark = pytest.mark.xdist_group("timing")
+# timing-sensitive runs (relative speeds, time limits, measured links): the test command runs them
+# after the others, one at a time, with no other test loading the machine
+pytestmark = pytest.mark.timing
 
 BITS = {"none": 32.0, "bf16": 16.0, "int8": 8.0, "fp4": 4.0}
 

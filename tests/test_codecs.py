@@ -398,3 +398,28 @@ def test_codec_quality_summary_and_reuse_of_finished_runs(tmp_path: Path) -> Non
     (run / "summary.json").write_text('{"final_eval_loss": 1.5}')
     assert _finished(run, {"a": 1}) == {"final_eval_loss": 1.5}
     assert _finished(run, {"a": 2}) is None  # another configuration: trained again
+
+
+def test_a_reducers_codec_has_its_kernels_loaded_before_any_exchange() -> None:
+    """``make_codec`` warms the codec: its compiled kernels are loaded when the reducer is made
+    (0.4-0.6 s from numba's cache on first use), not in the first round, where an adapted run
+    would time the load as network. Checked in a fresh interpreter, by the kernels' compiled
+    signatures, never by a clock."""
+    probe = (
+        "from geotrain.codecs import kernels as k\n"
+        "from geotrain.config import SyncConfig\n"
+        "from geotrain.sync.reducer import make_codec\n"
+        "names = ('int8_encode', 'lookup_decode', 'block4_encode', 'block4_decode', 'sparse2_encode', 'sparse2_decode')\n"
+        "before = [len(getattr(k, n).signatures) for n in names]\n"
+        "for c in ('int8', 'fp4', 'sparseloco'):\n"
+        "    make_codec(SyncConfig(codec=c))\n"
+        "print(before, [len(getattr(k, n).signatures) for n in names])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
+    before, after = _two_lists(out)
+    assert before == [0] * 6 and all(n >= 1 for n in after), out
+
+
+def _two_lists(out: str) -> tuple[list[int], list[int]]:
+    a, b = out.strip().split("] [")
+    return json.loads(a + "]"), json.loads("[" + b)

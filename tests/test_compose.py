@@ -321,7 +321,7 @@ def test_secure_aggregation_with_adaptive_pace_weights_each_round_by_its_steps(t
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("timing")  # (relative speeds: see tests/test_hetero.py)
+@pytest.mark.timing  # (relative speeds: see tests/test_hetero.py)
 def test_elastic_rounds_with_adaptive_pace_a_site_killed_heals_and_the_slow_site_runs_fewer_steps(tmp_path: Path) -> None:
     """Adaptive pace in elastic rounds: each site claims its measured rate in the round's meeting
     and every site takes the round's time budget from the fastest claim, so C, at a third of the

@@ -15,9 +15,9 @@ from geotrain.errors import LaunchError
 from geotrain.launch.local import launch_local
 from tests.helpers import PLAIN_SGD, TINY, run_ranks
 
-# timing-sensitive runs (relative speeds, time limits, measured links): under pytest-xdist they share one
-# worker (--dist loadgroup), so two of them never run at once
-pytestmark = pytest.mark.xdist_group("timing")
+# timing-sensitive runs (relative speeds, time limits, measured links): the test command runs them
+# after the others, one at a time, with no other test loading the machine
+pytestmark = pytest.mark.timing
 
 UNEQUAL = "topology.sites=[{name: A, workers: 3}, {name: B, workers: 2}, {name: C, workers: 1}]"
 ONE_SITE = "topology.sites=[{name: A, workers: 6}]"

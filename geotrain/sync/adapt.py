@@ -28,7 +28,8 @@ round of H inner steps of ``T`` seconds and one blocking all-reduce across ``n``
 
 A change of link is followed in the round after the first average that crossed the changed
 link. Switching codecs keeps no state to carry: adaptation uses fixed-width codecs without error
-feedback (each codec gets its own reducer, made when first chosen).
+feedback (each codec gets its own reducer, made when first chosen, with its kernels loaded then:
+the next round's timing holds no kernel load).
 
 **Streaming DiLoCo** (:class:`~geotrain.sync.streaming.StreamingDiLoCo` calls :meth:`decide`
 in its exchange thread once per cycle of H steps) differs in five ways: a round has several

@@ -21,7 +21,8 @@ from geotrain.config import SyncConfig
 
 
 def make_codec(cfg: SyncConfig) -> Codec | None:
-    """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec)."""
+    """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec), its
+    kernels loaded (:meth:`Codec.warm`: no round times their load as network)."""
     if cfg.codec in ("none", "powersgd"):
         return None
     return build_codec(
@@ -31,7 +32,7 @@ def make_codec(cfg: SyncConfig) -> Codec | None:
         topk_fraction=cfg.topk_fraction,
         sparse_fraction=cfg.sparse_fraction,
         sparse_chunk=cfg.sparse_chunk,
-    )
+    ).warm()
 
 
 def contiguous_split(sizes: Sequence[int], parts: int) -> list[int]:

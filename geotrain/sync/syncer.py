@@ -329,15 +329,16 @@ class QuorumSyncer:
                     self._reply(waiting)
                     waiting = []
             # wait for input, at most until the next message lands, the grace window closes, or TICK
-            # (failed sends, silent sites and restarted sites are checked that often)
-            deadlines = [p[0] for p in pending] + ([quorum_at + self.cfg.grace_s] if quorum_at is not None else [])
-            self._receive(pending, gone, min([TICK, *(d - time.monotonic() for d in deadlines)]))
+            # (failed sends, silent sites and restarted sites are checked that often); at least 1 ms,
+            # so a deadline just past never turns the loop into a spin
+            deadlines = [p[0] for p in pending] + ([quorum_at + self.cfg.grace_s] if quorum_at is not None and waiting else [])
+            self._receive(pending, gone, max(0.001, min([TICK, *(d - time.monotonic() for d in deadlines)])))
 
     def _receive(self, pending: list[tuple[float, Update]], gone: set[int], wait_s: float) -> None:
         """Block up to ``wait_s`` for an update or message, then take every other one already in:
         updates into ``pending`` with the time they land (link emulation), closed connections into ``gone``."""
         try:
-            item = self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait_s)
         except queue.Empty:
             return
         while True:
