@@ -413,13 +413,8 @@ def test_a_reducers_codec_has_its_kernels_loaded_before_any_exchange() -> None:
         "before = [len(getattr(k, n).signatures) for n in names]\n"
         "for c in ('int8', 'fp4', 'sparseloco'):\n"
         "    make_codec(SyncConfig(codec=c))\n"
-        "print(before, [len(getattr(k, n).signatures) for n in names])\n"
+        "print(json.dumps([before, [len(getattr(k, n).signatures) for n in names]]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
-    before, after = _two_lists(out)
-    assert before == [0] * 6 and all(n >= 1 for n in after), out
-
-
-def _two_lists(out: str) -> tuple[list[int], list[int]]:
-    a, b = out.strip().split("] [")
-    return json.loads(a + "]"), json.loads("[" + b)
+    out = subprocess.run([sys.executable, "-c", "import json\n" + probe], capture_output=True, text=True, timeout=120, check=True)
+    before, after = json.loads(out.stdout)
+    assert before == [0] * 6 and all(n >= 1 for n in after), out.stdout

@@ -109,9 +109,9 @@ class PrivateAggregation:
         if not region:
             return self.secagg
         if self._region_secagg is None and self.secure and self.carries and len(self.region_sites) > 1:
-            t = None if self.cfg.threshold is None else min(self.cfg.threshold, len(self.region_sites))
-            self._region_secagg = SecureAggregator(self.comm, self.cfg.graph, t, self.bound, self.seed, region=True)
-            self._region_secagg.set_range(self.bound + 8 * self.noise_std)
+            # (the config holds privacy.threshold within every region of several sites)
+            bound = self.bound + 8 * self.noise_std  # the fixed-point range, as the world's aggregator's
+            self._region_secagg = SecureAggregator(self.comm, self.cfg.graph, self.cfg.threshold, bound, self.seed, region=True)
         return self._region_secagg
 
     @torch.no_grad()

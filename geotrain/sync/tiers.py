@@ -156,10 +156,6 @@ class TieredDiLoCo(DiLoCo):
         weighted = len({w for w in weights if w}) > 1
         self.private.average(delta, round_id, weights if weighted else None, region=reducer is self.region_reducer)
 
-    def _rolled_back(self, why: str) -> None:
-        self.rounds_rolled_back += 1
-        self.rollback_reasons.append(why)
-
     def _region_included(self, delta: torch.Tensor) -> list[int]:
         """The sites of this region whose update goes into the region round: the guard's rule over
         the region's norms (``guard.enabled``), after the failure injection (``fault.nan``, by
@@ -190,9 +186,9 @@ class TieredDiLoCo(DiLoCo):
                 self._tier_average(delta, self.region_reducer, self._tier_weights(included, steps), self.region_rounds)
                 outer_step_(self.region_optimizer, self.region_params, delta)
             except RoundFailed as exc:  # secure aggregation below its threshold: the region round is rolled back
-                self._rolled_back(f"region round {self.region_rounds}: {exc}")
+                self._roll_back((), f"region round {self.region_rounds}: {exc}")
         else:  # every update of the region was rejected by the guard: the region round is rolled back
-            self._rolled_back(f"region round {self.region_rounds}: every site's update was rejected by the guard")
+            self._roll_back((), f"region round {self.region_rounds}: every site's update was rejected by the guard")
         self.region_rounds += 1
         self._region_since_world += 1
         target = self.region_params
@@ -206,22 +202,21 @@ class TieredDiLoCo(DiLoCo):
             self._region_since_world = 0
             try:
                 self._tier_average(world, self.reducer, self._tier_weights(list(range(self.num_sites)), since), self.rounds)
+                committed = True
             except RoundFailed as exc:  # the regions keep their models; the next world round spans these steps too
-                self._rolled_back(f"world round {self.rounds}: {exc}")
+                self._roll_back((), f"world round {self.rounds}: {exc}")
                 if self.adapter is not None:
                     self.adapter.skip_round()
-                if self._finishing:  # no next world round: every site ends on the last world model
-                    for r, g in zip(self.region_params, self.global_params, strict=True):
-                        r.copy_(g)
-                    target = self.global_params
-            else:
+                committed = False
+            if committed:
                 self._since_world = [0] * self.num_sites
                 outer_step_(self.outer_optimizer, self.global_params, world)
+                if self.adapter is not None:
+                    self._adapt(world_steps)
+            if committed or self._finishing:  # (a failed last world round: every site ends on the last world model)
                 for r, g in zip(self.region_params, self.global_params, strict=True):
                     r.copy_(g)
                 target = self.global_params
-                if self.adapter is not None:
-                    self._adapt(world_steps)
             self.rounds += 1
             if self.clock.exchanges and not paced:  # train.max_seconds: agreed at world rounds only, the one tier
                 self.clock.exchange(self._steps_in_round)  # every site is in (region rounds are not)
