@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 UNEQUAL = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]"
+SLOW = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.35}]"
 EVEN = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]"
 
 
@@ -95,12 +96,25 @@ def main() -> None:
                 p = train(Path(tmp) / f"secagg-{layout}", [EVEN, *base, within, *private])
                 layouts[f"secagg_site_dp_clip_{layout}"] = row(p)
             result["layouts"] = layouts
+            # Streaming DiLoCo at lock-step and under adaptive pace, one site at 0.35 speed: each slot of
+            # H/F steps is a round of the pace clock, ending with one fragment's sync
+            paced: dict[str, dict[str, Any]] = {}
+            for pace in ("lockstep", "adaptive"):
+                name = f"streaming-{pace}-slow-site"
+                s = train(
+                    Path(tmp) / name,
+                    [SLOW, *base, "sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2", f"sync.pace={pace}"],
+                )
+                paced[name] = {**row(s), "steps": [x["steps"] for x in s["per_site"]], "wall_seconds": s["wall_seconds"]}
+            result["streaming_pace"] = paced
         print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
-        for name, r in {**result["elastic_vs_lockstep"], **result["layouts"]}.items():
+        for name, r in {**result["elastic_vs_lockstep"], **result["layouts"], **result["streaming_pace"]}.items():
             print(
                 f"{name:34} {r['final_eval_loss']:16.4f} {r['inter_site_bytes']:17,} "
                 f"{r['compression_ratio']:11.2f}x {'yes' if r['one_model'] else 'NO':>10}"
             )
+        for name, r in result["streaming_pace"].items():
+            print(f"{name:34} steps per site {r['steps']}, {r['wall_seconds']:.1f} s")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.json}")

@@ -188,6 +188,37 @@ def test_adaptive_rounds_checkpoint_at_round_boundaries_and_resume_on_the_measur
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_streaming_with_adaptive_pace_ends_each_slot_with_one_fragment_and_resumes_on_the_measured_pace(
+    tmp_path: Path,
+) -> None:
+    """Streaming DiLoCo under adaptive pace: each slot of H/F lock-step steps is a round of the
+    pace clock and ends with one fragment's sync on every site. B, at a quarter of the speed, runs
+    fewer steps per slot; A's two ranks vote on ending each slot on the training thread while the
+    exchange thread sums fragments. A checkpoint at a slot end resumes on the measured pace."""
+    sites = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1, compute_speed: 0.25}]"
+    common = [sites, "sync.algorithm=streaming", "sync.fragments=2", "sync.tau=1", "sync.H=8", "train.steps=40"]
+    common += ["train.eval_every=16", "sync.pace=adaptive"]
+    full, _ = _run(tmp_path, "full", [*common, "checkpoint.every=16", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    a, b = full["per_site"]
+    slots = full["pace"]
+    # the calibration slot and 2 x ceil(40 / 8) slots, then fragment 0 (unsynced since slot 10) once more
+    assert len(slots) == 11 and full["rounds"] == 12, (len(slots), full["rounds"])
+    assert [sum(p["steps"][i] for p in slots) for i in range(2)] == [a["steps"], b["steps"]]
+    assert all(s["steps"][1] <= s["steps"][0] for s in slots[3:]) and b["steps"] < a["steps"], slots
+    assert all(s["steps"][1] >= 1 and s["steps"][0] <= 6 for s in slots[1:])  # at most ceil(1.5 x 4) per slot
+    assert full["tokens"] == (2 * a["steps"] + b["steps"]) * 4 * 16
+    assert len(set(full["global_param_hash"].values())) == 1 and full["hashes_agree_within_sites"]
+    assert full["final_eval_loss"] < full["eval_curve"][0]["eval_loss"]
+    first = sorted((tmp_path / "ckpt").glob("step-*"))[0]
+    saved = torch.load(first / "rank0.pt", weights_only=False)["sync"]
+    assert saved["slots"] % 4 == 0 and len(saved["clock"]["history"]) == saved["slots"]  # every 16 x 2 / 8 slots
+    resumed, _ = _run(tmp_path, "resumed", [*common, f"checkpoint.resume={first}"])
+    assert resumed["rounds"] == 12 and resumed["pace"][: saved["slots"]] == slots[: saved["slots"]]
+    assert len(set(resumed["global_param_hash"].values())) == 1 and resumed["hashes_agree_within_sites"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> None:
     s, _ = _run(tmp_path, "t", [UNEQUAL, "sync.algorithm=diloco", "sync.H=4", "train.steps=100000", "train.max_seconds=3"])
@@ -200,7 +231,8 @@ def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> N
     ("overrides", "message"),
     [
         (["sync.pace=adaptive", "sync.algorithm=ddp"], "sync.algorithm: not combined with sync.pace yet"),
-        (["train.max_seconds=5", "sync.algorithm=streaming"], "sync.algorithm: not combined with train.max_seconds yet"),
+        (["train.max_seconds=5", "sync.algorithm=ddp"], "sync.algorithm: not combined with train.max_seconds yet"),
+        (["sync.pace=adaptive", "sync.algorithm=streaming", "sync.eager=true"], "sync.eager: not combined with sync.pace yet"),
         (["topology.sites=[{name: A, workers: 1, compute_speed: 0}]"], "compute_speed"),
         (
             [UNEQUAL, "privacy.dp.unit=site", "privacy.dp.noise_multiplier=1"],

@@ -134,6 +134,25 @@ def _metrics(run: Path, rank: int = 0) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
+def test_streaming_slots_of_a_time_limit_are_the_lock_step_schedule(tmp_path: Path) -> None:
+    """Under train.max_seconds Streaming DiLoCo ends each fragment's sync with a control exchange
+    of every site's steps and elapsed time (the slots of the pace clock). When the limit does not
+    bite, the run is lock-step Streaming DiLoCo bit for bit, over sites of 2 and 1 workers, token
+    weighted, and ending inside a slot (9 steps, slots of 2): every fragment's counts, its sync
+    order and the last syncs agree."""
+    sites = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]"
+    common = [sites, "train.steps=9", "sync.H=4", "model.n_layer=2", "sync.algorithm=streaming", "sync.fragments=2"]
+    common += ["sync.tau=1", "run.baseline=none", "topology.links.emulate=off"]
+    plain, plain_w = _run(tmp_path, "plain", common)
+    timed, timed_w = _run(tmp_path, "timed", [*common, "train.max_seconds=100000"])
+    assert timed["rounds"] == plain["rounds"] == 6 and len(timed["pace"]) == 4  # 4 slots, then both fragments
+    assert all(p["steps"] == [2, 2] for p in timed["pace"])
+    for k in plain_w:
+        assert torch.equal(timed_w[k], plain_w[k]), k
+    assert timed["inter_site_bytes"] > plain["inter_site_bytes"]  # (the control exchanges: a few bytes a slot)
+
+
+@pytest.mark.timeout(300)
 def test_streaming_exchange_runs_in_the_background_on_a_slow_link(tmp_path: Path) -> None:
     # 2 layers of n_embd 32: a fragment is ~10 KB per direction; at 1 Mbit/s + 50 ms it needs
     # ~0.2 s to arrive, several steps of this tiny model, so it is still in flight after its sync step

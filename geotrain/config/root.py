@@ -202,13 +202,25 @@ class Config(Section):
             )
 
     def _pace_fits(self) -> None:
-        """sync.pace=adaptive and train.max_seconds end rounds by measurement: DiLoCo's lock-free parts only."""
+        """sync.pace=adaptive and train.max_seconds end rounds by measurement: DiLoCo's rounds and Streaming DiLoCo's
+        slots (one fragment's sync each)."""
         what = "sync.pace" if self.sync.pace != "lockstep" else "train.max_seconds" if self.train.max_seconds else None
         if what is None:
             return
         p = self.privacy
+        streaming = self.sync.algorithm == "streaming"  # each fragment's sync ends a slot of the clock
         refused = [
-            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+            (self.sync.algorithm not in ("diloco", "streaming"), "sync.algorithm", "use sync.algorithm=diloco or streaming"),
+            (
+                streaming and self.elastic.enabled,
+                "elastic.enabled",
+                "set elastic.enabled=false (elastic Streaming DiLoCo syncs fragments at fixed steps, and ends on them)",
+            ),
+            (
+                streaming and self.sync.eager,
+                "sync.eager",
+                "set sync.eager=false (its step applies this site's share at once, as 1/M of the average)",
+            ),
             (
                 self.elastic.enabled and bool(self.train.max_seconds),
                 "elastic.enabled",
@@ -297,9 +309,10 @@ class Config(Section):
         data = self.model_dump()
         data["sync"]["algorithm"] = algorithm
         data["run"]["baseline"] = "none"
-        if algorithm != "diloco":  # adaptive rounds, time limits, tiers and quorums are DiLoCo's
-            data["sync"]["pace"], data["train"]["max_seconds"], data["sync"]["region_every"] = "lockstep", 0, 0
-            data["sync"]["quorum"] = None
+        if algorithm != "diloco":  # time limits, tiers and quorums are DiLoCo's; adaptive pace DiLoCo's and Streaming's
+            if algorithm == "ddp" or self.elastic.enabled or self.sync.eager or self.sync.adapt is not None:
+                data["sync"]["pace"], data["train"]["max_seconds"] = "lockstep", 0
+            data["sync"]["region_every"], data["sync"]["quorum"] = 0, None
         if algorithm == "ddp":  # network adaptation chooses DiLoCo's and Streaming DiLoCo's rounds
             data["sync"]["adapt"] = None
             if len({s.workers for s in self.topology.sites}) > 1:  # (HSDP sums shards rank by rank: one layout)

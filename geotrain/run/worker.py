@@ -237,6 +237,7 @@ def _train(
         faults=plan,
         rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
         elastic=place.elastic,
+        timed=bool(cfg.train.max_seconds),
     )
     closing.callback(sync.close)
     sync.checkpoint_every = cfg.checkpoint.every

@@ -8,6 +8,7 @@
 - :mod:`.diloco`: DiLoCo (Douillard et al. 2023);
 - :mod:`.streaming`: Streaming DiLoCo (Douillard et al. 2025), its eager variant;
 - :mod:`.streaming_elastic`: Streaming DiLoCo whose fragment syncs are elastic rounds;
+- :mod:`.streaming_paced`: Streaming DiLoCo whose fragment syncs end the slots of the pace clock;
 - :mod:`.quorum`: asynchronous quorum rounds (a syncer; late updates merged with a staleness discount);
 - :mod:`.guard`: non-finite / outlier pseudo-gradients left out, the same way on every rank.
 """
@@ -29,6 +30,7 @@ from geotrain.sync.quorum import AsyncDiLoCo, Rejoin
 from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
 from geotrain.sync.streaming_elastic import ElasticStreaming
+from geotrain.sync.streaming_paced import PacedStreaming
 from geotrain.sync.tiers import TieredDiLoCo
 
 __all__ = [
@@ -61,6 +63,7 @@ def build_sync(
     faults: FaultPlan | None = None,
     rejoin: Rejoin | None = None,
     elastic: bool = False,
+    timed: bool = False,
 ) -> SyncAlgorithm:
     """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section, hooked
     onto ``optimizer``.
@@ -73,6 +76,7 @@ def build_sync(
         faults: failure injection (:class:`~geotrain.comm.faults.FaultPlan`: NaN updates).
         rejoin: asynchronous quorum rounds, a site that came back (its world is its own ranks).
         elastic: elastic mode (its membership is attached later, when the site joins).
+        timed: the run ends on ``train.max_seconds`` (Streaming DiLoCo then agrees on time at each slot's end).
     """
     alg: SyncAlgorithm
     if cfg.algorithm == "ddp":
@@ -80,7 +84,12 @@ def build_sync(
     else:
         outer: OuterSync
         if cfg.algorithm == "streaming":
-            outer = (ElasticStreaming if elastic else StreamingDiLoCo)(model, optimizer, comm, grad_clip, cfg)
+            if elastic:
+                outer = ElasticStreaming(model, optimizer, comm, grad_clip, cfg)
+            elif cfg.pace == "adaptive" or timed:  # slots of the clock (budgeted, or timed at lock-step)
+                outer = PacedStreaming(model, optimizer, comm, grad_clip, cfg, adaptive=cfg.pace == "adaptive")
+            else:
+                outer = StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg)
         elif cfg.region_every:
             outer = TieredDiLoCo(model, optimizer, comm, grad_clip, cfg)
         elif cfg.quorum is not None:

@@ -102,6 +102,9 @@ class RoundClock:
         self._round_t0: float | None = None  # this round's first step's start
         self._ending = False
         self._elapsed = 0.0
+        # the site's vote on ending the round: lane 0's site group, or (Streaming DiLoCo, whose exchange
+        # thread uses lane 0 meanwhile) the main site group of the training thread
+        self.sum_in_site = comm.sum_in_site
 
     @property
     def exchanges(self) -> bool:
@@ -132,7 +135,7 @@ class RoundClock:
         last = left < self.seconds_per_step[me] - 0.5 * self.fastest()
         want = torch.tensor([1.0 if last else 0.0], dtype=torch.float64)
         if len(self.comm.groups.intra_ranks) > 1:  # the site ends together when any of its ranks is out of time
-            self.comm.sum_in_site(want)
+            self.sum_in_site(want)
         self._ending = bool(want.item() > 0)
 
     def ends(self, steps_in_round: int) -> bool:

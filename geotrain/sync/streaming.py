@@ -109,6 +109,7 @@ class StreamingDiLoCo(OuterSync):
         self._exchanges: list[tuple[int, float]] = []  # exchange thread: (bytes, seconds) of each since the last measurement
         self._decision: tuple[int, Future[bool]] | None = None  # (applied at step, the agreement in flight)
         self._lap_step = 0
+        self._exchange_counts: list[int] | None = None  # exchange thread: every site's steps in the fragment it sums (pace)
         if cfg.adapt is not None:
             # counts that leave no fragment empty (layers are dealt out strided; see strided_fragments)
             counts = [f for f in cfg.adapt.fragment_choices(cfg.fragments) if all(strided_fragments(self._names, self._sizes, f))]
@@ -208,18 +209,30 @@ class StreamingDiLoCo(OuterSync):
         """fp32 bytes of pseudo-gradient fragments whose exchange has not finished."""
         return sum(4 * d.numel() for _, fut, d in self.pending.values() if not fut.done())
 
-    def _start(self, f: int, delta: torch.Tensor, steps: int) -> Future[None]:
+    def _start(self, f: int, delta: torch.Tensor, steps: int, counts: list[int] | None = None) -> Future[None]:
         # with adaptation the guard keeps a history per (H, fragment count, fragment): a merge keeps
         # alpha of the local drift, so a pseudo-gradient's norm does not scale with its steps
         key = f if self.adapter is None else (self.H * 4097 + self.F) * 4096 + f
-        return self._network.submit(self._exchange, delta, self.reducers[f], steps, self.rounds, key)
+        return self._network.submit(self._exchange, delta, self.reducers[f], steps, self.rounds, key, counts)
 
-    def _exchange(self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int, key: int) -> None:
-        """Exchange thread: one fragment's average across sites (timed for sync.adapt)."""
+    def _exchange(
+        self, delta: torch.Tensor, reducer: SiteReducer, steps: int, round_id: int, key: int, counts: list[int] | None
+    ) -> None:
+        """Exchange thread: one fragment's average across sites (timed for sync.adapt); ``counts``:
+        every site's steps in it, where sites run different steps (adaptive pace), else None."""
+        self._exchange_counts = counts
         sent, t0 = self.comm.stats.inter_bytes, time.perf_counter()
         self._average_across_sites(delta, reducer, steps, round_id, key)
         if self.adapter is not None:
             self._exchanges.append((self.comm.stats.inter_bytes - sent, time.perf_counter() - t0))
+
+    def round_steps(self, steps: int) -> list[int]:
+        # (called on the exchange thread, inside the fragment's average)
+        return list(self._exchange_counts) if self._exchange_counts is not None else super().round_steps(steps)
+
+    def _sync_counts(self, f: int) -> list[int] | None:
+        """Every site's steps since fragment ``f``'s last sync, where they differ (adaptive pace), else None."""
+        return None
 
     def _wait(self, fut: Future[T]) -> T:
         """Block the training thread until ``fut`` is done; the time counts as waiting on the network."""
@@ -262,7 +275,7 @@ class StreamingDiLoCo(OuterSync):
         frag = self.fragments[f]
         local = self.local_params()
         delta = pseudo_gradient(self._globals(f), [local[i] for i in frag])
-        steps = t - self.last_sync[f]
+        steps, counts = t - self.last_sync[f], self._sync_counts(f)
         self._mark_synced(f, t)
         if self.eager:
             self.rounds += 1  # for streaming, a round is one fragment's sync
@@ -270,7 +283,7 @@ class StreamingDiLoCo(OuterSync):
             return
         if self.private is not None:
             self.private.reserve()
-        fut = self._start(f, delta, steps)  # (its round id is the rounds before this one)
+        fut = self._start(f, delta, steps, counts)  # (its round id is the rounds before this one)
         self.rounds += 1
         self.pending[f] = (t + self.tau, fut, delta)
         if self.tau == 0:
@@ -326,14 +339,18 @@ class StreamingDiLoCo(OuterSync):
                 self._merge(f)
             t = self.local_steps
             for f in range(self.F):
-                if self.last_sync[f] < t and not self._privacy_allows_round():
+                if self._unsynced(f, t) and not self._privacy_allows_round():
                     self._roll_back(self.fragments[f], "privacy budget: the last partial round is not released")
-                    self.last_sync[f] = t
-                elif self.last_sync[f] < t:
+                    self._mark_synced(f, t)
+                elif self._unsynced(f, t):
                     self._sync(f, t)
                     if f in self.pending:
                         self._merge(f)
         self._network.shutdown()
+
+    def _unsynced(self, f: int, t: int) -> bool:
+        """Whether fragment ``f`` trained since its last sync (the same on every site)."""
+        return self.last_sync[f] < t
 
     @torch.no_grad()
     def _finish_eager(self) -> None:
