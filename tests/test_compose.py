@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.config import load_config
+from geotrain.config import CODEC_BITS, load_config
+from geotrain.plan.strategies import choose_round
 from tests.helpers import REPO, read_summary, train_cli
 from tests.test_elastic import records
 
@@ -343,6 +344,41 @@ def test_elastic_rounds_with_adaptive_pace_a_site_killed_heals_and_the_slow_site
     # token weights: a round's total is the steps its sites ran (one worker each), not 3 plain votes
     # (the calibration round runs one step on each)
     assert committed[0]["weight"] == 3 and len(committed) > 1 and all(r["weight"] > 3 for r in committed[1:]), committed
+    assert any(r["outcome"] == "committed" and "B" in r["healers"] for r in records(out, "A"))
+
+
+@pytest.mark.slow
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_elastic_rounds_adapt_to_the_measured_link_from_claims_and_a_healed_site_takes_the_choice(tmp_path: Path) -> None:
+    """Network adaptation in elastic rounds: each site claims, in a round's meeting, what it
+    measured in its last committed round (a ping around the ring, bytes, seconds, steps), and every
+    admitted site chooses the next H and codec from the same claims with the planner's formula.
+    On an emulated 1 Mbit/s, 20 ms link the choice compresses; B is SIGKILLed mid-run and heals,
+    taking the H and codec in force from its source, and all three end on one model."""
+    lo, hi, target = 2, 20, 0.9
+    overrides = [
+        *ELASTIC, "sync.H=5", "train.steps=60", "topology.links.emulate=inprocess", "topology.links.inter.bandwidth_bps=1e6",
+        "topology.links.inter.latency_s=0.02", f"sync.adapt={{target: {target}, H_min: {lo}, H_max: {hi}}}",
+        'fault.kill=["B@25"]', "fault.restart_after=0.5",
+    ]  # fmt: skip
+    three = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
+    train_cli(out := tmp_path / "run", overrides, three)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"], s["failures"]
+    assert len(set(s["global_param_hash"].values())) == 1
+    logs = {site: json.loads((out / "elastic" / f"summary-{site}.json").read_text())["adapt"] for site in "ABC"}
+    codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
+    for a in logs["A"]:  # the planner's choice for the link the claims describe (a ring of the claiming sites)
+        n = len(a["ping_s"])
+        # two hops of 20 ms around the ring: about one round trip (a little less for a site whose first
+        # hop had arrived as it started, its clock mark a little after the neighbour's send)
+        assert a["rtt_s"] == min(a["ping_s"]) and 0.03 <= a["rtt_s"] < 0.2
+        assert a["next"] == choose_round(a["link_bps"], s["params"], max(a["step_s"]), n, a["rtt_s"], lo, hi, codecs, target)
+    assert logs["A"] and any(a["next"]["codec"] != "none" for a in logs["A"])  # 1 Mbit/s: it compresses
+    by_round = {site: {a["round"]: a["next"] for a in log} for site, log in logs.items()}
+    assert by_round["A"] == by_round["C"]  # the same claims, the same choice
+    assert all(by_round["A"][r] == n for r, n in by_round["B"].items() if r in by_round["A"])  # B before and after it healed
     assert any(r["outcome"] == "committed" and "B" in r["healers"] for r in records(out, "A"))
 
 

@@ -23,11 +23,12 @@ import torch.distributed as dist
 from geotrain.codecs import build_codec
 from geotrain.comm.mailbox import Message, StoreChannel, channel_keys, down_key, join_key
 from geotrain.comm.procs import listening_store
-from geotrain.config import load_config
+from geotrain.config import CODEC_BITS, load_config
 from geotrain.errors import ConfigError, LaunchError
 from geotrain.launch.local import launch_local
+from geotrain.plan.strategies import STAR, choose_round
 from geotrain.sync.outer import outer_step_
-from geotrain.sync.syncer import DelayedNesterov, Rejoins, Update, dynamic_steps, merge_weights, weighted_mean
+from geotrain.sync.syncer import FIELDS, DelayedNesterov, Rejoins, Update, dynamic_steps, merge_weights, weighted_mean
 from tests.helpers import TINY
 
 # timing-sensitive runs (relative speeds, time limits, measured links): the test command runs them
@@ -113,6 +114,32 @@ def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict, dict[str, to
     cfg = load_config(None, TINY + ["run.baseline=none", "train.seed=3", *overrides])
     summary = launch_local(cfg, tmp / name, console_print=None)
     return summary, torch.load(tmp / name / "final_model.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quorum_rounds_adapt_h_and_codec_to_the_links_the_sites_measure(tmp_path: Path) -> None:
+    """sync.adapt with quorum rounds: each site measures its link to the syncer (an empty message
+    and back, and its round's bytes both ways over the seconds its exchange took, less its wait
+    for the quorum), sends that with its next update, and the syncer chooses every site's next H
+    and codec with the planner's formula for a star. On an emulated 1 Mbit/s, 20 ms link the
+    measurements are the link's, the choice compresses, and every site ends on one model."""
+    lo, hi, target = 2, 20, 0.9
+    three = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]"
+    link = ["topology.links.emulate=inprocess", "topology.links.inter.bandwidth_bps=1e6", "topology.links.inter.latency_s=0.02"]
+    adapt = [f"sync.adapt={{target: {target}, H_min: {lo}, H_max: {hi}}}", "sync.quorum={sites: 2}", "sync.H=5"]
+    s, _ = _run(tmp_path, "adapt", [three, *link, *adapt, "train.steps=60", "train.eval_every=0"])
+    log = s["adapt"]
+    codecs = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}
+    assert log and log[0]["H"] == 5 and log[0]["codec"] == "none"
+    for prev, a in zip([None, *log], log, strict=False):
+        assert 0 not in a["sites"]  # site 0 talks to the syncer in memory: it measures nothing
+        assert all(0.7e6 < b < 1.3e6 for b in a["link_bps"]) and 0.04 <= a["rtt_s"] < 0.2, a  # the emulated link
+        bps, T = min(a["link_bps"]), a["step_s"]
+        assert a["next"] == choose_round(bps, a["params"], T, STAR, a["rtt_s"], lo, hi, codecs, target)
+        assert prev is None or (a["H"], a["codec"]) == (prev["next"]["H"], prev["next"]["codec"])
+    assert log[-1]["next"]["codec"] != "none"  # 1 Mbit/s: it compresses
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
 
 
 @pytest.mark.slow
@@ -274,8 +301,9 @@ def test_a_codec_sends_both_ways_encoded_and_the_final_round_is_exact(tmp_path: 
     int8, _ = _run(tmp_path, "int8", [*common, "sync.codec=int8", "fault.nan=[B@2]"])
     # only B's leader and the syncer talk across sites: 5 rounds, then a final delivery of no steps.
     # B sends 4 int8 updates, the NaN one in fp32 and an empty final; the syncer 5 int8 answers
-    # and the final one in fp32. Every message has a header of 10 float64 fields.
-    n, head = fp32["params"], 10 * 8
+    # and the final one in fp32. Every message has a header of float64s: the arrival time, the
+    # payload's length and the syncer protocol's fields.
+    n, head = fp32["params"], (2 + FIELDS) * 8
     enc = build_codec("int8").encoded_nbytes(n)
     assert fp32["inter_site_bytes"] == 11 * (head + 4 * n) + head and fp32["compression_ratio"] == 1.0
     assert int8["inter_site_bytes"] == 9 * (head + enc) + 2 * (head + 4 * n) + head

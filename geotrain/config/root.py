@@ -119,8 +119,13 @@ class Config(Section):
             return
         if len(self.topology.regions) < 2:
             raise ValueError("sync.region_every: needs at least two topology.regions (or set sync.region_every=0)")
+        streaming = self.sync.algorithm == "streaming"  # each fragment's syncs in two tiers
         refused = [
-            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
+            (self.sync.algorithm not in ("diloco", "streaming"), "sync.algorithm", "use sync.algorithm=diloco or streaming"),
+            (streaming and self.sync.eager, "sync.eager", "set sync.eager=false"),
+            (streaming and self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep with Streaming DiLoCo"),
+            (streaming and bool(self.train.max_seconds), "train.max_seconds", "set train.max_seconds=0 with Streaming DiLoCo"),
+            (streaming and self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset with Streaming DiLoCo"),
             (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (self.privacy.dp.unit == "site", "privacy.dp.unit", "use none or example"),
@@ -154,7 +159,12 @@ class Config(Section):
                 "sync.pace",
                 "use sync.pace=lockstep",
             ),
-            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
+            (
+                self.elastic.enabled and (self.sync.algorithm == "streaming" or self.sync.pace != "lockstep"),
+                "elastic.enabled",
+                "set elastic.enabled=false, or adapt DiLoCo's lock-step rounds (elastic Streaming DiLoCo syncs fragments "
+                "at fixed steps; elastic adaptive pace budgets rounds from claimed rates)",
+            ),
             (
                 p.dp.unit == "site",
                 "privacy.dp.unit",
@@ -184,7 +194,11 @@ class Config(Section):
                 "use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none",
             ),
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
-            (self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
+            (
+                self.sync.adapt is not None and self.sync.dynamic_quorum_steps,
+                "sync.adapt",
+                "leave sync.adapt unset with dynamic local steps or sync.pace=adaptive (both set each site's steps)",
+            ),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
@@ -312,8 +326,10 @@ class Config(Section):
         if algorithm != "diloco":  # time limits, tiers and quorums are DiLoCo's; adaptive pace DiLoCo's and Streaming's
             if algorithm == "ddp" or self.elastic.enabled or self.sync.eager or self.sync.adapt is not None:
                 data["sync"]["pace"], data["train"]["max_seconds"] = "lockstep", 0
-            data["sync"]["region_every"], data["sync"]["quorum"] = 0, None
-        if algorithm == "ddp":  # network adaptation chooses DiLoCo's and Streaming DiLoCo's rounds
+            if algorithm == "ddp" or data["sync"]["pace"] != "lockstep" or data["train"]["max_seconds"] or self.sync.eager:
+                data["sync"]["region_every"] = 0  # (Streaming DiLoCo's tiers run lock-step slots)
+            data["sync"]["quorum"] = None
+        if algorithm == "ddp" or (algorithm == "streaming" and self.elastic.enabled):  # (elastic: DiLoCo's rounds only)
             data["sync"]["adapt"] = None
             if len({s.workers for s in self.topology.sites}) > 1:  # (HSDP sums shards rank by rank: one layout)
                 data["sync"]["within_site"] = "replicate"

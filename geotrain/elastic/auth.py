@@ -331,6 +331,7 @@ CLAIM_TYPES: dict[str, type] = {
     "part": int,  # the part of the model it syncs, plus one (0: the whole model, or none)
     "rest": int,  # rounds it still owes after this one once its steps are run
     "pace": int,  # adaptive pace: its measured compute microseconds per inner step (0: none)
+    "link": str,  # sync.adapt: "CODEC|MEASURED": its codec this round, its last committed round (adapt.LINK_FIELDS; "": none)
     "eph": str,  # this round's X25519 public key (hex): the frame keys between sites come from it
 }
 

@@ -65,6 +65,7 @@ class Exchange:
         outgoing: the source's serialised state for the healers (the source only).
         heals: this rank takes part in healing (local rank 0: the state crosses once per site).
         add: how the ring adds a received chunk (secure aggregation: int32 mod 2^32; default fp32).
+        ping: first time two one-float hops around the ring (``sync.adapt``'s round trip; :attr:`ping_s`).
         codec: encode what crosses sites (None: fp32); with ``error_feedback``, ``residual`` (this
             rank's, or None) is added before encoding and the new one is left in
             :attr:`residual` for the main thread to keep if the round commits.
@@ -101,6 +102,7 @@ class Exchange:
         error_feedback: bool = False,
         residual: torch.Tensor | None = None,
         add: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        ping: bool = False,
     ) -> None:
         self.view, self.site, self.local, self.names, self.wan = view, site, local, names, wan
         self.monitor, self.store, self.shard, self.outgoing = monitor, store, shard, outgoing
@@ -116,6 +118,7 @@ class Exchange:
         self.open_seconds = 0.0  # time spent decrypting and checking received frames (also on the critical path)
         self.reused = group is not None
         self.group = group
+        self.ping, self.ping_s = ping, 0.0  # sync.adapt: a round trip around the ring, timed, before the sum
         self.heal_blob: bytes | None = None  # set once the whole healing state has arrived
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -151,6 +154,8 @@ class Exchange:
                     self.timeout_s,
                     os.environ.get("GEOTRAIN_BIND_ADDR"),  # the cross-site address (geotrain site --bind)
                 )
+            if self.ping:
+                self._ping()
             if self.heals:
                 self._heal()
             if self.codec is None:
@@ -282,6 +287,17 @@ class Exchange:
             self.on_mid_round()
         for s in range(n - 1):
             self._send_recv(chunks[(i - s) % n], nxt, chunks[(i - s - 1) % n], prv)
+
+    def _ping(self) -> None:
+        """sync.adapt: two one-float hops around the ring, back to back, timed (the second cannot
+        leave before the first arrived: at least one round trip for the site that started last)."""
+        n = len(self.view.admitted)
+        i = self.view.admitted.index(self.site)
+        one, got = torch.zeros(1), torch.zeros(1)
+        t = time.perf_counter()
+        for _ in range(2):
+            self._send_recv(one, (i + 1) % n, got, (i - 1) % n)
+        self.ping_s = time.perf_counter() - t
 
     def _heal(self) -> None:
         """The source sends its serialised state to every healer (same local rank), encrypted; a

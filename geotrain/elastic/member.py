@@ -104,15 +104,13 @@ class SiteMember(Schedule):
         links = [topology.link(a, b) for a in range(topology.num_sites) for b in range(a + 1, topology.num_sites)]
         # the slowest inter-site link (bandwidth, latency): sizes the exchange's backstop timeouts
         self.slowest_link = (min((x.bandwidth_bps for x in links), default=1e9), max((x.latency_s for x in links), default=0.0))
-        self.intra, self.wan, self.hooks, self.log = intra, wan, hooks, log
-        self.on_mid_round = on_mid_round
-        self.keys = RunKeys(load_secret(self.cfg))  # the secret itself is not kept
-        self.incarnation = incarnation
+        self.intra, self.wan, self.hooks, self.log, self.on_mid_round = intra, wan, hooks, log, on_mid_round
+        self.keys, self.incarnation = RunKeys(load_secret(self.cfg)), incarnation  # (the secret itself is not kept)
         self.faults = FaultPlan(site)  # failure injection: frames altered after sealing (fault.tamper)
         self.masker: commit.Masker | None = None  # privacy.secure_aggregation: parts masked (PairMasks)
         self.noise: commit.Noise | None = None  # privacy.dp.unit=site: each site's update clipped and noised (RoundNoise)
-        self.inter_bytes = 0  # bytes this rank sent to other sites (pseudo-gradients, healing state)
-        self.raw_bytes = 0  # what fp32 rings would have sent for the same sums (the codec's reference)
+        # bytes this rank sent to other sites (pseudo-gradients, healing state); what fp32 rings would have sent for them
+        self.inter_bytes = self.raw_bytes = 0
         self.sharded = sharded  # FSDP: each rank carries its own shard, and heals from the same local rank of the source
         self.carriers = workers if sharded else topology.carriers
         Schedule.__init__(self, list(topology.workers), site_index)
@@ -122,7 +120,9 @@ class SiteMember(Schedule):
         self.joining = False  # a restarted site with no valid state yet: it heals before it trains
         self.record_file: Path | None = None  # local rank 0: one JSON line per round
         self._current: dict[str, Any] = {}
-        self._part, self._rest, self._sizes, self._pace = -1, 0, cast("list[int] | None", None), 0  # the round under way
+        self._part, self._rest, self._sizes, self._pace, self._link = -1, 0, cast("list[int] | None", None), 0, ""
+        self.ping, self.measured = False, (0.0, 0.0)  # sync.adapt: ping the ring first; (seconds after the meeting, ping)
+        self.codec_for: Callable[[str], commit.Encoder | None] | None = None  # sync.adapt: the codec a link claim names
         self.part, self.average = -1, cast("torch.Tensor | None", None)  # the last round's part (view.round_part), average
         self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
@@ -189,7 +189,7 @@ class SiteMember(Schedule):
         return {
             "hash": self._hash, "step": self.hooks.step(), "joining": self.joining, "committed": self.hooks.committed(),
             "store": self.coordinator.store_address, "incarnation": self.incarnation, "session": self.hints.session,
-            "part": self._part + 1, "rest": self._rest, "pace": self._pace,
+            "part": self._part + 1, "rest": self._rest, "pace": self._pace, "link": self._link,
         }  # fmt: skip
 
     def _quorum(self, can_postpone: bool) -> Any:
@@ -287,6 +287,7 @@ class SiteMember(Schedule):
         rest: int = 0,
         sizes: list[int] | None = None,
         pace: int = 0,
+        link: str = "",
     ) -> int | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
         sites in place, each site weighted by ``weight`` (its tokens, or 1); the number of sites
@@ -295,7 +296,8 @@ class SiteMember(Schedule):
         this rank's error feedback ``residual`` (updated only if the round commits). ``part``: the
         part of the model ``delta`` is (-1: all, or none), ``sizes`` this rank's values of each
         part, ``rest`` the rounds this site still owes after this one once its steps are run,
-        ``pace`` its compute microseconds per inner step (adaptive pace; 0: none).
+        ``pace`` its compute microseconds per inner step (adaptive pace; 0: none), ``link`` what it
+        measured in its last committed round (sync.adapt).
         The round sums :attr:`part`; where it is another than ``part`` (this site healed from a
         source on another schedule), the average is in :attr:`average`, not in ``delta``.
 
@@ -305,11 +307,15 @@ class SiteMember(Schedule):
         """
         t0, sent0, raw0 = time.monotonic(), self.inter_bytes, self.raw_bytes
         self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # only local rank 0 claims it
-        self._part, self._rest, self._sizes, self._pace = part, rest, sizes, pace
+        self._part, self._rest, self._sizes, self._pace, self._link = part, rest, sizes, pace, link
         try:
             return self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual))
         finally:  # the training thread was blocked on the wide area all along
             seconds = time.monotonic() - t0
+            healed = bool(self._current.get("healers"))  # (healing traffic is no measure of the link)
+            self.measured = (
+                (0.0, 0.0) if healed else (seconds - self._current.get("quorum_s", 0.0), self._current.get("ping_s", 0.0))
+            )
             st = self.stats
             st.inter_bytes += self.inter_bytes - sent0
             st.inter_raw_bytes += self.raw_bytes - raw0
@@ -333,19 +339,17 @@ class SiteMember(Schedule):
         if view.postponed:
             return None
         self.heard([m for m in view.members if m.site in view.admitted])
+        if self.codec_for is not None and self.site in view.healers:  # sync.adapt: a healer encodes as its source does
+            what.codec = self.codec_for(next(m.link for m in view.members if m.site == view.source))
         self.part = view.part
         if self._sizes is not None and not -1 <= view.part < len(self._sizes):  # a claim no site of this run makes
             view.error = f"round {view.key}: it sums part {view.part}, which this run does not have"
         elif view.part != self._part and view.part >= 0 and self._sizes is not None:  # a healer: the source's part
             delta, what = torch.zeros(self._sizes[view.part], device=delta.device), Contribution(False, 0.0, what.codec, None)
         self._current = {
-            "key": view.key,
-            "start": t0,
-            "quorum_s": time.monotonic() - t0,
-            "members": sorted(m.site for m in view.members),
-            "admitted": view.admitted,
-            "healers": view.healers,
-        }
+            "key": view.key, "start": t0, "quorum_s": time.monotonic() - t0, "members": sorted(m.site for m in view.members),
+            "admitted": view.admitted, "healers": view.healers,
+        }  # fmt: skip
         if view.error:
             raise RoundFailed(view.error)
         if self.masker is not None and len(view.admitted) < 3:  # every site decides alike, from the view
@@ -399,6 +403,7 @@ class SiteMember(Schedule):
             self._current["exchange_s"] = time.monotonic() - self._current["start"] - self._current["quorum_s"]
             self._current["seal_s"] = x.seal_seconds
             self._current["open_s"] = x.open_seconds
+            self._current["ping_s"] = x.ping_s
             self.raw_bytes += x.raw_bytes
             if not finished:
                 ok.zero_()
@@ -463,7 +468,7 @@ class SiteMember(Schedule):
             lambda nbytes: backstop(self.slowest_link, self.cfg, nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
             self.on_mid_round, tamper=self.faults.tampers(self.hooks.step()), heals=self.local == 0 or self.sharded,
             codec=what.codec, error_feedback=what.residual is not None, residual=residual,
-            add=self.masker.add_ if self.masker is not None else None,
+            add=self.masker.add_ if self.masker is not None else None, ping=self.ping,
         )  # fmt: skip
 
     def _load_healing(self, blob: bytes, source: str) -> None:

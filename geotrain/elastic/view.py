@@ -39,6 +39,7 @@ class Member:
     part: int = -1  # which part of the model it syncs in this round (a Streaming DiLoCo fragment; -1: the whole, or any)
     rest: int = 0  # rounds it still owes after this one once its steps are run (Streaming DiLoCo's last fragments)
     pace: int = 0  # adaptive pace: its measured compute microseconds per inner step (0: none)
+    link: str = ""  # sync.adapt: its measurements of its last committed round ("": none)
 
 
 @dataclass
@@ -106,7 +107,7 @@ def member_from_claims(site: str, claims: dict[str, Any]) -> Member:
     c = claims
     return Member(
         site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"], c["step"], c["part"] - 1,
-        c["rest"], c["pace"],
+        c["rest"], c["pace"], c["link"],
     )  # fmt: skip
 
 
@@ -190,12 +191,14 @@ class Schedule:
         self.round_steps: list[int] = []
         self.round_rests: list[int] = []
         self.round_paces: list[int] = []
+        self.round_links: list[str] = []
 
     def heard(self, admitted: list[Member]) -> None:
         """What the admitted members of a round claimed about their schedules."""
         self.round_steps = [m.step for m in admitted]
         self.round_rests = [m.rest for m in admitted]
         self.round_paces = [m.pace for m in admitted]
+        self.round_links = [m.link for m in admitted]
 
     def weight(self, steps: int) -> float:
         """This site's tokens in a round of ``steps`` steps where the sites differ in size or pace; else 1 (a plain mean)."""
@@ -216,6 +219,10 @@ class Schedule:
     def fastest_seconds(self) -> float:
         """The fastest admitted site's seconds per inner step, as claimed in the last round (0: none claimed)."""
         return min((p for p in self.round_paces if p > 0), default=0) / 1e6
+
+    def link_claims(self) -> list[str]:
+        """sync.adapt: what each admitted site of the last round claimed to have measured (in admission order)."""
+        return list(self.round_links)
 
 
 def group_members(view: RoundView) -> tuple[str, ...]:

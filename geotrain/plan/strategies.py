@@ -25,7 +25,9 @@ The same formula steers a running job (``sync.adapt``, :mod:`geotrain.sync.adapt
 :func:`achieved_bps` turns measured all-reduces (bytes, seconds, latency) into the link's
 bandwidth in this model, :func:`streaming_effective_bps` turns Streaming DiLoCo's measured wait
 into the bandwidth that explains it, and :func:`choose_round` picks H, codec and (streaming) the
-fragment count for a link.
+fragment count for a link. With ``sites`` = :data:`STAR` the exchange is a star instead of a ring
+(asynchronous quorum rounds: each site sends its update to the syncer and gets the model back over
+its own link): ``V = 2 P bits`` (up, then down) and one round trip.
 """
 
 from __future__ import annotations
@@ -62,7 +64,12 @@ ALGORITHMS = ("dp", "diloco", "streaming", "streaming_fp4")
 TARGETS = (0.90, 0.95, 0.99)
 
 
+STAR = 0  # ``sites`` for a star: each site sends its update to a hub and gets the model back (quorum rounds)
+
+
 def _volume_latency(params: float, bits: float, sites: int, rtt_s: float, fragments: int = 1) -> tuple[float, float]:
+    if sites == STAR:  # up, then down, on the site's own link: both ways' bytes, one round trip
+        return 2 * params * bits / fragments, rtt_s
     vol = 2 * (sites - 1) / sites * params * bits / fragments
     return vol, 2 * (sites - 1) * rtt_s / 2
 

@@ -138,6 +138,8 @@ def join_elastic(
         member.faults = plan
     member.masker, member.noise = masker, noise
     member.paced = sync.paced  # adaptive pace: tokens weigh every update, the run ends on rounds
+    if getattr(sync, "adapter", None) is not None:  # sync.adapt: the exchange times a round trip; a healer's codec
+        member.ping, member.codec_for = True, sync.codec_for  # type: ignore[attr-defined]
     if where.local_rank == 0:
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     sync.elastic = member

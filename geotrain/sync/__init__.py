@@ -9,6 +9,7 @@
 - :mod:`.streaming`: Streaming DiLoCo (Douillard et al. 2025), its eager variant;
 - :mod:`.streaming_elastic`: Streaming DiLoCo whose fragment syncs are elastic rounds;
 - :mod:`.streaming_paced`: Streaming DiLoCo whose fragment syncs end the slots of the pace clock;
+- :mod:`.streaming_tiers`: Streaming DiLoCo in two tiers (each fragment's syncs in its region, some across regions);
 - :mod:`.quorum`: asynchronous quorum rounds (a syncer; late updates merged with a staleness discount);
 - :mod:`.guard`: non-finite / outlier pseudo-gradients left out, the same way on every rank.
 """
@@ -31,6 +32,7 @@ from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
 from geotrain.sync.streaming_elastic import ElasticStreaming
 from geotrain.sync.streaming_paced import PacedStreaming
+from geotrain.sync.streaming_tiers import TieredStreaming
 from geotrain.sync.tiers import TieredDiLoCo
 
 __all__ = [
@@ -86,6 +88,8 @@ def build_sync(
         if cfg.algorithm == "streaming":
             if elastic:
                 outer = ElasticStreaming(model, optimizer, comm, grad_clip, cfg)
+            elif cfg.region_every:
+                outer = TieredStreaming(model, optimizer, comm, grad_clip, cfg)
             elif cfg.pace == "adaptive" or timed:  # slots of the clock (budgeted, or timed at lock-step)
                 outer = PacedStreaming(model, optimizer, comm, grad_clip, cfg, adaptive=cfg.pace == "adaptive")
             else:

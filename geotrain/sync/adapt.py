@@ -45,6 +45,7 @@ rebuilds the fragments, so a change of a few steps costs more than it gains).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -93,6 +94,7 @@ class NetworkAdapter:
         # of H or of the fragment count merges early and rebuilds the fragments)
         self.hold = (STREAMING_HOLD if cfg.hold is None else cfg.hold) if fragments is not None else 0.0
         self._pings: list[float] = []
+        self.link = ""  # elastic mode: this site's measurements of its last committed round, for its next claim
         self.log: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._round_start = self._t0
@@ -174,9 +176,40 @@ class NetworkAdapter:
             mine[:3].div_(len(g.intra_ranks))
             mine[3 + m :].div_(len(g.intra_ranks))
         rows = comm.gather_sites(mine)
+        per_site = steps if isinstance(steps, list) else [steps] * topo.num_sites
+        return self._choose(round_id, per_site, rows, m, topo.num_sites)
+
+    def end_elastic(self, round_id: int, steps: int, claims: list[str], measured: tuple[float, float]) -> bool:
+        """Elastic DiLoCo, just after a round committed (every rank of the site calls it): measure
+        this round for the next round's claim (:attr:`link`), and choose from what the admitted
+        sites claimed in this round's meeting (their measurements of their last committed round:
+        the choice follows the link one round later than in lock-step rounds). Each site is its
+        own world, so the claims, authenticated in the meeting, stand in for the control exchange;
+        every admitted site reads the same ones and makes the same choice. ``measured``: this
+        rank's seconds after the meeting and its ping (:attr:`RoundMembership.measured`; zeros for
+        a round that healed a site, whose healing traffic is no measure of the link)."""
+        sent = self._sent() - self._sent0
+        wall, waited = self.lap()
+        after, ping = measured
+        mine = torch.tensor([ping, float(ping > 0), after - ping, wall, waited, float(sent)], dtype=torch.float64)
+        g = self.comm.groups
+        if len(g.intra_ranks) > 1:  # per site: bytes summed over its ranks, times averaged (the ping over its carriers)
+            self.comm.sum_in_site(mine)
+            mine[2:5].div_(len(g.intra_ranks))
+        ping_s = float(mine[0] / max(1.0, float(mine[1])))
+        values = (ping_s, float(mine[3]), float(mine[4]), steps, float(mine[5]), float(mine[2]))
+        self.link = ",".join(f"{v:.6g}" for v in values) if after > 0 else ""  # (a round that healed: nothing to claim)
+        rows = [r for r in (_parse_link(c) for c in claims) if r is not None]
+        if len(rows) < 2 or not any(r[4] for r in rows):  # nothing crossed sites in what was claimed
+            return False
+        table = torch.tensor([[r[0], r[1], r[2], r[4], r[5]] for r in rows], dtype=torch.float64)
+        return self._choose(round_id, [int(r[3]) for r in rows], table, 1, len(rows))
+
+    def _choose(self, round_id: int, per_site: list[int], rows: torch.Tensor, m: int, n: int) -> bool:
+        """From every site's row (ping, wall, waited, then the bytes and the seconds of each of the
+        ``m`` exchanges) over a ring of ``n`` sites: the link, the next settings, the log entry."""
         pings, walls, waits = (rows[:, i].tolist() for i in range(3))
         sent_s, secs_s = rows[:, 3 : 3 + m], rows[:, 3 + m :]
-        n = topo.num_sites
         # Streaming pings from its exchange thread, beside the training thread's compute, and a
         # scheduling delay only ever adds: the shortest of the last few rounds' pings
         self._pings = [*self._pings, min(pings)][-self.ping_window :]
@@ -191,7 +224,6 @@ class NetworkAdapter:
         kept = most >= 0.5 * top
         k = int(kept.sum()) if top > 0 else 0  # 0: nothing crossed sites
         nbytes, secs = float(most[kept].sum()), float(least[kept].sum())
-        per_site = steps if isinstance(steps, list) else [steps] * n
         n = self.regions if self.across_regions else n  # the formula's ring
         link = achieved_bps(nbytes, secs, n, rtt, k) if k else None
         step_s = [(w - x) / max(1, k) for w, x, k in zip(walls, waits, per_site, strict=True)]
@@ -262,6 +294,33 @@ class NetworkAdapter:
         )
         self.H, self.codec, self.F = int(choice["H"]), str(choice["codec"]), int(choice.get("fragments", self.F))
         return changed
+
+
+LINK_FIELDS = ("ping_s", "wall_s", "waited_s", "steps", "bytes", "seconds")  # an elastic site's claim, in order
+
+
+def link_claim(codec: str, measured: str) -> str:
+    """What an elastic site claims in a round's meeting: the codec it encodes this round with, and
+    its measurements of its last committed round (:data:`LINK_FIELDS`; "" for none)."""
+    return f"{codec}|{measured}"
+
+
+def claimed_codec(claim: str) -> str:
+    """The codec a ``link`` claim names (what a healer encodes its round with: its source's)."""
+    return claim.partition("|")[0]
+
+
+def _parse_link(claim: str) -> list[float] | None:
+    """An admitted site's ``link`` claim's measurements (:data:`LINK_FIELDS`), or None if it holds
+    none or they are not six finite, non-negative numbers (an authenticated site can still claim
+    false ones: docs/SECURITY.md)."""
+    measured = claim.partition("|")[2]
+    try:
+        values = [float(v) for v in measured.split(",")] if measured else []
+    except ValueError:
+        return None
+    ok = len(values) == len(LINK_FIELDS) and all(math.isfinite(v) and v >= 0 for v in values)
+    return values if ok else None
 
 
 def _reason(choice: dict[str, Any], link: float, bps: float, rtt: float, step_s: float, cfg: AdaptConfig, hold: float) -> str:

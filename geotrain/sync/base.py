@@ -66,6 +66,9 @@ class RoundMembership(Protocol):
 
     part: int  # the part of the model the last round summed
     paced: bool  # adaptive pace: sites run different steps, weighted by tokens, and the run ends on rounds
+    # sync.adapt: this rank's seconds in the last round after its meeting (exchange and vote), and
+    # its ping around the ring (0: it carried nothing)
+    measured: tuple[float, float]
     average: torch.Tensor | None  # the last round's average
 
     @property
@@ -85,6 +88,7 @@ class RoundMembership(Protocol):
         rest: int = 0,
         sizes: list[int] | None = None,
         pace: int = 0,
+        link: str = "",
     ) -> int | None:
         """Average ``delta`` over the admitted sites, each weighted by ``weight``
         (``contribute=False``: this site withdraws its own and takes the others' average),
@@ -92,8 +96,9 @@ class RoundMembership(Protocol):
         ``part``: which part of the model ``delta`` is (a fragment; -1: all of it, or none),
         ``sizes`` this rank's values of each part, ``rest`` the rounds this site still owes after
         this one once its steps are run, ``pace`` its compute microseconds per inner step (adaptive
-        pace). The round sums the part in :attr:`part`; its average is in :attr:`average`
-        (``delta`` itself unless the part is another).
+        pace), ``link`` what it measured in its last committed round (``sync.adapt``). The round
+        sums the part in :attr:`part`; its average is in :attr:`average` (``delta`` itself unless
+        the part is another).
 
         Raises:
             RoundFailed: roll the round back.
@@ -117,6 +122,10 @@ class RoundMembership(Protocol):
 
     def fastest_seconds(self) -> float:
         """Adaptive pace: the fastest site's seconds per inner step claimed in the last round (0: none)."""
+        ...
+
+    def link_claims(self) -> list[str]:
+        """sync.adapt: what each admitted site of the last round claimed to have measured."""
         ...
 
     def weight(self, steps: int) -> float:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed, RoundPostponed
-from geotrain.sync.adapt import NetworkAdapter
+from geotrain.sync.adapt import NetworkAdapter, claimed_codec, link_claim
 from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
 from geotrain.sync.pace import RoundClock, round_limit
 from geotrain.sync.reducer import SiteReducer
@@ -161,6 +161,8 @@ class DiLoCo(OuterSync):
         if self.elastic is not None and self.clock.adaptive:  # the meeting hears this site's rate and rounds owed
             rate, owed = self.clock.seconds_per_step[self.comm.groups.me.site_index], self.clock.max_rounds - self.rounds - 1
             self._part_claim = {"pace": 0 if self.idle else round(1e6 * rate), "rest": 0 if self.idle else max(0, owed)}
+        if self.elastic is not None and self.adapter is not None:  # the meeting hears what this site last measured
+            self._part_claim = {"link": link_claim(self.adapter.codec, self.adapter.link)}
         try:
             self._average_across_sites(delta, self.reducer, self._steps_in_round, self.rounds)
         except RoundPostponed:
@@ -180,7 +182,7 @@ class DiLoCo(OuterSync):
         for g, p in zip(self.global_params, self.local_params(), strict=True):
             p.copy_(g)
         steps = list(self.clock.steps_run) if self.clock.adaptive else self._steps_in_round
-        if self.adapter is not None and self.adapter.end_round(self.rounds + 1, steps):
+        if self.adapter is not None and self._adapted(steps):
             # the next round's H and codec, chosen from this round's measured link (sync.adapt)
             self.H = self.clock.H = self.clock.limit = self.adapter.H
             codec = self.adapter.codec
@@ -191,6 +193,27 @@ class DiLoCo(OuterSync):
         self.rounds += 1
         self._note("committed", "")
         self._next_round()
+
+    def _adapted(self, steps: int | list[int]) -> bool:
+        """sync.adapt, after a committed round: measure, agree, choose (elastic mode: from the claims
+        of the round's meeting); True when H or the codec changed for the next round."""
+        assert self.adapter is not None
+        if self.elastic is None:
+            return self.adapter.end_round(self.rounds + 1, steps)
+        assert isinstance(steps, int)
+        return self.adapter.end_elastic(self.rounds + 1, steps, self.elastic.link_claims(), self.elastic.measured)
+
+    def codec_for(self, claim: str) -> Any:
+        """Elastic mode with sync.adapt: the encoder of the codec a site's link claim names (a
+        healer encodes its first round as its source does, before it has the source's state);
+        the configured one for a claim that names none of sync.adapt.codecs."""
+        assert self.adapter is not None
+        name = claimed_codec(claim)
+        if name not in self.adapter.codecs:
+            name = self.cfg.codec
+        if name not in self._reducers:
+            self._reducers[name] = self._make_reducer(name, [p.shape for p in self.local_params()])
+        return self._reducers[name].codec
 
     def _next_round(self) -> None:
         """After a round, committed or rolled back: the next round's limit. Elastic rounds end at

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from geotrain.codecs import Residual
+from geotrain.codecs import Codec, Residual
 from geotrain.comm.alive import Heartbeat, run_store
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.groups import leaders_group
@@ -79,11 +79,13 @@ from geotrain.errors import SyncerTimeout
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import pseudo_gradient
 from geotrain.sync.pace import RoundClock
+from geotrain.sync.quorum_adapt import StarAdapter
 from geotrain.sync.reducer import make_codec
 from geotrain.sync.syncer import (
     CHECKPOINT,
     FIELDS,
     FINAL,
+    PING,
     UPDATE,
     QuorumSyncer,
     Rejoins,
@@ -135,13 +137,18 @@ class AsyncDiLoCo(DiLoCo):
             group = leaders_group(g.topology)  # collective: every rank
             self.mailbox = Mailbox(comm, group, FIELDS) if self.leader else None
         # sync.codec: the update is sent encoded (with error feedback where the codec uses it), and
-        # the syncer's answers as encoded changes from the model the site holds
-        self.codec = make_codec(cfg)
-        if self.codec is not None and g.device.type != "cpu":
+        # the syncer's answers as encoded changes from the model the site holds; with sync.adapt, in
+        # whichever of sync.adapt.codecs the syncer chose last (fixed-width: no error feedback)
+        names = list(cfg.adapt.codecs) if cfg.adapt is not None else [cfg.codec]
+        self.coders: dict[str, Codec | None] = {n: make_codec(cfg.model_copy(update={"codec": n})) for n in names}
+        self.codec = self.coders[cfg.codec]
+        if any(c is not None for c in self.coders.values()) and g.device.type != "cpu":
             raise ValueError(
                 f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {g.backend} backend use sync.codec=none"
             )
-        self.residual = Residual() if self.codec is not None and cfg.uses_error_feedback else None
+        self.residual = Residual() if self.codec is not None and cfg.uses_error_feedback and cfg.adapt is None else None
+        self.adapter = None  # (sync.adapt: the syncer chooses, from the links the sites measure: quorum_adapt)
+        self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
         self.syncer: QuorumSyncer | None = None
         # FSDP: the syncer holds whole tensors; the first site's ranks gather its initial model together
         initial = self.full_tensors(self.global_params) if self.sharded and rejoin is None and self.site_index == 0 else None
@@ -158,7 +165,10 @@ class AsyncDiLoCo(DiLoCo):
                 self.leaders,
                 [self.full.site_ranks(i) for i in range(self.full.num_sites)],
                 rejoins=Rejoins(self._run_store, self._syncer_channel),
-                codec=self.codec,
+                codecs=self.coders,
+                adapter=None
+                if cfg.adapt is None
+                else StarAdapter(cfg.adapt, sum(p.numel() for p in self.params), cfg.H, cfg.codec),
             )
         rank = self.full.first_rank(self.site_index) + g.me.local_rank
         self.heartbeat = Heartbeat(rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
@@ -206,6 +216,9 @@ class AsyncDiLoCo(DiLoCo):
 
     def pace_log(self) -> list[dict[str, Any]]:
         return [] if self.syncer is None else list(self.syncer.log)
+
+    def adapt_log(self) -> list[dict[str, Any]]:
+        return [] if self.syncer is None or self.syncer.adapter is None else list(self.syncer.adapter.log)
 
     @property
     def world_broken(self) -> bool:
@@ -356,13 +369,14 @@ class AsyncDiLoCo(DiLoCo):
         """Go on from the syncer's ``answer`` (the leader's; None on the site's other ranks, which
         get it from the leader): the global model, version, next H, live and lost sites."""
         g = self.comm.groups
-        # version, world steps, stop, next round's H, live sites, sites ever lost, this site's steps, the syncer's seconds
-        control = torch.zeros(8, dtype=torch.float64)
+        # version, world steps, stop, next round's H, live sites, sites ever lost, this site's steps, the syncer's seconds,
+        # the codec of the next update
+        control = torch.zeros(9, dtype=torch.float64)
         theta = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32)  # whole (FSDP: every shard)
         if answer is not None:
             fields, theta = answer
             time_up = bool(self._max_seconds) and self._t0 is not None and time.perf_counter() - self._t0 >= self._max_seconds
-            control[:] = torch.tensor([fields[0], fields[1], float(time_up), *fields[2:7]])
+            control[:] = torch.tensor([fields[0], fields[1], float(time_up), *fields[2:7], fields[9]])
         if len(g.intra_ranks) > 1:  # the site's other ranks get the leader's answer
             for t in (control, theta):
                 dist.broadcast(t, g.intra_ranks[0], group=g.intra)
@@ -380,6 +394,8 @@ class AsyncDiLoCo(DiLoCo):
         self.lost_sites = [s for s in range(n) if s not in mask_sites(float(control[4]), n)]
         self.ever_lost = mask_sites(float(control[5]), n)
         self._site_steps, self._elapsed = int(control[6]), float(control[7])
+        if control[8]:  # the codec the syncer chose (sync.adapt; else the configured one)
+            self.codec = list(self.coders.values())[int(control[8]) - 1]
 
     def _hold(self) -> None:
         """FSDP with a codec: the syncer answers with an encoded change from the model the site
@@ -399,16 +415,17 @@ class AsyncDiLoCo(DiLoCo):
         buf = self.codec.encode(delta)
         if self.residual is not None:
             self.residual.tensor = delta - self.codec.decode(buf, delta.numel())
-        return buf, 4 * delta.numel(), 1.0
+        return buf, 4 * delta.numel(), 1.0 + list(self.coders.values()).index(self.codec)
 
     def _model_from(self, msg: Message) -> tuple[list[float], torch.Tensor]:
         """A syncer's answer: its fields, and the global model (fp32, or the model this site holds
         plus the encoded change)."""
         if not msg.fields[7]:
             return msg.fields, msg.floats()
-        assert self.codec is not None
+        coder = list(self.coders.values())[int(msg.fields[7]) - 1]
+        assert coder is not None
         held = self._held if self._held is not None else torch.cat([p.detach().reshape(-1) for p in self.global_params])
-        return msg.fields, held + self.codec.decode(msg.payload, held.numel())
+        return msg.fields, held + coder.decode(msg.payload, held.numel())
 
     def _syncer_name(self) -> str:
         return f"the syncer (site {self.full.site_names[0]}'s local rank 0)"
@@ -429,22 +446,28 @@ class AsyncDiLoCo(DiLoCo):
                     if time.monotonic() > deadline:
                         raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
         payload, raw, encoded = self._encode(update.delta)
-        fields = [
-            FINAL if update.final else CHECKPOINT if update.checkpoint else UPDATE,
-            float(update.base),
-            float(update.steps),
-            float(update.workers),
-            update.compute_s,
-            encoded,
-            0.0,
-            0.0,
-        ]
+        kind = FINAL if update.final else CHECKPOINT if update.checkpoint else UPDATE
+        fields = [kind, float(update.base), float(update.steps), float(update.workers), update.compute_s, encoded]
+        fields += [*self._link, 0.0]  # (sync.adapt: what this site measured in its last round; zeros: nothing)
+        ping, t0 = 0.0, time.perf_counter()
+        if self.cfg.adapt is not None:  # an empty message to the syncer and back: the link's round trip
+            self._roundtrip([PING] + [0.0] * (FIELDS - 1), torch.zeros(0), None)
+            ping, t0 = time.perf_counter() - t0, time.perf_counter()
+        msg = self._roundtrip(fields, payload, raw)
+        if self.cfg.adapt is not None:  # both ways' bytes, and the seconds less the update's wait at the syncer
+            moved = payload.numel() * payload.element_size() + msg.payload.numel() * msg.payload.element_size()
+            self._link = (float(moved), max(0.0, time.perf_counter() - t0 - msg.fields[8]), ping)
+        return self._model_from(msg)
+
+    def _roundtrip(self, fields: list[float], payload: torch.Tensor, raw: int | None) -> Message:
+        """Send one message to the syncer and take its answer (bounded by sync.quorum.timeout_s)."""
+        timeout, who = self.quorum.timeout_s, self._syncer_name()
         if self.channel is not None:  # a site that came back
             self.channel.send(fields, payload, raw)
             msg = self.channel.receive(timeout)
             if msg is None:
                 raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
-            return self._model_from(msg)
+            return msg
         assert self.mailbox is not None
         self.mailbox.send(self.leaders[0], fields, payload, raw)
         msg = self.mailbox.receive(self.leaders[0], timeout)
@@ -453,4 +476,4 @@ class AsyncDiLoCo(DiLoCo):
         if msg.lost:
             raise SyncerTimeout(f"lost {who}: its connection closed (the run cannot go on without the first site)")
         self.mailbox.flush()
-        return self._model_from(msg)
+        return msg

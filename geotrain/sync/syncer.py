@@ -26,14 +26,16 @@ from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join_key, silent_key
 from geotrain.config import QuorumConfig, SyncConfig
 from geotrain.sync.merge import DelayedNesterov, weighted_mean
+from geotrain.sync.quorum_adapt import LinkReport, StarAdapter
 
-UPDATE, FINAL, CHECKPOINT = 1.0, 2.0, 3.0  # CHECKPOINT: an update that waits for every live site (a checkpoint's barrier)
-# site → syncer: [kind, base, steps, workers, compute s, encoded, 0, 0]
-# syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's seconds,
-#                 encoded]
-# encoded: the payload is sync.codec's bytes (site → syncer: the pseudo-gradient; syncer → site: the
-# change since the model the site holds); 0: fp32 (a pseudo-gradient, or the whole model)
-FIELDS = 8
+# CHECKPOINT: waits for every live site (a checkpoint's barrier); PING: answered at once, empty (sync.adapt)
+UPDATE, FINAL, CHECKPOINT, PING = 1.0, 2.0, 3.0, 4.0
+# site → syncer: [kind, base, steps, workers, compute s, encoded, link bytes, link s, ping s (sync.adapt; 0: none), 0]
+# syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's
+#                 seconds, encoded, seconds the site's update waited here, the codec of its next update]
+# encoded: 1 + the index, in the run's codecs (sync.adapt.codecs, else sync.codec), of the codec whose bytes the payload
+# is (the pseudo-gradient, or the change since the model the site holds); 0: fp32 (a pseudo-gradient, or the model)
+FIELDS = 10
 TICK = 0.05  # the syncer's longest wait for input: failed sends, silent sites and restarted sites are checked this often
 
 
@@ -49,6 +51,8 @@ class Update:
     final: bool = False
     compute_s: float = 0.0  # seconds of compute (pacing included, network waits not) the steps took
     checkpoint: bool = False  # the round before a checkpoint: answered once every live site has delivered
+    link: LinkReport | None = None  # sync.adapt: what the site measured in its last round
+    ping: bool = False  # sync.adapt: an empty message, answered at once (the site times it)
 
 
 def first_round_steps(cfg: SyncConfig) -> int:
@@ -141,14 +145,14 @@ class QuorumSyncer:
         leaders: Sequence[int],
         site_ranks: Sequence[Sequence[int]] = (),
         rejoins: Rejoins | None = None,
-        codec: Codec | None = None,
+        codecs: dict[str, Codec | None] | None = None,
+        adapter: StarAdapter | None = None,
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
         # the other sites' ranks, watched for silence (a hung site is lost like a dead one); none: not watched
         self.site_ranks = [list(r) for r in site_ranks]
         self.watch = SilenceWatch([r for rs in self.site_ranks[1:] for r in rs], cfg.heartbeat_s, cfg.lost_after_s)
-        self.max_H = sync_cfg.H
-        self.dynamic = sync_cfg.dynamic_quorum_steps
+        self.max_H, self.dynamic = sync_cfg.H, sync_cfg.dynamic_quorum_steps
         # every site's next round: H, or (dynamic) a first round of max(1, H/10) to measure its pace
         self.H = [first_round_steps(sync_cfg)] * len(self.workers)
         self.rates = [0.0] * len(self.workers)  # steps per second of compute, smoothed (dynamic)
@@ -161,11 +165,17 @@ class QuorumSyncer:
         self.ever_lost: set[int] = set()  # sites lost at some point (the world group has their dead ranks)
         self.site_steps = [0] * len(self.workers)  # steps each site has delivered (a site that comes back goes on from there)
         self.rejoins, self.channels = rejoins, dict[int, StoreChannel]()  # lost sites that came back, and how to reach them
-        # sync.codec: what each other site holds (it got the model in fp32 at the start, then encoded
-        # changes); site 0 takes the model in memory, exactly
-        self.codec = codec
+        # the codecs by name, in the order messages name them (sync.adapt.codecs, else sync.codec), and
+        # the one in force; sync.adapt: the choice of H and codec from the sites' link reports
+        self.coders = codecs if codecs is not None else {"none": None}
+        self.names, self.adapter = list(self.coders), adapter
+        self.codec_name = adapter.codec if adapter is not None else self.names[0]
+        # what each other site holds (it got the model in fp32 at the start, then encoded changes);
+        # site 0 takes the model in memory, exactly
         flat = torch.cat([t.reshape(-1) for t in self.theta])
-        self.held = {s: flat.clone() for s in range(1, len(self.workers))} if codec is not None else {}
+        encodes = any(c is not None for c in self.coders.values())
+        self.held = {s: flat.clone() for s in range(1, len(self.workers))} if encodes else {}
+        self._arrived = [0.0] * len(self.workers)  # when each site's last update landed (its wait here, for sync.adapt)
         # site 0's updates (same process) and the other sites' messages (the mailbox's listener
         # threads put them here): the loop blocks on it, so it wakes on input, not on a poll
         self.inbox: queue.Queue[Update | Message] = queue.Queue()
@@ -203,6 +213,7 @@ class QuorumSyncer:
             "rates": list(self.rates),
             "site_steps": list(self.site_steps),
             "log": [dict(e) for e in self.log],
+            "adapt": None if self.adapter is None else self.adapter.state_dict(),
         }
 
     @torch.no_grad()
@@ -218,6 +229,9 @@ class QuorumSyncer:
         self.version, self.world_steps = state["version"], state["world_steps"]
         self.H, self.rates, self.site_steps = list(state["H"]), list(state["rates"]), list(state["site_steps"])
         self.log = list(state["log"])
+        if self.adapter is not None and state.get("adapt") is not None:
+            self.adapter.load_state_dict(state["adapt"])
+            self.codec_name = self.adapter.codec
         flat = torch.cat([t.reshape(-1) for t in self.theta])
         self.held = {s: flat.clone() for s in self.held}  # the barrier's answer was exact
 
@@ -228,13 +242,10 @@ class QuorumSyncer:
             self.error = exc
 
     def _decode(self, msg: Message) -> Update:
-        kind, base, steps, workers, compute_s, encoded = msg.fields[:6]
+        kind, base, steps, workers, compute_s, encoded, link_bytes, link_s, ping_s = msg.fields[:9]
         site = self.leaders.index(msg.src)
-        if encoded and msg.payload.numel():
-            assert self.codec is not None
-            delta = self.codec.decode(msg.payload, sum(t.numel() for t in self.theta))
-        else:
-            delta = msg.floats()
+        coder = self.coders[self.names[int(encoded) - 1]] if encoded and msg.payload.numel() else None
+        delta = coder.decode(msg.payload, sum(t.numel() for t in self.theta)) if coder is not None else msg.floats()
         return Update(
             site,
             int(base),
@@ -244,6 +255,8 @@ class QuorumSyncer:
             final=kind == FINAL,
             compute_s=compute_s,
             checkpoint=kind == CHECKPOINT,
+            link=LinkReport(link_bytes, link_s, ping_s, int(steps), compute_s) if link_s > 0 else None,
+            ping=kind == PING,
         )
 
     def _measure(self, u: Update) -> None:
@@ -290,8 +303,14 @@ class QuorumSyncer:
             for _, u in due:
                 if u.site in self.lost:  # sent before it went silent, arrived after it was lost: late forever
                     continue
+                if u.ping:
+                    self._send(u.site, [0.0] * FIELDS, torch.zeros(0), None)
+                    continue
+                self._arrived[u.site] = now
                 self.site_steps[u.site] += u.steps
                 self._measure(u)
+                if self.adapter is not None and u.link is not None:
+                    self.adapter.report(u.site, u.link)
                 if u.final:
                     finals.add(u.site)
                 elif u.checkpoint:
@@ -370,6 +389,9 @@ class QuorumSyncer:
         self._note(why, ups, weights, "")
         self.version += 1
         self.world_steps += sum(u.workers * u.steps for u in ups)
+        if self.adapter is not None and self.adapter.choose(self.version):  # every site's next H and codec
+            self.H = [self.adapter.H] * len(self.workers)
+            self.codec_name = self.adapter.codec
 
     def _note(
         self, why: str, ups: Sequence[Update], weights: Sequence[float], reason: str, sites: Sequence[int] | None = None
@@ -433,7 +455,8 @@ class QuorumSyncer:
         answer carries what this one's encoding left out)."""
         theta = torch.cat([t.reshape(-1) for t in self.theta])
         live = site_mask([s for s in range(len(self.workers)) if s not in self.lost])
-        elapsed = time.monotonic() - self._t0
+        now = time.monotonic()
+        coder, index = self.coders[self.codec_name], 1.0 + self.names.index(self.codec_name)
         for s in sites:
             fields = [
                 float(self.version),
@@ -442,8 +465,10 @@ class QuorumSyncer:
                 live,
                 site_mask(self.ever_lost),
                 float(self.site_steps[s]),
-                elapsed,
+                now - self._t0,
                 0.0,
+                max(0.0, now - self._arrived[s]),
+                index,
             ]
             if s == 0:
                 self.outbox.put((fields, theta.clone()))
@@ -451,16 +476,20 @@ class QuorumSyncer:
             if s in self.lost:  # (a site that came back is reached through its channel until it is lost again)
                 continue
             payload, raw = theta, None
-            if self.codec is not None and exact:
+            if s in self.held and (exact or coder is None):
                 self.held[s] = theta.clone()
-            elif self.codec is not None:
-                payload, raw, fields[-1] = self.codec.encode(theta - self.held[s]), 4 * theta.numel(), 1.0
-                self.held[s] += self.codec.decode(payload, theta.numel())
-            if s in self.channels:
-                self.channels[s].send(fields, payload, raw)
-            else:
-                self.mailbox.send(self.leaders[s], fields, payload, raw)
+            elif coder is not None:
+                payload, raw, fields[7] = coder.encode(theta - self.held[s]), 4 * theta.numel(), index
+                self.held[s] += coder.decode(payload, theta.numel())
+            self._send(s, fields, payload, raw)
         self._check_sends()
+
+    def _send(self, site: int, fields: list[float], payload: torch.Tensor, raw: int | None) -> None:
+        """A message to ``site``'s leader: through its channel if it came back, else the mailbox."""
+        if site in self.channels:
+            self.channels[site].send(fields, payload, raw)
+        else:
+            self.mailbox.send(self.leaders[site], fields, payload, raw)
 
     def _check_sends(self) -> None:
         """Lose the sites an answer could not be sent to (they are gone). Never waits: a site that

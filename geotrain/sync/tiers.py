@@ -49,7 +49,7 @@ from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed
 from geotrain.sync.adapt import NetworkAdapter
 from geotrain.sync.diloco import DiLoCo
-from geotrain.sync.outer import outer_step_, pseudo_gradient
+from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
 from geotrain.sync.reducer import SiteReducer
 
 
@@ -58,7 +58,58 @@ def _averaging(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1.0)
 
 
-class TieredDiLoCo(DiLoCo):
+class RegionTier(OuterSync):
+    """What both tiered algorithms share: the region's sites, the region's model, and a tier's
+    weights, guard and average (DiLoCo's rounds here, Streaming DiLoCo's fragments in
+    :mod:`geotrain.sync.streaming_tiers`)."""
+
+    def _regions(self, cfg: SyncConfig) -> None:
+        """The region tier's sites and model (a copy of the global model at the start)."""
+        topo, me = self.comm.groups.topology, self.comm.groups.me.site_index
+        self.every = cfg.region_every
+        self.region_sites = [s for s in range(topo.num_sites) if topo.same_region(s, me)]
+        self.region_params = [g.clone() for g in self.global_params]
+        self._finishing = False
+
+    def _tier_optimizer(self, params: list[torch.Tensor], tier: str) -> torch.optim.Optimizer:
+        """The step of ``tier`` ('region' or 'world'): the outer optimizer, or plain averaging (``sync.tier_outer``)."""
+        outer = self.cfg.tier_outer
+        return self._outer_optimizer(params) if outer in (tier, "both") else _averaging(params)
+
+    def _tier_weights(self, sites: list[int], steps: list[int] | None = None) -> list[float]:
+        """Each site's weight in a tier's average over ``sites`` (0 for the others): its tokens,
+        workers x ``steps`` (adaptive pace: each site's own), else in proportion to its workers
+        (every site runs the same steps)."""
+        workers = self.comm.groups.topology.workers
+        k = steps if steps is not None else [1] * self.num_sites
+        return [float(workers[s] * k[s] if self.weight_by_tokens else 1) if s in sites else 0.0 for s in range(self.num_sites)]
+
+    def _tier_average(self, delta: torch.Tensor, reducer: SiteReducer, weights: list[float], round_id: int, region: bool) -> None:
+        """Average ``delta`` over one tier's sites (those of nonzero ``weights``): with privacy,
+        securely over the region's sites (``region``) or every site (may raise RoundFailed); else
+        with ``reducer``."""
+        if self.private is None:
+            self._weighted_average(delta, reducer, weights)
+            return
+        weighted = len({w for w in weights if w}) > 1
+        self.private.average(delta, round_id, weights if weighted else None, region=region)
+
+    def _region_included(self, delta: torch.Tensor, reducer: SiteReducer, round_id: int, key: int = 0) -> list[int]:
+        """The sites of this region whose update goes into the region round ``round_id``: the
+        guard's rule over the region's norms (``guard.enabled``, its history under ``key``), after
+        the failure injection (``fault.nan``, by region round); a site left out contributes zeros."""
+        g = self.comm.groups
+        self.faults.corrupt_update(delta, round_id)
+        if self.guard is None or self.private is not None:  # (secure aggregation: no norm is revealed; a
+            return self.region_sites  # site withdraws its own non-finite update, sync.guard)
+        ok = self.guard.include(delta, key, round_id, region=self.region_sites)
+        if not ok[g.me.site_index]:
+            delta.zero_()
+            reducer.forget_residual()  # else its old error feedback would still be sent
+        return [s for s in self.region_sites if ok[s]]
+
+
+class TieredDiLoCo(RegionTier, DiLoCo):
     """DiLoCo in two tiers over ``topology.regions`` (see the module docstring)."""
 
     name = "diloco"
@@ -67,16 +118,11 @@ class TieredDiLoCo(DiLoCo):
         self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float, cfg: SyncConfig
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip, cfg)
-        topo, me = comm.groups.topology, comm.groups.me.site_index
-        self.every = cfg.region_every
-        self.region_sites = [s for s in range(topo.num_sites) if topo.same_region(s, me)]
-        self.region_params = [g.clone() for g in self.global_params]
+        topo = comm.groups.topology
+        self._regions(cfg)
         self.region_reducer = SiteReducer(cfg, comm, [p.shape for p in self.local_params()], sharded=self.sharded, region=True)
-        outer = cfg.tier_outer
-        self.region_optimizer = _averaging(self.region_params) if outer == "world" else self._outer_optimizer(self.region_params)
-        if outer == "region":
-            self.outer_optimizer = _averaging(self.global_params)
-        self._finishing = False
+        self.region_optimizer = self._tier_optimizer(self.region_params, "region")
+        self.outer_optimizer = self._tier_optimizer(self.global_params, "world")
         self._since_world = [0] * topo.num_sites  # adaptive pace: each site's steps since the last world round
         self._region_since_world = 0  # region rounds since the last world round (sync.adapt changes self.every)
         if self.adapter is not None and cfg.adapt is not None:  # it chooses the world tier's period (in steps) and codec
@@ -121,14 +167,6 @@ class TieredDiLoCo(DiLoCo):
         self._since_world = list(state.get("since_world", self._since_world))
         self.region_reducer.load_state_dict(self.reducer_in(state["region_reducer"]))
 
-    def _tier_weights(self, sites: list[int], steps: list[int] | None = None) -> list[float]:
-        """Each site's weight in a tier's average over ``sites`` (0 for the others): its tokens,
-        workers x ``steps`` (adaptive pace: each site's own), else in proportion to its workers
-        (every site runs the same steps)."""
-        workers = self.comm.groups.topology.workers
-        k = steps if steps is not None else [1] * self.num_sites
-        return [float(workers[s] * k[s] if self.weight_by_tokens else 1) if s in sites else 0.0 for s in range(self.num_sites)]
-
     def _adapt(self, steps: int | list[int]) -> None:
         """sync.adapt, after a world round: the world tier's next period (a whole number of region
         rounds) and codec, from the cross-region link measured in this one."""
@@ -146,30 +184,6 @@ class TieredDiLoCo(DiLoCo):
             return super().eval_due(step, every)
         return self._steps_in_round == 0 and self.region_rounds % max(1, every // self.H) == 0
 
-    def _tier_average(self, delta: torch.Tensor, reducer: SiteReducer, weights: list[float], round_id: int) -> None:
-        """Average ``delta`` over one tier's sites (those of nonzero ``weights``): with privacy,
-        securely over the region's sites (a region round: ``reducer`` is the region's) or every
-        site (may raise RoundFailed); else with ``reducer``."""
-        if self.private is None:
-            self._weighted_average(delta, reducer, weights)
-            return
-        weighted = len({w for w in weights if w}) > 1
-        self.private.average(delta, round_id, weights if weighted else None, region=reducer is self.region_reducer)
-
-    def _region_included(self, delta: torch.Tensor) -> list[int]:
-        """The sites of this region whose update goes into the region round: the guard's rule over
-        the region's norms (``guard.enabled``), after the failure injection (``fault.nan``, by
-        region round); a site left out contributes zeros."""
-        g = self.comm.groups
-        self.faults.corrupt_update(delta, self.region_rounds)
-        if self.guard is None or self.private is not None:  # (secure aggregation: no norm is revealed; a
-            return self.region_sites  # site withdraws its own non-finite update, sync.guard)
-        ok = self.guard.include(delta, 0, self.region_rounds, region=self.region_sites)
-        if not ok[g.me.site_index]:
-            delta.zero_()
-            self.region_reducer.forget_residual()  # else its old error feedback would still be sent
-        return [s for s in self.region_sites if ok[s]]
-
     @torch.no_grad()
     def outer_step(self) -> None:
         paced = self.clock.adaptive  # every site's steps this region round, and their rates (one control exchange)
@@ -178,12 +192,13 @@ class TieredDiLoCo(DiLoCo):
             self._since_world = [a + b for a, b in zip(self._since_world, steps, strict=True)]
         # 1. inside the region (a last region round of no steps, at the run's end, has nothing to average)
         delta = pseudo_gradient(self.region_params, self.local_params())
-        included = self._region_included(delta)
+        included = self._region_included(delta, self.region_reducer, self.region_rounds)
         if steps is not None and not any(steps[s] for s in self.region_sites):
             included = []
         elif included:
             try:
-                self._tier_average(delta, self.region_reducer, self._tier_weights(included, steps), self.region_rounds)
+                weights = self._tier_weights(included, steps)
+                self._tier_average(delta, self.region_reducer, weights, self.region_rounds, region=True)
                 outer_step_(self.region_optimizer, self.region_params, delta)
             except RoundFailed as exc:  # secure aggregation below its threshold: the region round is rolled back
                 self._roll_back((), f"region round {self.region_rounds}: {exc}")
@@ -201,7 +216,8 @@ class TieredDiLoCo(DiLoCo):
                 self.adapter.start_average()
             self._region_since_world = 0
             try:
-                self._tier_average(world, self.reducer, self._tier_weights(list(range(self.num_sites)), since), self.rounds)
+                weights = self._tier_weights(list(range(self.num_sites)), since)
+                self._tier_average(world, self.reducer, weights, self.rounds, region=False)
                 committed = True
             except RoundFailed as exc:  # the regions keep their models; the next world round spans these steps too
                 self._roll_back((), f"world round {self.rounds}: {exc}")
