@@ -215,6 +215,21 @@ def test_tiers_under_fsdp_equal_replicated_tiers_and_resume_exactly(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_streaming_tiers_under_fsdp_equal_replicated_streaming_tiers(tmp_path: Path) -> None:
+    """Streaming DiLoCo in two tiers over FSDP shards: each fragment's region and world steps run on
+    each rank's shards, summed with the same local rank of the region's (or every) site; the run
+    ends where the replicated one ends, with the same bytes between regions."""
+    stream = ["train.steps=12", "sync.algorithm=streaming", "sync.fragments=2", "sync.tau=1", *THREE_SITES_TWO_REGIONS]
+    rep, rep_w = _run(tmp_path, "rep", stream)
+    fs, fs_w = _run(tmp_path, "fsdp", stream + FSDP)
+    _same(rep_w, fs_w, rtol=1e-5, atol=1e-6)
+    _one_model(fs)
+    assert fs["region_rounds"] == rep["region_rounds"] > fs["rounds"] == rep["rounds"] > 0
+    assert fs["inter_region_bytes"] == rep["inter_region_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_adaptive_pace_and_network_adaptation_under_fsdp(tmp_path: Path) -> None:
     """Adaptive pace (a site at half speed runs fewer inner steps per round, token-weighted) and
     sync.adapt (H chosen from the measured 10 Mbit/s link) over FSDP shards: each ends on one model."""

@@ -487,6 +487,7 @@ def test_a_bug_in_a_round_stops_the_site_a_failing_store_rolls_the_round_back() 
         "part": 0,
         "rest": 0,
         "pace": 0,
+        "link": "",
     }
     lines: list[str] = []
     with pytest.raises(TypeError):
