@@ -259,9 +259,8 @@ class StreamingDiLoCo(OuterSync):
         try:
             self._wait(fut)
             into.add_(average)
-        except RoundFailed as exc:
-            self.rounds_rolled_back += 1
-            self.rollback_reasons.append(str(exc))
+        except RoundFailed as exc:  # (nothing of the round is applied: only what was applied at once comes off)
+            self._roll_back((), str(exc))
         into.sub_(applied)
 
     def _mark_synced(self, f: int, t: int) -> None:
@@ -370,8 +369,7 @@ class StreamingDiLoCo(OuterSync):
                     self._wait(fut)
                     step.add_(delta)
                 except RoundFailed as exc:  # nothing of it is applied
-                    self.rounds_rolled_back += 1
-                    self.rollback_reasons.append(str(exc))
+                    self._roll_back((), str(exc))
                 self.last_sync[f] = t
                 self.rounds += 1
             outer_step_(self.outer[f], globals_, step)
