@@ -123,7 +123,8 @@ def test_quorum_rounds_adapt_h_and_codec_to_the_links_the_sites_measure(tmp_path
     and back, and its round's bytes both ways over the seconds its exchange took, less its wait
     for the quorum), sends that with its next update, and the syncer chooses every site's next H
     and codec with the planner's formula for a star. On an emulated 1 Mbit/s, 20 ms link the
-    measurements are the link's, the choice compresses, and every site ends on one model."""
+    measurements are the link's, the choice compresses, and every site ends on one model; with
+    dynamic local steps too."""
     lo, hi, target = 2, 20, 0.9
     three = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]"
     link = ["topology.links.emulate=inprocess", "topology.links.inter.bandwidth_bps=1e6", "topology.links.inter.latency_s=0.02"]
@@ -140,6 +141,13 @@ def test_quorum_rounds_adapt_h_and_codec_to_the_links_the_sites_measure(tmp_path
         assert prev is None or (a["H"], a["codec"]) == (prev["next"]["H"], prev["next"]["codec"])
     assert log[-1]["next"]["codec"] != "none"  # 1 Mbit/s: it compresses
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    # with dynamic local steps (sync.pace=adaptive) the chosen H is the fastest site's: C, at a
+    # third of the speed, runs fewer steps per round, from its measured rate
+    slow = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.33}]"
+    d, _ = _run(tmp_path, "dynamic", [slow, *link, *adapt, "sync.pace=adaptive", "train.steps=60", "train.eval_every=0"])
+    merged = [m for m in d["pace"] if m["kind"] == "quorum"]
+    assert d["adapt"] and any(2 in m["sites"] and m["steps"][m["sites"].index(2)] < max(m["steps"]) for m in merged), merged
+    assert len(set(d["global_param_hash"].values())) == 1 and d["hashes_agree_within_sites"]
 
 
 @pytest.mark.slow

@@ -194,11 +194,6 @@ class Config(Section):
                 "use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none",
             ),
             (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
-            (
-                self.sync.adapt is not None and self.sync.dynamic_quorum_steps,
-                "sync.adapt",
-                "leave sync.adapt unset with dynamic local steps or sync.pace=adaptive (both set each site's steps)",
-            ),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),

@@ -153,9 +153,8 @@ class QuorumSyncer:
         self.site_ranks = [list(r) for r in site_ranks]
         self.watch = SilenceWatch([r for rs in self.site_ranks[1:] for r in rs], cfg.heartbeat_s, cfg.lost_after_s)
         self.max_H, self.dynamic = sync_cfg.H, sync_cfg.dynamic_quorum_steps
-        # every site's next round: H, or (dynamic) a first round of max(1, H/10) to measure its pace
-        self.H = [first_round_steps(sync_cfg)] * len(self.workers)
-        self.rates = [0.0] * len(self.workers)  # steps per second of compute, smoothed (dynamic)
+        # every site's next round (H, or dynamic: a first one of max(1, H/10)), and its smoothed steps per compute second
+        self.H, self.rates = [first_round_steps(sync_cfg)] * len(self.workers), [0.0] * len(self.workers)
         self.theta = [t.detach().clone() for t in theta]
         self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, len(self.workers))
         self.mailbox, self.leaders = mailbox, list(leaders)
@@ -390,8 +389,9 @@ class QuorumSyncer:
         self.version += 1
         self.world_steps += sum(u.workers * u.steps for u in ups)
         if self.adapter is not None and self.adapter.choose(self.version):  # every site's next H and codec
-            self.H = [self.adapter.H] * len(self.workers)
-            self.codec_name = self.adapter.codec
+            self.max_H, self.codec_name, chosen = self.adapter.H, self.adapter.codec, [self.adapter.H] * len(self.workers)
+            # (dynamic local steps: the chosen H is the fastest site's, the others' follow their rates)
+            self.H = dynamic_steps(self.rates, chosen, self.max_H) if self.dynamic else chosen
 
     def _note(
         self, why: str, ups: Sequence[Update], weights: Sequence[float], reason: str, sites: Sequence[int] | None = None
