@@ -229,6 +229,7 @@ def test_streaming_tiers_under_fsdp_equal_replicated_streaming_tiers(tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # (measured step times and link: beside another test, H came out at 10 or less)
 @pytest.mark.timeout(300)
 def test_adaptive_pace_and_network_adaptation_under_fsdp(tmp_path: Path) -> None:
     """Adaptive pace (a site at half speed runs fewer inner steps per round, token-weighted) and

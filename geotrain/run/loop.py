@@ -171,7 +171,8 @@ def train_loop(
     record: dict[str, Any] = {"step": 0, "tokens": 0}
     seen_adapt = 0
     last = steps
-    for step in range(start + 1, sync.step_limit(steps) + 1):
+    limit = sync.step_limit(steps)  # (adaptive rounds: a bound; the run ends on ``sync.done``)
+    for step in range(start + 1, limit + 1):
         if privacy.active and (step > privacy.max_steps or sync.budget_exhausted()):
             last = privacy.stopped_at = step - 1  # same decision on every rank
             if me.rank == 0:
@@ -229,7 +230,10 @@ def train_loop(
             record["epsilon"] = eps
         if not math.isfinite(record["loss"]):
             raise FloatingPointError(f"loss is {record['loss']} at step {step}")
-        if sync.eval_due(step, eval_every) and step != last:
+        # not at the run's last step (evaluated after the last round below): where sites run different
+        # steps that is the step ``done`` ends, not train.steps, which a fast site passes mid-run (an
+        # evaluation is collective: one site skipping it there while the others evaluate hung a run)
+        if sync.eval_due(step, eval_every) and not done and step != limit:
             record["eval_loss"] = evaluator(sync.global_parameters(), step, sync.world_steps(step))
             model.train()
         sink.step(record)
