@@ -242,8 +242,12 @@ class StreamingDiLoCo(OuterSync):
         finally:
             self.comm.add_wait(time.perf_counter() - t0)
 
+    def _part(self, params: list[torch.Tensor], f: int) -> list[torch.Tensor]:
+        """Fragment ``f``'s tensors of ``params`` (laid out like the parameters)."""
+        return [params[i] for i in self.fragments[f]]
+
     def _globals(self, f: int) -> list[torch.Tensor]:
-        return [self.global_params[i] for i in self.fragments[f]]
+        return self._part(self.global_params, f)
 
     def _settle_eager(self, f: int, into: torch.Tensor) -> None:
         """Eager: wait for fragment ``f``'s last exchange and add to ``into`` what that round still

@@ -52,17 +52,14 @@ class TieredStreaming(RegionTier, StreamingDiLoCo):
             SiteReducer(cfg, comm, [shapes[i] for i in frag], seed=f, sharded=self.sharded, region=True)
             for f, frag in enumerate(self.fragments)
         ]
-        self.region_outer = [self._tier_optimizer(self._tier(self.region_params, f), "region") for f in range(self.F)]
+        self.region_outer = [self._tier_optimizer(self._part(self.region_params, f), "region") for f in range(self.F)]
         self.outer = [self._tier_optimizer(self._globals(f), "world") for f in range(self.F)]
         self.region_syncs = [0] * self.F  # per fragment: region syncs since its last world sync
-
-    def _tier(self, params: list[torch.Tensor], f: int) -> list[torch.Tensor]:
-        return [params[i] for i in self.fragments[f]]
 
     @torch.no_grad()
     def _sync(self, f: int, t: int) -> None:
         local = self.local_params()
-        delta = pseudo_gradient(self._tier(self.region_params, f), self._tier(local, f))
+        delta = pseudo_gradient(self._part(self.region_params, f), self._part(local, f))
         trained = t > self.last_sync[f]  # (false at the run's end for a fragment that synced in its region last)
         self._mark_synced(f, t)
         self.region_syncs[f] += int(trained)
@@ -83,7 +80,7 @@ class TieredStreaming(RegionTier, StreamingDiLoCo):
     def _tiers(self, f: int, delta: torch.Tensor | None, world: bool, ids: tuple[int, int]) -> None:
         """Exchange thread: fragment ``f``'s region round (``delta``; None: no steps to average),
         then, if ``world``, its world round (``ids``: the region and world round ids)."""
-        regions, globals_ = self._tier(self.region_params, f), self._globals(f)
+        regions, globals_ = self._part(self.region_params, f), self._globals(f)
         if delta is not None:
             included = self._region_included(delta, self.region_reducers[f], ids[0], key=f)
             try:
@@ -110,7 +107,7 @@ class TieredStreaming(RegionTier, StreamingDiLoCo):
     def _merge(self, f: int) -> None:
         _, fut, _ = self.pending.pop(f)
         self._wait(fut)
-        for r, p in zip(self._tier(self.region_params, f), self._tier(self.local_params(), f), strict=True):
+        for r, p in zip(self._part(self.region_params, f), self._part(self.local_params(), f), strict=True):
             p.mul_(self.alpha).add_(r.to(p.dtype), alpha=1 - self.alpha)
 
     def global_parameters(self) -> list[torch.Tensor]:
