@@ -176,6 +176,7 @@ def test_sites_train_through_a_lighthouse_outage(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # (relative speeds: under load both sites had reached the last step by the outage)
 def test_after_an_outage_sites_of_different_speeds_meet_on_the_same_steps_again(tmp_path: Path) -> None:
     """B runs at a third of A's speed; the Lighthouse dies for a second, so each site postpones
     the round and meets the other at a step of its own when it is back. The round after that ends

@@ -173,7 +173,10 @@ def train_loop(
     last = steps
     limit = sync.step_limit(steps)  # (adaptive rounds: a bound; the run ends on ``sync.done``)
     for step in range(start + 1, limit + 1):
-        if privacy.active and (step > privacy.max_steps or sync.budget_exhausted()):
+        # (the step cap is example-level DP's ε budget: without it, train.steps is no cap, as a fast
+        # site under adaptive pace passes it mid-run, and stopping it there left the others waiting)
+        capped = privacy.example is not None and step > privacy.max_steps
+        if privacy.active and (capped or sync.budget_exhausted()):
             last = privacy.stopped_at = step - 1  # same decision on every rank
             if me.rank == 0:
                 log(me, step, f"privacy budget ε={privacy.cfg.dp.epsilon} reached: stopping after step {last}")
