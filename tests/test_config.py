@@ -113,7 +113,7 @@ BAD = [
     (None, ["privacy.dp.unit=site"], "privacy.dp.noise_multiplier: set it or dp.epsilon"),
     (None, ["privacy.inject=[A@x:drop]"], "privacy.inject: item 0 ('A@x:drop'): expected SITE@ROUND:drop"),
     (None, ["privacy.secure_aggregation=true", "sync.algorithm=ddp"], "privacy.secure_aggregation: works on pseudo-gradients"),
-    (None, ["fault.kill=[A@10]"], "fault.kill: killing, hanging or tampering with a site needs elastic.enabled=true"),
+    (None, ["fault.kill=[A@10]"], "fault.kill: failing a site this way needs elastic.enabled=true"),
     (None, ["elastic.heartbeat_timeout_s=0.3"], "elastic.heartbeat_timeout_s: must exceed twice elastic.heartbeat_s"),
     (
         None,

@@ -71,6 +71,33 @@ def test_kill_mid_allreduce_rolls_back_and_survivors_agree(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "algorithm", [[], ["sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2"]], ids=["diloco", "streaming"]
+)
+def test_a_round_split_at_the_end_is_healed_before_the_sites_leave(tmp_path: Path, algorithm: list[str]) -> None:
+    """B misses A's vote (fault.split: as if it took A for dead) in a round A commits: a split.
+    Each site writes what it decided and waits for the other's, so both know. Mid-run the next
+    round heals B; after the last round both stay for one more, in which B heals, and the two end
+    on one model. Before, a site that had decided left at once, and a split last round (seen under
+    load in CI: B's heartbeat watch timed out while A's process had stopped beating) ended the run
+    with two models."""
+    out = tmp_path / "split"
+    proc = train_cli(out, [*ELASTIC, *algorithm, "train.steps=40", 'fault.split=["B@20", "B@40"]'], TWO)
+    s = read_summary(out)
+    assert proc.stdout.count("fault.split: this site missed the others' votes") == 2
+    a, b = records(out, "A"), records(out, "B")
+    assert len(a) == len(b) and [r["step"] for r in a] == [r["step"] for r in b]
+    split = [i for i, r in enumerate(b) if r["outcome"] == "rolled_back" and r["step"] in (20, 40) and not r["healers"]]
+    assert [b[i]["step"] for i in split] == [20, 40] and all(a[i]["outcome"] == "committed" for i in split)
+    assert b[split[0] + 1]["healers"] == ["B"] and b[split[0] + 1]["contributors"] == 1  # mid-run: the next round heals B
+    # after the last round, one more (at the last step), in which B heals
+    assert split[1] == len(b) - 2 and a[-1]["healers"] == b[-1]["healers"] == ["B"] and a[-1]["outcome"] == b[-1]["outcome"]
+    assert all(r["outcome"] == "committed" for i, r in enumerate(b[:-1]) if i not in split)
+    assert s["survivors"] == ["A", "B"] and s["consistent"] and len(set(s["global_param_hash"].values())) == 1
+    assert s["per_site"]["A"]["final_eval_loss"] == s["per_site"]["B"]["final_eval_loss"]
+
+
+@pytest.mark.slow
 def test_hang_is_detected_then_the_site_heals_and_all_agree(tmp_path: Path) -> None:
     """SIGSTOP B mid-all-reduce with min_sites=3: A and C detect it by heartbeat, roll back, pause
     (too few sites), and carry on when B's new incarnation has healed from a peer."""

@@ -486,7 +486,7 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
         ),
         (
             ["fault.kill=[B@5]"],
-            "fault.kill: killing, hanging or tampering with a site needs elastic.enabled=true (or sync.quorum",
+            "fault.kill: failing a site this way needs elastic.enabled=true (or sync.quorum",
         ),
         (["sync.quorum={sites: 1, grace_s: -1}"], "grace_s"),
         (["sync.quorum={grace_s: 1}"], "sites"),

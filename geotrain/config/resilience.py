@@ -33,6 +33,11 @@ class FaultConfig(Section):
         description="Failure injection (elastic mode): 'SITE@STEP' alters that site's outgoing pseudo-gradient frames after "
         "their MAC in the round at that step (an attacker on the path): the round must roll back.",
     )
+    split: list[str] = Field(
+        default_factory=list,
+        description="Failure injection (elastic mode): 'SITE@STEP' makes that site, in the round at that step, vote yes and "
+        "then miss the others' votes (as if its heartbeat watch had timed out): it rolls back a round the others commit.",
+    )
     restart_after: float = Field(
         default=0.0,
         ge=0,
@@ -42,7 +47,7 @@ class FaultConfig(Section):
         "it for silence, from the syncer's model); 0: never.",
     )
 
-    @field_validator("nan", "kill", "hang", "tamper")
+    @field_validator("nan", "kill", "hang", "tamper", "split")
     @classmethod
     def _site_at_round(cls, v: list[str]) -> list[str]:
         return check_site_at(v, ())
@@ -51,10 +56,11 @@ class FaultConfig(Section):
         return {(site, rnd) for site, rnd, _ in map(parse_site_at, self.nan)}
 
     def site_faults(self) -> dict[tuple[str, int], str]:
-        """{(site, step): 'kill' | 'hang' | 'tamper'} from ``kill``, ``hang`` and ``tamper``."""
+        """{(site, step): 'kill' | 'hang' | 'tamper' | 'split'} from those lists."""
         out = {(site, step): "kill" for site, step, _ in map(parse_site_at, self.kill)}
         out.update({(site, step): "hang" for site, step, _ in map(parse_site_at, self.hang)})
         out.update({(site, step): "tamper" for site, step, _ in map(parse_site_at, self.tamper)})
+        out.update({(site, step): "split" for site, step, _ in map(parse_site_at, self.split)})
         return out
 
 

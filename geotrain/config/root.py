@@ -101,7 +101,7 @@ class Config(Section):
                     raise ValueError(f"fault.kill: site {site} holds the quorum syncer; kill another site (allowed: {others})")
             elif not self.elastic.enabled:
                 raise ValueError(
-                    f"fault.{kind}: killing, hanging or tampering with a site needs elastic.enabled=true"
+                    f"fault.{kind}: failing a site this way needs elastic.enabled=true"
                     + (" (or sync.quorum, for fault.kill)" if kind == "kill" else "")
                 )
         self._elastic_fits(len(names))

@@ -11,7 +11,8 @@ What this module holds, all called by every rank of the site:
 * :func:`gather_site`: the carried parts of the round's sum, gathered back into the whole vector
   on every rank of the site;
 * :func:`vote`: local rank 0 writes the site's signed vote and reads everyone's; the round
-  commits only if every admitted site said yes.
+  commits only if every admitted site said yes; then each site says what it decided, and
+  learns whether another decided otherwise.
 """
 
 from __future__ import annotations
@@ -207,14 +208,23 @@ def vote(
     intra: Any,
     timeout_s: float,
     log: Callable[[str], None],
-) -> bool:
+    deaf: bool = False,
+) -> tuple[bool, bool]:
     """Local rank 0 writes this site's vote and reads everyone's; the round commits only if every
-    admitted site voted yes. The site's ranks agree on the result."""
-    decision = torch.zeros(1)
+    admitted site voted yes. Then it writes what it decided and, if it voted yes, waits, its
+    heartbeats still going, until every admitted site has decided too (a peer that goes silent
+    ends the wait).
+    Returns whether the round commits here and whether a site decided otherwise (a *split*: the
+    round committed on some sites only; the next round heals them, and a run's last round is
+    followed by one more). The site's ranks agree on both. ``deaf``: failure injection
+    (``fault.split``): this site misses the others' votes after its own."""
+    decision = torch.zeros(2)
     if local == 0:
         try:
             prefix.set(f"vote/{site}", ballot(identity, view.round_id, site, ok))
             assert monitor is not None  # local rank 0 always carries a part, so it watches its peers
+            if deaf:
+                raise RoundFailed("fault.split: this site missed the others' votes")
             if ok:  # a no (ours, or any seen) settles it at once; a yes needs every vote
                 keys = [f"vote/{s}" for s in view.admitted]
                 yes: dict[str, bool] = {}
@@ -224,11 +234,45 @@ def vote(
                     return not yes[k]
 
                 wait_keys(prefix, keys, time.monotonic() + timeout_s, monitor, stop_if=said_no)
-                decision.fill_(float(all(yes.get(k, False) for k in keys)))
+                decision[0] = float(all(yes.get(k, False) for k in keys))
         except RoundFailed as exc:  # a peer went silent while the votes were read: no commit
             log(f"round {view.key}: the vote ended without a decision ({exc}): no commit")
         except Exception as exc:  # noqa: BLE001 - the store failed: no commit, and the reason is in the log
             first = str(exc).splitlines()[0][:160] if str(exc) else ""
             log(f"round {view.key}: the vote failed ({type(exc).__name__}: {first}; round store {view.meeting}): no commit")
+        decision[1] = float(_decided_otherwise(prefix, view, monitor, ok, bool(decision[0]), site, identity, timeout_s))
     dist.broadcast(decision, src=0, group=intra)
-    return bool(decision.item())
+    return bool(decision[0].item()), bool(decision[1].item())
+
+
+def _decided_otherwise(
+    prefix: SealedStore,
+    view: RoundView,
+    monitor: Monitor | None,
+    voted: bool,
+    mine: bool,
+    site: str,
+    identity: Identity | None,
+    timeout_s: float,
+) -> bool:
+    """Whether an admitted site decided the round otherwise than this one, which voted ``voted``
+    and decided ``mine``. Without this wait a site that decided first stopped its heartbeats, and
+    a peer still reading the votes could take that silence for a failure and roll back a round the
+    first had committed; after the run's last round nothing healed that. A site that voted no
+    waits for nobody (no site can commit without its yes). A peer whose decision cannot be read
+    (silent, or the store gone) counts as agreeing: it failed, and a site that comes back heals."""
+    try:
+        prefix.set(f"decided/{site}", ballot(identity, view.round_id, site, mine, "decided"))
+        keys = [f"decided/{s}" for s in view.admitted if s != site]
+        if not voted or monitor is None:
+            return False
+        if monitor.failed is None:
+            try:
+                got = wait_keys(prefix, keys, time.monotonic() + timeout_s, monitor)
+            except RoundFailed:  # a peer went silent: what the others decided, read once more
+                got = wait_keys(prefix, keys, time.monotonic() + monitor.timeout)
+        else:  # a peer fell silent while the votes were read: it may have decided yes (it stalled)
+            got = wait_keys(prefix, keys, time.monotonic() + monitor.timeout)
+        return any(said_yes(identity, view.round_id, k.split("/", 1)[1], prefix.get(k), "decided") != mine for k in got)
+    except Exception:  # noqa: BLE001 - the store's host is gone: nothing more can be learnt
+        return False

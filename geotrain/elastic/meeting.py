@@ -103,17 +103,19 @@ def meet(
     return done, members
 
 
-def ballot(identity: Identity | None, round_id: str, site: str, yes: bool) -> str:
-    """A site's vote as written: "1" or "0", signed with its own key where sites have keys."""
+def ballot(identity: Identity | None, round_id: str, site: str, yes: bool, kind: str = "vote") -> str:
+    """A site's vote (or, ``kind`` "decided", its decision) as written: "1" or "0", signed with
+    its own key where sites have keys."""
     v = "1" if yes else "0"
     if identity is None:
         return v
-    return f"{v}|{identity.sign(f'geotrain-vote|{round_id}|{site}|{v}'.encode())}"
+    return f"{v}|{identity.sign(f'geotrain-{kind}|{round_id}|{site}|{v}'.encode())}"
 
 
-def said_yes(identity: Identity | None, round_id: str, site: str, raw: bytes | None) -> bool:
-    """Whether ``raw`` is ``site``'s yes to the round (signed by its pinned key where sites have keys)."""
+def said_yes(identity: Identity | None, round_id: str, site: str, raw: bytes | None, kind: str = "vote") -> bool:
+    """Whether ``raw`` is ``site``'s yes to the round, or (``kind`` "decided") its commit
+    (signed by its pinned key where sites have keys)."""
     if raw is None or identity is None:
         return raw == b"1"
     v, _, sig = raw.decode(errors="replace").partition("|")
-    return v == "1" and identity.verify(site, f"geotrain-vote|{round_id}|{site}|1".encode(), sig)
+    return v == "1" and identity.verify(site, f"geotrain-{kind}|{round_id}|{site}|1".encode(), sig)

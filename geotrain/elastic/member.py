@@ -106,7 +106,7 @@ class SiteMember(Schedule):
         self.slowest_link = (min((x.bandwidth_bps for x in links), default=1e9), max((x.latency_s for x in links), default=0.0))
         self.intra, self.wan, self.hooks, self.log, self.on_mid_round = intra, wan, hooks, log, on_mid_round
         self.keys, self.incarnation = RunKeys(load_secret(self.cfg)), incarnation  # (the secret itself is not kept)
-        self.faults = FaultPlan(site)  # failure injection: frames altered after sealing (fault.tamper)
+        self.faults = FaultPlan(site)  # failure injection: frames altered after sealing, votes missed (fault.tamper, split)
         self.masker: commit.Masker | None = None  # privacy.secure_aggregation: parts masked (PairMasks)
         self.noise: commit.Noise | None = None  # privacy.dp.unit=site: each site's update clipped and noised (RoundNoise)
         # bytes this rank sent to other sites (pseudo-gradients, healing state); what fp32 rings would have sent for them
@@ -122,14 +122,14 @@ class SiteMember(Schedule):
         self._current: dict[str, Any] = {}
         self._part, self._rest, self._sizes, self._pace, self._link = -1, 0, cast("list[int] | None", None), 0, ""
         self.ping, self.measured = False, (0.0, 0.0)  # sync.adapt: ping the ring first; (seconds after the meeting, ping)
+        self.split = False  # the last round that reached its vote committed on some sites only: a finished site stays
         self.codec_for: Callable[[str], commit.Encoder | None] | None = None  # sync.adapt: the codec a link claim names
         self.part, self.average = -1, cast("torch.Tensor | None", None)  # the last round's part (view.round_part), average
         self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
         self._stores: dict[str, AuthStore] = {}
-        self._host_store: AuthStoreServer | None = None
-        self.coordinator: Coordinator | None = None
+        self._host_store, self.coordinator = cast("AuthStoreServer | None", None), cast("Coordinator | None", None)
         addr = self.cfg.lighthouse or os.environ.get("GEOTRAIN_LIGHTHOUSE", "")
         if not addr:
             raise MembershipRefused("no Lighthouse address: set elastic.lighthouse (HOST:PORT)")
@@ -428,12 +428,13 @@ class SiteMember(Schedule):
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
         if ok.item() and self.G > 1 and not self.sharded:  # the site's ranks gather the carried parts
             carry = commit.gather_site(carry, delta.numel(), self.carriers, self.G, self.intra)
-        committed = commit.vote(
+        committed, self.split = commit.vote(
             round_store, view, monitor, bool(ok.item()), site=self.site, local=self.local, identity=self.identity,
-            intra=self.intra, timeout_s=self.cfg.collective_timeout_s, log=self.log,
+            intra=self.intra, timeout_s=self.cfg.collective_timeout_s, log=self.log, deaf=self.faults.splits(self.hooks.step()),
         )  # fmt: skip
-        if not committed:
+        if not committed or self.split:  # on every site of the round alike (split: some committed): a new group next round
             self._drop_group()
+        if not committed:
             self._forget_store(view.meeting)
             reason = why or (monitor.failed if monitor is not None else None) or "a participant did not confirm the round"
             if self.local == 0:
@@ -445,8 +446,7 @@ class SiteMember(Schedule):
         if count < 0.5 or total <= 0:
             raise RoundFailed("no site contributed to the round")
         self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total)
-        self._current["contributors"] = int(round(count))
-        self._current["weight"] = total
+        self._current.update(contributors=int(round(count)), weight=total)
         return self._current["contributors"]
 
     def affords(self) -> bool:  # site-level DP: whether the ε budget allows one more noised update

@@ -206,9 +206,10 @@ def _train(
     tokens_per_rank_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
     seal = ckpt.Seal.of(optional_secret(cfg.elastic))
-    # failure injection, one plan for this site: NaN updates, altered frames, secure-aggregation dropouts
-    tampered = [(site, step) for (site, step), k in cfg.fault.site_faults().items() if k == "tamper"]
-    plan = FaultPlan.for_site(where.site, cfg.fault.nan_at(), tampered, cfg.privacy.injections())
+    # failure injection, one plan for this site: NaN updates, altered frames, missed votes, secure-aggregation dropouts
+    injected = cfg.fault.site_faults()
+    tampered, split = ([(site, step) for (site, step), k in injected.items() if k == kind] for kind in ("tamper", "split"))
+    plan = FaultPlan.for_site(where.site, cfg.fault.nan_at(), tampered, cfg.privacy.injections(), split)
     privacy = build_privacy(
         cfg.privacy,
         comm,
@@ -263,7 +264,7 @@ def _train(
     inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None else None
     member = None
     if place.elastic:
-        launcher = ("kill", "hang")  # carried out by the launcher (tamper: by the member, from the plan)
+        launcher = ("kill", "hang")  # carried out by the launcher (tamper, split: by the member, from the plan)
         faults = {step: k for (site, step), k in cfg.fault.site_faults().items() if site == where.site and k in launcher}
         keys = keys_dir(cfg.privacy)
         masks = PairMasks(cfg.privacy.update_bound, place.full.num_sites) if cfg.privacy.secure_aggregation else None

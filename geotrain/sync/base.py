@@ -70,6 +70,7 @@ class RoundMembership(Protocol):
     # its ping around the ring (0: it carried nothing)
     measured: tuple[float, float]
     average: torch.Tensor | None  # the last round's average
+    split: bool  # the last round that reached its vote committed on some sites only (the next one heals them)
 
     @property
     def retry_seconds(self) -> float:

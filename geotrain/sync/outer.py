@@ -15,9 +15,11 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
-from geotrain.errors import RoundFailed, RoundPostponed
+from geotrain.errors import ElasticTimeout, RoundFailed, RoundPostponed
 from geotrain.sync.base import PrivateAverage, RoundMembership, SyncAlgorithm, views_like
 from geotrain.sync.reducer import SiteReducer
+
+SPLIT_ROUNDS = 10  # elastic: most rounds a run's end holds to heal a split last round (one does, unless sites keep failing)
 
 
 def pseudo_gradient(global_params: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -143,15 +145,21 @@ class OuterSync(SyncAlgorithm):
         """Elastic: a site that has run its steps stays in the rounds of the sites still training
         (``one_round``: it sends no update and applies their average; False when the round was
         postponed), until a round in which every site has run its steps (its rounds, with
-        adaptive pace) and owes no other; so no site commits its last rounds alone and all end on
-        one model. Bounded: without other sites its rounds are its own, and a quorum that never
-        forms ends in ElasticTimeout after elastic.wait_timeout_s."""
+        adaptive pace) and owes no other, and which every site decided alike (after a split, one
+        more round heals the sites that rolled it back); so no site commits its last rounds alone
+        and all end on one model. Bounded: without other sites its rounds are its own, and a quorum
+        that never forms ends in ElasticTimeout after elastic.wait_timeout_s."""
         assert self.elastic is not None
         self.idle = True
         target = self.local_steps  # where this site stopped: the run's steps (or the privacy budget's, the same everywhere)
-        while not self.elastic.all_finished(target):
+        healing = 0  # rounds held after every site finished, to heal a split
+        while not (finished := self.elastic.all_finished(target)) or self.elastic.split:
+            if finished and healing == SPLIT_ROUNDS:
+                raise ElasticTimeout(f"the sites' last round split, and {SPLIT_ROUNDS} more rounds did not heal it")
             if not one_round():  # postponed: ask again after a heartbeat
                 time.sleep(self.elastic.retry_seconds)
+            else:
+                healing += finished
         self.idle = False
 
     def join_round(self) -> None:
