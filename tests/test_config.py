@@ -37,6 +37,11 @@ def test_with_algorithm_and_round_trip() -> None:
     cfg = load_config(None, ["sync.H=7"]).with_algorithm("ddp")
     assert cfg.sync.algorithm == "ddp" and cfg.run.baseline == "none" and cfg.sync.H == 7
     assert Config.model_validate(cfg.model_dump()) == cfg
+    # an elastic run's failure injection needs elastic rounds: its DDP baseline runs without it
+    faults = ["elastic.enabled=true", 'fault.kill=["B@5"]', 'fault.tamper=["A@10"]', 'fault.split=["B@20"]']
+    two = ["topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]"]
+    base = load_config(None, [*two, *faults]).with_algorithm("ddp")
+    assert not base.elastic.enabled and not base.fault.site_faults()
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from geotrain.codecs import Codec, Residual
+from geotrain.codecs import Residual
 from geotrain.comm.alive import Heartbeat, run_store
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.groups import leaders_group
@@ -80,7 +80,7 @@ from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.outer import pseudo_gradient
 from geotrain.sync.pace import RoundClock
 from geotrain.sync.quorum_adapt import StarAdapter
-from geotrain.sync.reducer import make_codec
+from geotrain.sync.reducer import Codecs
 from geotrain.sync.syncer import (
     CHECKPOINT,
     FIELDS,
@@ -140,13 +140,13 @@ class AsyncDiLoCo(DiLoCo):
         # the syncer's answers as encoded changes from the model the site holds; with sync.adapt, in
         # whichever of sync.adapt.codecs the syncer chose last (fixed-width: no error feedback)
         names = list(cfg.adapt.codecs) if cfg.adapt is not None else [cfg.codec]
-        self.coders: dict[str, Codec | None] = {n: make_codec(cfg.model_copy(update={"codec": n})) for n in names}
-        self.codec = self.coders[cfg.codec]
-        if any(c is not None for c in self.coders.values()) and g.device.type != "cpu":
+        self.coders = Codecs(cfg, names).build_all() if self.leader else Codecs(cfg, names)  # (only leaders encode)
+        self.codec_name: str = cfg.codec
+        if any(Codecs.encodes(n) for n in names) and g.device.type != "cpu":
             raise ValueError(
                 f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {g.backend} backend use sync.codec=none"
             )
-        self.residual = Residual() if self.codec is not None and cfg.uses_error_feedback and cfg.adapt is None else None
+        self.residual = Residual() if Codecs.encodes(cfg.codec) and cfg.uses_error_feedback and cfg.adapt is None else None
         self.adapter = None  # (sync.adapt: the syncer chooses, from the links the sites measure: quorum_adapt)
         self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
         self.syncer: QuorumSyncer | None = None
@@ -395,34 +395,35 @@ class AsyncDiLoCo(DiLoCo):
         self.ever_lost = mask_sites(float(control[5]), n)
         self._site_steps, self._elapsed = int(control[6]), float(control[7])
         if control[8]:  # the codec the syncer chose (sync.adapt; else the configured one)
-            self.codec = list(self.coders.values())[int(control[8]) - 1]
+            self.codec_name = self.coders.names[int(control[8]) - 1]
 
     def _hold(self) -> None:
         """FSDP with a codec: the syncer answers with an encoded change from the model the site
         holds, which the leader needs whole; the site's ranks gather it before the leader asks."""
         self._held = None
-        if self.sharded and self.codec is not None:
+        if self.sharded and Codecs.encodes(self.codec_name):
             self._held = self._whole(torch.cat([p.reshape(-1) for p in self.global_params]))
 
     def _encode(self, delta: torch.Tensor) -> tuple[torch.Tensor, int | None, float]:
         """The update's payload, the fp32 bytes it stands for, and the header's encoded flag:
         ``sync.codec``'s bytes, or fp32 without a codec, for an empty delta, and for a non-finite
         one (the syncer leaves it out; codecs refuse to encode it)."""
-        if self.codec is None or not delta.numel() or not bool(torch.isfinite(delta).all()):
+        codec = self.coders[self.codec_name]
+        if codec is None or not delta.numel() or not bool(torch.isfinite(delta).all()):
             return delta, None, 0.0
         if self.residual is not None:
             self.residual.add_to(delta)
-        buf = self.codec.encode(delta)
+        buf = codec.encode(delta)
         if self.residual is not None:
-            self.residual.tensor = delta - self.codec.decode(buf, delta.numel())
-        return buf, 4 * delta.numel(), 1.0 + list(self.coders.values()).index(self.codec)
+            self.residual.tensor = delta - codec.decode(buf, delta.numel())
+        return buf, 4 * delta.numel(), float(self.coders.index(self.codec_name))
 
     def _model_from(self, msg: Message) -> tuple[list[float], torch.Tensor]:
         """A syncer's answer: its fields, and the global model (fp32, or the model this site holds
         plus the encoded change)."""
         if not msg.fields[7]:
             return msg.fields, msg.floats()
-        coder = list(self.coders.values())[int(msg.fields[7]) - 1]
+        coder = self.coders.at(int(msg.fields[7]))
         assert coder is not None
         held = self._held if self._held is not None else torch.cat([p.detach().reshape(-1) for p in self.global_params])
         return msg.fields, held + coder.decode(msg.payload, held.numel())

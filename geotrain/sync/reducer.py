@@ -9,7 +9,7 @@ all-reduces their P and Q factors across sites, and the site all-gathers the run
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,49 @@ def make_codec(cfg: SyncConfig) -> Codec | None:
         sparse_fraction=cfg.sparse_fraction,
         sparse_chunk=cfg.sparse_chunk,
     ).warm()
+
+
+class Codecs(Mapping[str, "Codec | None"]):
+    """The codecs a run may switch between (``sync.adapt.codecs``, else just ``sync.codec``), by
+    name and by wire index (1-based in that order; 0 says fp32). Each is built (and warmed) the
+    first time it is asked for, or by :meth:`build_all` on the ranks that encode: warming a numba
+    codec takes about 0.5 s, which a rank that never encodes need not spend."""
+
+    def __init__(self, cfg: SyncConfig, names: Sequence[str]) -> None:
+        self.cfg, self.names = cfg, list(names)
+        self._built: dict[str, Codec | None] = {}
+
+    def __getitem__(self, name: str) -> Codec | None:
+        if name not in self.names:
+            raise KeyError(name)
+        if name not in self._built:
+            self._built[name] = make_codec(self.cfg.model_copy(update={"codec": name}))
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def build_all(self) -> Codecs:
+        """Build and warm every codec now (no round then times a codec's load as network)."""
+        for name in self.names:
+            self[name]
+        return self
+
+    def index(self, name: str) -> int:
+        """``name``'s index on the wire."""
+        return 1 + self.names.index(name)
+
+    def at(self, index: int) -> Codec | None:
+        """The codec of wire index ``index`` (≥ 1)."""
+        return self[self.names[index - 1]]
+
+    @staticmethod
+    def encodes(name: str) -> bool:
+        """Whether ``name`` is a byte codec (none and PowerSGD are not), without building it."""
+        return name not in ("none", "powersgd")
 
 
 def contiguous_split(sizes: Sequence[int], parts: int) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join
 from geotrain.config import QuorumConfig, SyncConfig
 from geotrain.sync.merge import DelayedNesterov, weighted_mean
 from geotrain.sync.quorum_adapt import LinkReport, StarAdapter
+from geotrain.sync.reducer import Codecs
 
 # CHECKPOINT: waits for every live site (a checkpoint's barrier); PING: answered at once, empty (sync.adapt)
 UPDATE, FINAL, CHECKPOINT, PING = 1.0, 2.0, 3.0, 4.0
@@ -145,7 +146,7 @@ class QuorumSyncer:
         leaders: Sequence[int],
         site_ranks: Sequence[Sequence[int]] = (),
         rejoins: Rejoins | None = None,
-        codecs: dict[str, Codec | None] | None = None,
+        codecs: Mapping[str, Codec | None] | None = None,
         adapter: StarAdapter | None = None,
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
@@ -172,8 +173,7 @@ class QuorumSyncer:
         # what each other site holds (it got the model in fp32 at the start, then encoded changes);
         # site 0 takes the model in memory, exactly
         flat = torch.cat([t.reshape(-1) for t in self.theta])
-        encodes = any(c is not None for c in self.coders.values())
-        self.held = {s: flat.clone() for s in range(1, len(self.workers))} if encodes else {}
+        self.held = {s: flat.clone() for s in range(1, len(self.workers))} if any(map(Codecs.encodes, self.names)) else {}
         self._arrived = [0.0] * len(self.workers)  # when each site's last update landed (its wait here, for sync.adapt)
         # site 0's updates (same process) and the other sites' messages (the mailbox's listener
         # threads put them here): the loop blocks on it, so it wakes on input, not on a poll
