@@ -39,6 +39,15 @@ def records(out: Path, site: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def told(out: Path) -> str:
+    """Every site's rounds in brief, for an assertion's message (what a failure in CI leaves to read)."""
+    lines = []
+    for path in sorted((out / "elastic").glob("rounds-*.jsonl")):
+        for r in records(out, path.stem.removeprefix("rounds-")):
+            lines.append(f"{r['site']} step {r['step']} {r['outcome']} {r['committed']} {r['hash'][:8]} {r['reason'][:80]}")
+    return "\n".join(lines)
+
+
 @pytest.mark.slow
 def test_kill_mid_allreduce_rolls_back_and_survivors_agree(tmp_path: Path) -> None:
     out = tmp_path / "kill"
@@ -148,7 +157,7 @@ def test_a_site_that_healed_in_a_failed_round_heals_the_others(tmp_path: Path) -
     proc = train_cli(out, [*ELASTIC, "train.steps=80", *faults, "elastic.start_timeout_s=40"], THREE, timeout=200)
     s = read_summary(out)
     assert "no live site to heal from" not in proc.stdout + proc.stderr
-    assert s["survivors"] == ["A", "B", "C"] and s["consistent"], s.get("failures")
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"], (s.get("failures"), told(out))
     assert sorted(f["site"] for f in s["failures"]) == ["A", "B", "C"]
     assert len(set(s["global_param_hash"].values())) == 1
     assert all(p["steps"] == 80 for p in s["per_site"].values())
@@ -254,7 +263,7 @@ def test_a_process_with_the_wrong_secret_is_refused(tmp_path: Path) -> None:
     assert run.returncode == 0, stdout[-3000:]
     assert "quorum participant 'C' failed authentication (no valid member tag): ignored" in stdout
     s = read_summary(out)
-    assert s["survivors"] == ["A", "B"] and s["consistent"] and s["rounds_rolled_back"] == 0
+    assert s["survivors"] == ["A", "B"] and s["consistent"] and s["rounds_rolled_back"] == 0, told(out)
     # C's quorum requests carry no valid member tag: it is never a member of any round
     assert all(r["members"] == ["A", "B"] and r["outcome"] == "committed" for r in records(out, "A"))
 
