@@ -42,6 +42,9 @@ def test_with_algorithm_and_round_trip() -> None:
     two = ["topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]"]
     base = load_config(None, [*two, *faults]).with_algorithm("ddp")
     assert not base.elastic.enabled and not base.fault.site_faults()
+    # two kinds at one site and step are both carried out (a kill is not lost to a split there)
+    both = load_config(None, [*two, "elastic.enabled=true", 'fault.kill=["B@40"]', 'fault.split=["B@40"]']).fault
+    assert both.site_faults() == [("B", 40, "kill"), ("B", 40, "split")] and both.at("split") == [("B", 40)]
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,9 @@ class GuardConfig(Section):
     warmup: int = Field(default=3, ge=1, le=10_000, description="Accepted norms needed before the outlier test applies.")
 
 
+SITE_FAULTS = ("kill", "hang", "tamper", "split")  # failure injection into one site at one inner step
+
+
 class FaultConfig(Section):
     nan: list[str] = Field(
         default_factory=list, description="Failure injection: 'SITE@ROUND' makes that site's pseudo-gradient NaN in that round."
@@ -55,13 +58,14 @@ class FaultConfig(Section):
     def nan_at(self) -> set[tuple[str, int]]:
         return {(site, rnd) for site, rnd, _ in map(parse_site_at, self.nan)}
 
-    def site_faults(self) -> dict[tuple[str, int], str]:
-        """{(site, step): 'kill' | 'hang' | 'tamper' | 'split'} from those lists."""
-        out = {(site, step): "kill" for site, step, _ in map(parse_site_at, self.kill)}
-        out.update({(site, step): "hang" for site, step, _ in map(parse_site_at, self.hang)})
-        out.update({(site, step): "tamper" for site, step, _ in map(parse_site_at, self.tamper)})
-        out.update({(site, step): "split" for site, step, _ in map(parse_site_at, self.split)})
-        return out
+    def at(self, kind: str) -> list[tuple[str, int]]:
+        """The (site, step) pairs of one of :data:`SITE_FAULTS`."""
+        return [(site, step) for site, step, _ in map(parse_site_at, getattr(self, kind))]
+
+    def site_faults(self) -> list[tuple[str, int, str]]:
+        """Every (site, step, kind) of ``kill``, ``hang``, ``tamper`` and ``split``: two kinds at one
+        site and step are both kept."""
+        return [(site, step, kind) for kind in SITE_FAULTS for site, step in self.at(kind)]
 
 
 class ElasticConfig(Section):

@@ -92,7 +92,7 @@ class Config(Section):
         for site, _ in self.fault.nan_at():
             if site not in names:
                 raise ValueError(f"fault.nan: unknown site {site!r} (sites: {', '.join(names)})")
-        for (site, _), kind in self.fault.site_faults().items():
+        for site, _, kind in self.fault.site_faults():
             if site not in names:
                 raise ValueError(f"fault.{kind}: unknown site {site!r} (sites: {', '.join(names)})")
             if kind == "kill" and self.sync.quorum is not None and not self.elastic.enabled:  # a site lost for good

@@ -17,6 +17,7 @@ What this module holds, all called by every rank of the site:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -266,12 +267,11 @@ def _decided_otherwise(
         keys = [f"decided/{s}" for s in view.admitted if s != site]
         if not voted or monitor is None:
             return False
+        got = None
         if monitor.failed is None:
-            try:
+            with contextlib.suppress(RoundFailed):
                 got = wait_keys(prefix, keys, time.monotonic() + timeout_s, monitor)
-            except RoundFailed:  # a peer went silent: what the others decided, read once more
-                got = wait_keys(prefix, keys, time.monotonic() + monitor.timeout)
-        else:  # a peer fell silent while the votes were read: it may have decided yes (it stalled)
+        if got is None:  # a peer fell silent (before or during this wait): it may have stalled and decided, read once more
             got = wait_keys(prefix, keys, time.monotonic() + monitor.timeout)
         return any(said_yes(identity, view.round_id, k.split("/", 1)[1], prefix.get(k), "decided") != mine for k in got)
     except Exception:  # noqa: BLE001 - the store's host is gone: nothing more can be learnt

@@ -124,7 +124,7 @@ def quorum_kill(cfg: Config, out: Path, where: RankInfo, done: int = 0) -> Calla
     skips its first ``done`` kills (``GEOTRAIN_KILLS_DONE``, set by the launcher): they happened to
     its predecessors (a site that came back goes on from its last delivered round, before the step
     it was killed at). A death from outside is not one of them."""
-    kills = sorted(step for (site, step), kind in cfg.fault.site_faults().items() if site == where.site and kind == "kill")
+    kills = sorted(step for site, step in cfg.fault.at("kill") if site == where.site)
     steps = set(kills[done:])
     if not steps:
         return None
@@ -207,9 +207,8 @@ def _train(
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
     seal = ckpt.Seal.of(optional_secret(cfg.elastic))
     # failure injection, one plan for this site: NaN updates, altered frames, missed votes, secure-aggregation dropouts
-    injected = cfg.fault.site_faults()
-    tampered, split = ([(site, step) for (site, step), k in injected.items() if k == kind] for kind in ("tamper", "split"))
-    plan = FaultPlan.for_site(where.site, cfg.fault.nan_at(), tampered, cfg.privacy.injections(), split)
+    f = cfg.fault
+    plan = FaultPlan.for_site(where.site, f.nan_at(), f.at("tamper"), cfg.privacy.injections(), f.at("split"))
     privacy = build_privacy(
         cfg.privacy,
         comm,
@@ -265,7 +264,7 @@ def _train(
     member = None
     if place.elastic:
         launcher = ("kill", "hang")  # carried out by the launcher (tamper, split: by the member, from the plan)
-        faults = {step: k for (site, step), k in cfg.fault.site_faults().items() if site == where.site and k in launcher}
+        faults = {step: k for site, step, k in cfg.fault.site_faults() if site == where.site and k in launcher}
         keys = keys_dir(cfg.privacy)
         masks = PairMasks(cfg.privacy.update_bound, place.full.num_sites) if cfg.privacy.secure_aggregation else None
         member, inject = join_elastic(
