@@ -9,10 +9,14 @@
 3. **Layouts.** The same run replicated and under FSDP (3 sites of 2 workers): asynchronous
    quorum rounds with SparseLoCo (bytes), and secure aggregation with site-level DP's clip
    biting (final loss, which must be equal).
+4. **Example-level DP inside sites** (``--only example-dp`` runs this part alone): DP-SGD with
+   its clip biting and no noise, replicated (Opacus's per-example gradients) and under FSDP
+   (ghost norms, two passes a step), beside FSDP without DP: final loss (equal in both layouts)
+   and compute seconds per step (what the second pass costs).
 
 Prints a table, writes JSON.
 
-    python benchmarks/compose.py [--steps 60] [--only pairs] [--json benchmarks/results/compose.json]
+    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp] [--json benchmarks/results/compose.json]
 """
 
 from __future__ import annotations
@@ -61,16 +65,33 @@ def row(s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def example_dp(tmp: Path, base: list[str]) -> dict[str, Any]:
+    """DP-SGD inside sites in both layouts, with FSDP without DP beside them (part 4)."""
+    dp = ["privacy.dp.unit=example", "privacy.dp.noise_multiplier=0", "privacy.dp.clip_norm=0.05"]
+    runs: dict[str, Any] = {}
+    for name, extra in (
+        ("example_dp_clip_replicate", dp),
+        ("example_dp_clip_fsdp", [*dp, "sync.within_site=fsdp"]),
+        ("no_dp_fsdp", ["sync.within_site=fsdp"]),
+    ):
+        s = train(tmp / name, [EVEN, *base, *extra])
+        runs[name] = {**row(s), "compute_s_per_step": s["compute_seconds"] / s["steps"]}
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--only", choices=["pairs"], default=None)
+    ap.add_argument("--only", choices=["pairs", "example-dp"], default=None)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
     a = ap.parse_args()
     result: dict[str, Any] = {"pairs": pairs(), "steps": a.steps}
     print(f"pairs: {result['pairs']['refused']} of {result['pairs']['tried']} refused")
+    base = [f"train.steps={a.steps}", "sync.H=10", "train.eval_every=0", "run.baseline=none"]
+    if a.only == "example-dp":
+        with tempfile.TemporaryDirectory() as tmp:
+            result["example_dp"] = example_dp(Path(tmp), base)
     if a.only is None:
-        base = [f"train.steps={a.steps}", "sync.H=10", "train.eval_every=0", "run.baseline=none"]
         with tempfile.TemporaryDirectory() as tmp:
             runs: dict[str, dict[str, Any]] = {}
             for codec in ("none", "int8", "sparseloco"):
@@ -145,6 +166,7 @@ def main() -> None:
                     "rtt_ms": [round(1e3 * a["rtt_s"], 1) for a in log],
                 }
             result["adapt"] = adapted
+            result["example_dp"] = example_dp(Path(tmp), base)
         print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
         every = {
             **result["elastic_vs_lockstep"],
@@ -152,6 +174,7 @@ def main() -> None:
             **result["streaming_pace"],
             **result["streaming_tiers"],
             **result["adapt"],
+            **result["example_dp"],
         }
         for name, r in every.items():
             print(
@@ -164,8 +187,10 @@ def main() -> None:
             print(f"{name:34} inter-region bytes {r['inter_region_bytes']:,}, world rounds {r['world_rounds']}")
         for name, r in result["adapt"].items():
             print(f"{name:34} (round, H, codec) chosen {r['choices']}; link Mbit/s {r['link_mbps']}; rtt ms {r['rtt_ms']}")
-    if a.only == "pairs" and a.json.exists():  # the pair count alone: the recorded runs stay
-        result = {**json.loads(a.json.read_text()), "pairs": result["pairs"]}
+    for name, r in result.get("example_dp", {}).items():
+        print(f"{name:34} final eval loss {r['final_eval_loss']:.6f}, compute {r['compute_s_per_step']:.3f} s/step")
+    if a.only is not None and a.json.exists():  # one part alone: the other recorded runs stay
+        result = {**json.loads(a.json.read_text()), **result}
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.json}")

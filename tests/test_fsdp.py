@@ -364,7 +364,6 @@ def test_dcp_metadata_is_parsed_once_from_checked_bytes_and_holds_tensors_only(t
 @pytest.mark.parametrize(
     "settings",
     [
-        ["privacy.dp.unit=example", "privacy.dp.noise_multiplier=1"],
         ["sync.allreduce=flat"],
         ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}]", "sync.algorithm=streaming"],
     ],
@@ -430,3 +429,21 @@ def test_secure_aggregation_and_site_dp_under_fsdp_equal_the_replicated_run(tmp_
     _same(rep_w, fs_w, rtol=1e-5, atol=1e-6)
     _one_model(fs)
     assert fs["secagg"] and fs["dp_unit"] == "site" and fs["final_eval_loss"] == pytest.approx(rep["final_eval_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_dp_under_fsdp_clips_each_example_like_the_replicated_run(tmp_path: Path) -> None:
+    """DP-SGD inside FSDP sites (ghost norms, two passes a step) against Opacus's per-example
+    gradients of whole tensors: with the clip biting (0.05) and no noise, the same model, step by
+    step (each rank clips its own examples, FSDP averages the clipped sums over the site)."""
+    private = ["privacy.dp.unit=example", "privacy.dp.noise_multiplier=0", "privacy.dp.clip_norm=0.05", "train.steps=6"]
+    private += ["sync.H=3", "run.baseline=none"]
+    rep, rep_w = _run(tmp_path, "rep", private)
+    fs, fs_w = _run(tmp_path, "fsdp", private + FSDP)
+    _same(rep_w, fs_w, rtol=1e-5, atol=1e-6)
+    _one_model(fs)
+    assert fs["dp_unit"] == "example" and fs["final_eval_loss"] == pytest.approx(rep["final_eval_loss"], abs=1e-5)
+    # clipping bit: a clip far above every example's norm trains another model
+    _, loose_w = _run(tmp_path, "loose", [*private[:2], "privacy.dp.clip_norm=1e6", *private[3:], *FSDP])
+    assert any(not torch.allclose(loose_w[k], fs_w[k], atol=1e-5) for k in fs_w)

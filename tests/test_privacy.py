@@ -19,6 +19,7 @@ from geotrain.data import build_rank_data
 from geotrain.models import build_model
 from geotrain.privacy.audit import AuditChain, verify_logs
 from geotrain.privacy.dp import Accountant, ExampleDP, calibrate_noise
+from geotrain.privacy.ghost import GhostClipping
 from tests.helpers import FOUR_SITES, read_summary, run_ranks, train_cli, uniform_topology
 
 pytestmark = pytest.mark.timeout(240)
@@ -61,6 +62,42 @@ def test_dp_sgd_clips_each_example_and_adds_noise() -> None:
     model(x, y).backward()
     noisy = dp.privatize()
     assert float(noisy.std()) == pytest.approx(50.0 * 1e-3 / 6, rel=0.05)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 0.05, 1e9])
+def test_ghost_norms_clip_each_example_like_per_example_gradients(clip: float) -> None:
+    """GhostClipping (DP-SGD of a sharded model) never forms per-example gradients: its two passes
+    must leave Σ_i clip(g_i)/b, what Opacus's per-example gradients give, for every layer kind of
+    the GPT (Linear with biases, LayerNorm, learned positions, the head tied to the embedding);
+    a clip above every norm gives the plain mean gradient."""
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)
+    x = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(0))
+    x[:, 8:] = x[:, :8]  # repeated tokens: the embedding's rows add up within an example
+    y = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    dp = ExampleDP(ref, clip_norm=clip, noise_multiplier=0.0, workers_per_site=1)
+    dp.module(x, y).backward()
+    expect = dp.privatize()
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ghost = GhostClipping(model, clip_norm=clip, noise_multiplier=0.0, workers_per_site=1)
+    loss = ghost.backward(lambda: model(x, y))
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-7)
+    assert loss.item() == pytest.approx(ref(x, y).item(), rel=1e-6)
+    assert (ghost._factor < 1).all() if clip < 1 else (ghost._factor == 1).all()
+    # each rank's noise on its shards: σC/(G·b) per coordinate of the site's averaged gradient
+    ghost.noise_multiplier, ghost.workers = 50.0, 2
+    shard = torch.zeros(200_000)
+    ghost.noise_shards([shard])
+    assert float(shard.std()) == pytest.approx(50.0 * clip / (2 * 5), rel=0.02)
+
+
+def test_ghost_norms_refuse_a_layer_they_cannot_norm_in_one_line() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Conv1d(8, 8, 1))
+    with pytest.raises(ValueError, match=r"^privacy.dp.unit: .* not Conv1d; use sync.within_site=replicate$"):
+        GhostClipping(model, 1.0, 1.0, 1)
 
 
 def test_site_private_corpus_is_the_only_training_data(tmp_path: Path) -> None:

@@ -269,8 +269,12 @@ class Config(Section):
         if self.sync.within_site != "fsdp":
             return
         p = self.privacy
+        if p.dp.unit == "example" and self.model.kind == "hf":
+            raise ValueError(
+                "privacy.dp.unit: example-level DP of a sharded model takes per-example norms of geotrain's GPT layers "
+                "(Linear, Embedding, LayerNorm); set model.kind=gpt or sync.within_site=replicate"
+            )
         refused = [
-            (p.dp.unit == "example", "privacy.dp.unit", "use none or site"),
             (self.sync.allreduce == "flat", "sync.allreduce", "use sync.allreduce=hierarchical"),
             (self.sync.eager, "sync.eager", "set sync.eager=false"),
         ]

@@ -5,12 +5,14 @@ loop (the ε budget stop), the sync algorithm (private aggregation, DP-SGD) and 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.faults import FaultPlan
@@ -18,6 +20,7 @@ from geotrain.config import PrivacyConfig
 from geotrain.privacy.aggregation import PrivateAggregation
 from geotrain.privacy.audit import AuditChain, site_key
 from geotrain.privacy.dp import Accountant, ExampleDP, RoundNoise, calibrate_noise
+from geotrain.privacy.ghost import GhostClipping
 
 
 def global_max(value: float, group: dist.ProcessGroup) -> float:
@@ -33,7 +36,7 @@ class Privacy:
         self,
         cfg: PrivacyConfig,
         aggregation: PrivateAggregation | None,
-        example: ExampleDP | None,
+        example: ExampleDP | GhostClipping | None,
         max_steps: int,
         round_noise: RoundNoise | None = None,
     ) -> None:
@@ -44,6 +47,15 @@ class Privacy:
         self.max_steps = max_steps  # the ε budget allows this many inner steps (example unit)
         self.stopped_at: int | None = None
         self.stop_reason = ""
+
+    def backward(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One micro-batch's forward (``compute``: its loss) and backward; the loss, detached.
+        Under DP-SGD of a sharded model: two passes, the gradients clipped per example."""
+        if self.example is not None:
+            return self.example.backward(compute)
+        loss = compute()
+        loss.backward()
+        return loss.detach()
 
     @property
     def active(self) -> bool:
@@ -177,6 +189,8 @@ def build_privacy(
         if nm is None:
             nm = calibrate_noise(d.epsilon or 0.0, d.delta, q, steps, d.accountant)
         accountant = Accountant(d.accountant, d.delta, d.epsilon)
-        example = ExampleDP(model, d.clip_norm, nm, groups.topology.workers[groups.me.site_index], q, accountant)
+        workers = groups.topology.workers[groups.me.site_index]
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())  # sync.within_site=fsdp: ghost norms
+        example = (GhostClipping if sharded else ExampleDP)(model, d.clip_norm, nm, workers, q, accountant)
         max_steps = accountant.max_steps(nm, q, steps) if nm > 0 else (0 if d.epsilon else steps)
     return Privacy(cfg, aggregation, example, max_steps, round_noise)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -158,6 +159,15 @@ class ExampleDP:
         if self.accountant is not None:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
         return total.div_(batch)
+
+    def noise_shards(self, grads: list[torch.Tensor]) -> None:
+        raise TypeError("ExampleDP clips whole tensors' per-example gradients; a sharded model's DP-SGD is GhostClipping")
+
+    def backward(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One forward and backward (Opacus's hooks keep each example's gradient); the loss."""
+        loss = compute()
+        loss.backward()
+        return loss.detach()
 
 
 class RoundNoise:

@@ -187,10 +187,12 @@ def train_loop(
         t_work = time.perf_counter()
         for _ in range(data.micro_batches):  # gradients add up in .grad; the step averages them once
             x, y = data.train.next()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                micro = model(x.to(device), y.to(device)) / data.micro_batches
-            micro.backward()
-            loss += micro.detach()
+
+            def forward(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    return model(x.to(device), y.to(device)) / data.micro_batches
+
+            loss += privacy.backward(forward)  # (DP-SGD of a sharded model: two passes, clipped per example)
         if slow > 0:  # emulated slower hardware (topology.sites[].compute_speed): the GPU would still be busy
             # scaled from the median of this rank's last forward+backward times, so a stall of this
             # shared machine (or the slow first step) is felt once, not multiplied by 1/speed

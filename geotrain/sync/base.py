@@ -31,10 +31,16 @@ from geotrain.sync.guard import UpdateGuard
 
 
 class GradientPrivatizer(Protocol):
-    """DP-SGD on the inner steps (:class:`geotrain.privacy.dp.ExampleDP`)."""
+    """DP-SGD on the inner steps: per-example gradients of whole tensors
+    (:class:`geotrain.privacy.dp.ExampleDP`) or ghost norms of FSDP shards
+    (:class:`geotrain.privacy.ghost.GhostClipping`)."""
 
     def privatize(self) -> torch.Tensor:
-        """This rank's clipped, noised per-example gradient sum of the last backward, flat."""
+        """Whole tensors: this rank's clipped, noised per-example gradient sum of the last backward, flat."""
+        ...
+
+    def noise_shards(self, grads: list[torch.Tensor]) -> None:
+        """FSDP shards: add this rank's noise to its shards of the site's averaged, clipped gradient."""
         ...
 
 
@@ -311,10 +317,17 @@ class SyncAlgorithm:
     def reducer_in(cls, state: Any) -> Any:
         return None if state is None else {**state, "residual": cls.shards_in(state["residual"], flat=True)}
 
+    def _noise_shards(self) -> None:
+        """DP-SGD on a sharded model: FSDP's reduce-scatter has averaged the per-example clipped
+        gradients over the site; each rank adds its noise to its own shards."""
+        if self.example_dp is not None:
+            self.example_dp.noise_shards([local_tensor(p.grad) for p in self.params if p.grad is not None])
+
     def _clip_sharded(self) -> None:
         """Clip the (already averaged) gradients by their global norm; FSDP's DTensor gradients
-        make ``clip_grad_norm_`` sum the squared norms over the site."""
-        if self.grad_clip > 0:
+        make ``clip_grad_norm_`` sum the squared norms over the site. (Not under DP-SGD, which
+        clips each example's gradient, as with whole tensors.)"""
+        if self.grad_clip > 0 and self.example_dp is None:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
 
     def _average_gradients(self, members: int, reduce_sum: Callable[[torch.Tensor], None]) -> None:

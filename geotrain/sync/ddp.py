@@ -45,6 +45,7 @@ class DDP(SyncAlgorithm):
 
     def sync_gradients(self) -> None:
         if self.sharded:  # HSDP: FSDP averaged over the site; each rank averages its shard over sites
+            self._noise_shards()  # (DP-SGD: each site's noised gradient, as with whole tensors)
             if self.num_sites > 1:
                 flat = flat_grads(self.params)
                 if self.reducer is None:

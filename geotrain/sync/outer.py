@@ -89,6 +89,7 @@ class OuterSync(SyncAlgorithm):
 
     def sync_gradients(self) -> None:
         if self.sharded:  # FSDP's reduce-scatter has averaged them over the site
+            self._noise_shards()
             self._clip_sharded()
             return
         self._average_gradients(self.site_workers, self.comm.all_reduce_intra)
