@@ -13,10 +13,14 @@
    its clip biting and no noise, replicated (Opacus's per-example gradients) and under FSDP
    (ghost norms, two passes a step), beside FSDP without DP: final loss (equal in both layouts)
    and compute seconds per step (what the second pass costs).
+5. **Quorum rounds in two tiers** (``--only quorum-tiers``): four sites in two regions, one site
+   at 0.35 speed, 8 s of training on an emulated 100 Mbit/s, 30 ms link between regions, two
+   seeds: lock-step tiers against a syncer per region with quorums of one site and world rounds
+   every second merge (tokens trained, eval loss, utilisation, bytes across regions).
 
 Prints a table, writes JSON.
 
-    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp] [--json benchmarks/results/compose.json]
+    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers] [--json benchmarks/results/compose.json]
 """
 
 from __future__ import annotations
@@ -79,10 +83,30 @@ def example_dp(tmp: Path, base: list[str]) -> dict[str, Any]:
     return runs
 
 
+def quorum_tiers(tmp: Path, seconds: float = 8.0) -> dict[str, Any]:
+    """Lock-step tiers against quorum rounds in two tiers, equal wall time, two seeds (part 5)."""
+    slow = FOUR.replace("{name: D, workers: 1}", "{name: D, workers: 1, compute_speed: 0.35}")
+    common = [slow, REGIONS, "sync.H=10", "sync.region_every=2", "train.steps=100000", f"train.max_seconds={seconds}"]
+    common += ["optim.schedule=constant", "train.eval_every=0", "run.baseline=none", "topology.links.emulate=inprocess"]
+    common += ["topology.links.inter.bandwidth_bps=1e8", "topology.links.inter.latency_s=0.03"]
+    runs: dict[str, Any] = {}
+    for seed in (1234, 1235):
+        for name, extra in (("tiers-lockstep", []), ("tiers-quorum", ["sync.quorum={sites: 1, grace_s: 0}"])):
+            s = train(tmp / f"{name}-{seed}", [*common, *extra, f"train.seed={seed}"])
+            runs[f"{name}-seed{seed}"] = {
+                **row(s),
+                "tokens": s["tokens"],
+                "utilization": s["utilization"],
+                "inter_region_bytes": s["inter_region_bytes"],
+                "steps": [p["steps"] for p in s["per_site"]],
+            }
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--only", choices=["pairs", "example-dp"], default=None)
+    ap.add_argument("--only", choices=["pairs", "example-dp", "quorum-tiers"], default=None)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
     a = ap.parse_args()
     result: dict[str, Any] = {"pairs": pairs(), "steps": a.steps}
@@ -91,6 +115,9 @@ def main() -> None:
     if a.only == "example-dp":
         with tempfile.TemporaryDirectory() as tmp:
             result["example_dp"] = example_dp(Path(tmp), base)
+    if a.only == "quorum-tiers":
+        with tempfile.TemporaryDirectory() as tmp:
+            result["quorum_tiers"] = quorum_tiers(Path(tmp))
     if a.only is None:
         with tempfile.TemporaryDirectory() as tmp:
             runs: dict[str, dict[str, Any]] = {}
@@ -167,6 +194,7 @@ def main() -> None:
                 }
             result["adapt"] = adapted
             result["example_dp"] = example_dp(Path(tmp), base)
+            result["quorum_tiers"] = quorum_tiers(Path(tmp))
         print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
         every = {
             **result["elastic_vs_lockstep"],
@@ -187,6 +215,11 @@ def main() -> None:
             print(f"{name:34} inter-region bytes {r['inter_region_bytes']:,}, world rounds {r['world_rounds']}")
         for name, r in result["adapt"].items():
             print(f"{name:34} (round, H, codec) chosen {r['choices']}; link Mbit/s {r['link_mbps']}; rtt ms {r['rtt_ms']}")
+    for name, r in result.get("quorum_tiers", {}).items():
+        print(
+            f"{name:34} final eval loss {r['final_eval_loss']:.4f}, tokens {r['tokens']:,}, steps per site {r['steps']}, "
+            f"utilisation {r['utilization']:.1%}, across regions {r['inter_region_bytes']:,} B, one model {r['one_model']}"
+        )
     for name, r in result.get("example_dp", {}).items():
         print(f"{name:34} final eval loss {r['final_eval_loss']:.6f}, compute {r['compute_s_per_step']:.3f} s/step")
     if a.only is not None and a.json.exists():  # one part alone: the other recorded runs stay

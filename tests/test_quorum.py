@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 
 from geotrain.codecs import build_codec
-from geotrain.comm.mailbox import Message, StoreChannel, channel_keys, down_key, join_key
+from geotrain.comm.mailbox import Message, Rejoins, StoreChannel, channel_keys, down_key, join_key
 from geotrain.comm.procs import listening_store
 from geotrain.config import CODEC_BITS, load_config
 from geotrain.errors import ConfigError, LaunchError
 from geotrain.launch.local import launch_local
 from geotrain.plan.strategies import STAR, choose_round
+from geotrain.sync.merge import DelayedNesterov, dynamic_steps, weighted_mean
 from geotrain.sync.outer import outer_step_
-from geotrain.sync.syncer import FIELDS, DelayedNesterov, Rejoins, Update, dynamic_steps, merge_weights, weighted_mean
+from geotrain.sync.syncer import FIELDS, Update, merge_weights
 from tests.helpers import TINY
 
 # timing-sensitive runs (relative speeds, time limits, measured links): the test command runs them
@@ -482,7 +483,27 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
         ),
         (
             ["sync.quorum={sites: 1}", "fault.kill=[A@5]"],
-            "fault.kill: site A holds the quorum syncer; kill another site (allowed: B)",
+            "fault.kill: site A holds a quorum syncer; kill another site (allowed: B)",
+        ),
+        (
+            [
+                "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]",
+                "topology.regions=[{name: eu, sites: [A, B]}, {name: us, sites: [C]}]",
+                "sync.region_every=2",
+                "sync.quorum={sites: 1}",
+                "fault.kill=[C@5]",
+            ],
+            "fault.kill: site C holds a quorum syncer; kill another site (allowed: B)",
+        ),
+        (
+            [
+                "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}]",
+                "topology.regions=[{name: eu, sites: [A]}, {name: us, sites: [B]}]",
+                "sync.region_every=2",
+                "sync.quorum={sites: 1}",
+                "checkpoint.every=10",
+            ],
+            "checkpoint.every: not combined with sync.quorum in two tiers (sync.region_every) yet",
         ),
         (
             ["fault.kill=[B@5]"],

@@ -30,7 +30,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -365,3 +365,41 @@ class StoreChannel:
         """Stop listening: within half a second, or while the store is down within a reconnection's
         timeout (the client that ``connect`` makes)."""
         self._stop.set()
+
+
+class Rejoins:
+    """Lost sites that came back, read from the run's store (:func:`join_key`), the channel to
+    each (``channel(site, incarnation)``), and which of them the launcher saw go down again
+    (:func:`down_key`: the store does not close a connection when a site dies)."""
+
+    def __init__(self, connect: Callable[[], Any], channel: Callable[[int, int], StoreChannel]) -> None:
+        self.connect, self.channel = connect, channel
+        self.seen: dict[int, int] = {}  # the last incarnation of each site taken back
+        self._store: Any = None
+
+    def _connected(self) -> Any:
+        if self._store is None:
+            self._store = self.connect()
+        return self._store
+
+    def _read(self, key: str) -> int:
+        return int(self._connected().add(key, 0))  # a read that never blocks on a missing key
+
+    def report_silent(self, site: int) -> None:
+        """Tell the launcher that ``site``'s current incarnation was lost for silence
+        (:func:`silent_key`): it ends that incarnation's processes and may start the site again."""
+        self._connected().set(silent_key(site), str(self.seen.get(site, 0)))
+
+    def poll(self, lost: Iterable[int]) -> list[tuple[int, int]]:
+        """(site, incarnation) of each of the ``lost`` sites whose new incarnation asked to rejoin."""
+        back = []
+        for s in sorted(lost):
+            k = self._read(join_key(s))
+            if k > self.seen.get(s, 0):
+                self.seen[s] = k
+                back.append((s, k))
+        return back
+
+    def down(self, sites: Iterable[int]) -> list[int]:
+        """Of ``sites`` (that came back), those whose current incarnation the launcher saw exit."""
+        return [s for s in sorted(sites) if self._read(down_key(s)) >= self.seen.get(s, 0)]

@@ -96,9 +96,10 @@ class Config(Section):
             if site not in names:
                 raise ValueError(f"fault.{kind}: unknown site {site!r} (sites: {', '.join(names)})")
             if kind == "kill" and self.sync.quorum is not None and not self.elastic.enabled:  # a site lost for good
-                if site == names[0]:
-                    others = ", ".join(names[1:]) or "none"
-                    raise ValueError(f"fault.kill: site {site} holds the quorum syncer; kill another site (allowed: {others})")
+                hubs = self.quorum_hubs()
+                if site in hubs:
+                    others = ", ".join(n for n in names if n not in hubs) or "none"
+                    raise ValueError(f"fault.kill: site {site} holds a quorum syncer; kill another site (allowed: {others})")
             elif not self.elastic.enabled:
                 raise ValueError(
                     f"fault.{kind}: failing a site this way needs elastic.enabled=true"
@@ -193,12 +194,21 @@ class Config(Section):
                 "sync.codec",
                 "use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none",
             ),
-            (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
             (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
         ]
         _refuse(refused, "sync.quorum")
+        if self.sync.region_every:  # a syncer per region, world rounds among them (sync/quorum_world.py)
+            tiers = [
+                (
+                    bool(self.checkpoint.every or self.checkpoint.resume),
+                    "checkpoint.every",
+                    "set checkpoint.every=0 and resume=none (a checkpoint's barrier round would need every region's at once)",
+                ),
+                (self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset (each region's syncer would choose alone)"),
+            ]
+            _refuse(tiers, "sync.quorum in two tiers (sync.region_every)")
         if self.checkpoint.every and self.sync.dynamic_quorum_steps:
             raise ValueError(
                 "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same "
@@ -307,6 +317,14 @@ class Config(Section):
             raise ValueError("checkpoint.resume: elastic sites resume from their own checkpoints; use auto (or none)")
         if self.topology.links.emulate == "kernel":
             raise ValueError("topology.links.emulate: elastic mode supports off or inprocess")
+
+    def quorum_hubs(self) -> list[str]:
+        """The sites whose local rank 0 holds a quorum syncer: the first site, or in two tiers the
+        first site of each region."""
+        if self.sync.region_every and len(self.topology.regions) > 1:
+            names = [s.name for s in self.topology.sites]
+            return [min(r.sites, key=names.index) for r in self.topology.regions]
+        return [self.topology.sites[0].name]
 
     @property
     def elastic_rounds(self) -> ElasticConfig:

@@ -324,6 +324,8 @@ def _train(
         final_params = sync.full_tensors(sync.global_parameters())
     # a site that came back reports its ranks' places in the whole run
     record = rank_record(where if place.rejoined else me, comm.stats, result, sync.global_hash())
+    if cfg.sync.quorum is not None and cfg.sync.region_every and sync.pace_log():  # a region's syncer: its merges
+        record["merges"] = sync.pace_log()
     gathered = sync.gather_records(record)
     summary = None
     if me.rank == 0 and not place.rejoined:

@@ -94,10 +94,10 @@ def build_sync(
                 outer = PacedStreaming(model, optimizer, comm, grad_clip, cfg, adaptive=cfg.pace == "adaptive")
             else:
                 outer = StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg)
+        elif cfg.quorum is not None:  # (in two tiers too: a syncer per region, world rounds among them)
+            outer = AsyncDiLoCo(model, optimizer, comm, grad_clip, cfg, rejoin)
         elif cfg.region_every:
             outer = TieredDiLoCo(model, optimizer, comm, grad_clip, cfg)
-        elif cfg.quorum is not None:
-            outer = AsyncDiLoCo(model, optimizer, comm, grad_clip, cfg, rejoin)
         else:
             outer = DiLoCo(model, optimizer, comm, grad_clip, cfg)
         if cfg.quorum is not None:  # the guard's outlier test is collective; the syncer leaves non-finite updates out

@@ -3,7 +3,7 @@ and DiLoCo's outer step with its momentum delayed over a world round."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -26,6 +26,11 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], tota
     for d, w in zip(deltas[1:], weights[1:], strict=True):
         out.add_(d.mul(w / total))
     return out
+
+
+def averaging(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The plain-averaging step: θ ← θ − Δ̄ is the (weighted) mean of the models."""
+    return torch.optim.SGD(params, lr=1.0)
 
 
 class DelayedNesterov:
@@ -70,3 +75,27 @@ class DelayedNesterov:
             t.add_(new if self.nesterov else old, alpha=-self.lr * self.beta)  # Nesterov: g + β·m_new; heavy ball: g + β·m_old
             p.zero_()
         self.pending_updates = 0
+
+
+def first_round_steps(cfg: SyncConfig) -> int:
+    """A site's first round: H, or with dynamic local updates max(1, H/10), to measure its pace."""
+    assert cfg.quorum is not None
+    return max(1, cfg.H // 10) if cfg.dynamic_quorum_steps else cfg.H
+
+
+def dynamic_steps(rates: Sequence[float], current: Sequence[int], H: int) -> list[int]:
+    """Dynamic local updates (Async Local-SGD, Liu et al. 2024): each site whose rate (steps per
+    second) is known runs H × its rate / the fastest rate, rounded, at least 1; the others keep
+    ``current``."""
+    fastest = max(rates)
+    return [max(1, min(H, round(H * r / fastest))) if r > 0 else c for r, c in zip(rates, current, strict=True)]
+
+
+def site_mask(sites: Iterable[int]) -> float:
+    """A set of site indices as one float64 field (exact for up to 53 sites)."""
+    return float(sum(1 << s for s in set(sites)))
+
+
+def mask_sites(mask: float, n: int) -> list[int]:
+    """The site indices in a :func:`site_mask` field."""
+    return [s for s in range(n) if int(mask) >> s & 1]

@@ -77,9 +77,11 @@ from geotrain.comm.topology import Topology
 from geotrain.config import SyncConfig
 from geotrain.errors import SyncerTimeout
 from geotrain.sync.diloco import DiLoCo
+from geotrain.sync.merge import averaging
 from geotrain.sync.outer import pseudo_gradient
 from geotrain.sync.pace import RoundClock
 from geotrain.sync.quorum_adapt import StarAdapter
+from geotrain.sync.quorum_world import WorldTier, region_hubs
 from geotrain.sync.reducer import Codecs
 from geotrain.sync.syncer import (
     CHECKPOINT,
@@ -130,6 +132,9 @@ class AsyncDiLoCo(DiLoCo):
         self.full = g.topology if rejoin is None else rejoin.full  # the whole run
         self.site_index = g.me.site_index if rejoin is None else rejoin.site
         self.leaders = self.full.inter_ranks(0)
+        # the site whose local rank 0 holds this site's syncer: the first site (two tiers: of its region)
+        self.hubs = region_hubs(self.full) if cfg.region_every else [0]
+        self.hub_site = self.hubs[self.full.region_of[self.site_index]] if self.hubs[1:] else 0
         self.leader = g.me.local_rank == 0
         self.mailbox: Mailbox | None = None
         self.channel: StoreChannel | None = None  # a site that came back: to the syncer through the run's store
@@ -151,16 +156,19 @@ class AsyncDiLoCo(DiLoCo):
         self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
         self.syncer: QuorumSyncer | None = None
         # FSDP: the syncer holds whole tensors; the first site's ranks gather its initial model together
-        initial = self.full_tensors(self.global_params) if self.sharded and rejoin is None and self.site_index == 0 else None
-        if rejoin is None and g.me.rank == self.leaders[0]:
+        hub = rejoin is None and self.site_index == self.hub_site
+        initial = self.full_tensors(self.global_params) if self.sharded and hub else None
+        if hub and self.leader:
             assert self.mailbox is not None
+            theta = initial if initial is not None else self.global_params
+            region_outer = cfg.tier_outer in ("region", "both") or not self.hubs[1:]
             self.syncer = QuorumSyncer(
                 cfg.quorum,
                 cfg.weight_by_tokens,
                 self.full.workers,
-                initial if initial is not None else self.global_params,
-                self._outer_optimizer,
-                cfg,
+                theta,
+                self._outer_optimizer if region_outer else averaging,
+                cfg if region_outer else cfg.model_copy(update={"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}),
                 self.mailbox,
                 self.leaders,
                 [self.full.site_ranks(i) for i in range(self.full.num_sites)],
@@ -169,6 +177,18 @@ class AsyncDiLoCo(DiLoCo):
                 adapter=None
                 if cfg.adapt is None
                 else StarAdapter(cfg.adapt, sum(p.numel() for p in self.params), cfg.H, cfg.codec),
+                sites=[s for s in range(self.full.num_sites) if self.full.same_region(s, self.site_index) or not self.hubs[1:]],
+                world=None
+                if not self.hubs[1:]
+                else WorldTier(
+                    self.full.region_of[self.site_index],
+                    [self.leaders[s] for s in self.hubs],
+                    theta,
+                    self._outer_optimizer if cfg.tier_outer in ("world", "both") else averaging,
+                    self.mailbox,
+                    cfg,
+                    self.coders,
+                ),
             )
         rank = self.full.first_rank(self.site_index) + g.me.local_rank
         self.heartbeat = Heartbeat(rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
@@ -257,14 +277,14 @@ class AsyncDiLoCo(DiLoCo):
             store = self._run_store()
             incarnation = int(store.add(join_key(self.site_index), 1))
             up, down = channel_keys(self.site_index, incarnation)
-            wan, other_region = self.comm.wan, not self.full.same_region(0, self.site_index)
+            wan, other_region = self.comm.wan, not self.full.same_region(self.hub_site, self.site_index)
             self.channel = StoreChannel(
                 self._run_store,
                 send=up,
                 recv=down,
                 fields=FIELDS,
-                src=self.leaders[0],
-                arrival=lambda n: link_arrival(wan, 0, n),
+                src=self.leaders[self.hub_site],
+                arrival=lambda n: link_arrival(wan, self.hub_site, n),
                 count=lambda n, raw: self.comm.count_far(n, raw, other_region=other_region),
             )
             msg = self.channel.receive(self.quorum.timeout_s)
@@ -429,7 +449,7 @@ class AsyncDiLoCo(DiLoCo):
         return msg.fields, held + coder.decode(msg.payload, held.numel())
 
     def _syncer_name(self) -> str:
-        return f"the syncer (site {self.full.site_names[0]}'s local rank 0)"
+        return f"the syncer (site {self.full.site_names[self.hub_site]}'s local rank 0)"
 
     def _deliver(self, update: Update) -> tuple[list[float], torch.Tensor]:
         """Hand ``update`` to the syncer; its answer (version, world steps, ...; flat global model)."""
@@ -470,8 +490,8 @@ class AsyncDiLoCo(DiLoCo):
                 raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
             return msg
         assert self.mailbox is not None
-        self.mailbox.send(self.leaders[0], fields, payload, raw)
-        msg = self.mailbox.receive(self.leaders[0], timeout)
+        self.mailbox.send(self.leaders[self.hub_site], fields, payload, raw)
+        msg = self.mailbox.receive(self.leaders[self.hub_site], timeout)
         if msg is None:
             raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
         if msg.lost:

@@ -8,6 +8,10 @@ discounts late updates by staleness, applies delayed Nesterov, answers each site
 model, and treats a site whose connection closed as late forever. A lost site that comes back
 (started again by the launcher) asks to rejoin through the run's store; the syncer answers it with
 the global model and where to go on from, and takes it back into the world round.
+
+In two tiers (``sync.region_every``) each region has a syncer of its own, beside its first
+site's local rank 0, merging that region's sites; every ``region_every`` merges the syncers run a
+world round among themselves (:mod:`geotrain.sync.quorum_world`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +27,12 @@ import torch
 
 from geotrain.codecs import Codec
 from geotrain.comm.alive import SilenceWatch
-from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, down_key, join_key, silent_key
+from geotrain.comm.mailbox import Mailbox, Message, Rejoins, StoreChannel
 from geotrain.config import QuorumConfig, SyncConfig
-from geotrain.sync.merge import DelayedNesterov, weighted_mean
+from geotrain.errors import SyncerTimeout
+from geotrain.sync.merge import DelayedNesterov, dynamic_steps, first_round_steps, mask_sites, site_mask, weighted_mean
 from geotrain.sync.quorum_adapt import LinkReport, StarAdapter
+from geotrain.sync.quorum_world import WorldTier, last_from_hub
 from geotrain.sync.reducer import Codecs
 
 # CHECKPOINT: waits for every live site (a checkpoint's barrier); PING: answered at once, empty (sync.adapt)
@@ -54,68 +60,6 @@ class Update:
     checkpoint: bool = False  # the round before a checkpoint: answered once every live site has delivered
     link: LinkReport | None = None  # sync.adapt: what the site measured in its last round
     ping: bool = False  # sync.adapt: an empty message, answered at once (the site times it)
-
-
-def first_round_steps(cfg: SyncConfig) -> int:
-    """A site's first round: H, or with dynamic local updates max(1, H/10), to measure its pace."""
-    assert cfg.quorum is not None
-    return max(1, cfg.H // 10) if cfg.dynamic_quorum_steps else cfg.H
-
-
-def dynamic_steps(rates: Sequence[float], current: Sequence[int], H: int) -> list[int]:
-    """Dynamic local updates (Async Local-SGD, Liu et al. 2024): each site whose rate (steps per
-    second) is known runs H × its rate / the fastest rate, rounded, at least 1; the others keep
-    ``current``."""
-    fastest = max(rates)
-    return [max(1, min(H, round(H * r / fastest))) if r > 0 else c for r, c in zip(rates, current, strict=True)]
-
-
-class Rejoins:
-    """Lost sites that came back, read from the run's store (:func:`join_key`), the channel to
-    each (``channel(site, incarnation)``), and which of them the launcher saw go down again
-    (:func:`down_key`: the store does not close a connection when a site dies)."""
-
-    def __init__(self, connect: Callable[[], Any], channel: Callable[[int, int], StoreChannel]) -> None:
-        self.connect, self.channel = connect, channel
-        self.seen: dict[int, int] = {}  # the last incarnation of each site taken back
-        self._store: Any = None
-
-    def _connected(self) -> Any:
-        if self._store is None:
-            self._store = self.connect()
-        return self._store
-
-    def _read(self, key: str) -> int:
-        return int(self._connected().add(key, 0))  # a read that never blocks on a missing key
-
-    def report_silent(self, site: int) -> None:
-        """Tell the launcher that ``site``'s current incarnation was lost for silence
-        (:func:`silent_key`): it ends that incarnation's processes and may start the site again."""
-        self._connected().set(silent_key(site), str(self.seen.get(site, 0)))
-
-    def poll(self, lost: Iterable[int]) -> list[tuple[int, int]]:
-        """(site, incarnation) of each of the ``lost`` sites whose new incarnation asked to rejoin."""
-        back = []
-        for s in sorted(lost):
-            k = self._read(join_key(s))
-            if k > self.seen.get(s, 0):
-                self.seen[s] = k
-                back.append((s, k))
-        return back
-
-    def down(self, sites: Iterable[int]) -> list[int]:
-        """Of ``sites`` (that came back), those whose current incarnation the launcher saw exit."""
-        return [s for s in sorted(sites) if self._read(down_key(s)) >= self.seen.get(s, 0)]
-
-
-def site_mask(sites: Iterable[int]) -> float:
-    """A set of site indices as one float64 field (exact for up to 53 sites)."""
-    return float(sum(1 << s for s in set(sites)))
-
-
-def mask_sites(mask: float, n: int) -> list[int]:
-    """The site indices in a :func:`site_mask` field."""
-    return [s for s in range(n) if int(mask) >> s & 1]
 
 
 def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: bool, power: float) -> list[float]:
@@ -148,16 +92,23 @@ class QuorumSyncer:
         rejoins: Rejoins | None = None,
         codecs: Mapping[str, Codec | None] | None = None,
         adapter: StarAdapter | None = None,
+        sites: Sequence[int] = (),
+        world: WorldTier | None = None,
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
+        # the sites this syncer merges (two tiers: its region's; else every site), the first of which
+        # (its home) holds it; the world tier with the other regions' syncers (None: one tier)
+        self.sites = list(sites) or list(range(len(self.workers)))
+        self.home, self.world = self.sites[0], world
         # the other sites' ranks, watched for silence (a hung site is lost like a dead one); none: not watched
         self.site_ranks = [list(r) for r in site_ranks]
-        self.watch = SilenceWatch([r for rs in self.site_ranks[1:] for r in rs], cfg.heartbeat_s, cfg.lost_after_s)
+        watched = [r for s in self.sites[1:] if s < len(self.site_ranks) for r in self.site_ranks[s]]
+        self.watch = SilenceWatch(watched, cfg.heartbeat_s, cfg.lost_after_s)
         self.max_H, self.dynamic = sync_cfg.H, sync_cfg.dynamic_quorum_steps
         # every site's next round (H, or dynamic: a first one of max(1, H/10)), and its smoothed steps per compute second
         self.H, self.rates = [first_round_steps(sync_cfg)] * len(self.workers), [0.0] * len(self.workers)
         self.theta = [t.detach().clone() for t in theta]
-        self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, len(self.workers))
+        self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, len(self.sites))
         self.mailbox, self.leaders = mailbox, list(leaders)
         self.version = 0
         self.world_steps = 0  # rank-steps merged so far
@@ -173,7 +124,7 @@ class QuorumSyncer:
         # what each other site holds (it got the model in fp32 at the start, then encoded changes);
         # site 0 takes the model in memory, exactly
         flat = torch.cat([t.reshape(-1) for t in self.theta])
-        self.held = {s: flat.clone() for s in range(1, len(self.workers))} if any(map(Codecs.encodes, self.names)) else {}
+        self.held = {s: flat.clone() for s in self.sites[1:]} if any(map(Codecs.encodes, self.names)) else {}
         self._arrived = [0.0] * len(self.workers)  # when each site's last update landed (its wait here, for sync.adapt)
         # site 0's updates (same process) and the other sites' messages (the mailbox's listener
         # threads put them here): the loop blocks on it, so it wakes on input, not on a poll
@@ -268,9 +219,11 @@ class QuorumSyncer:
         self.H = dynamic_steps(self.rates, self.H, self.max_H)
 
     def _run(self) -> None:
-        n = len(self.workers)
-        for r in self.leaders[1:]:  # each site's messages, until its final one (or its death)
-            self.mailbox.listen(r, self.inbox, lambda m: m.fields[0] == FINAL)
+        for s in self.sites[1:]:  # each site's messages, until its final one (or its death)
+            self.mailbox.listen(self.leaders[s], self.inbox, lambda m: m.fields[0] == FINAL)
+        for hub in [] if self.world is None else self.world.hubs:  # the other regions' syncers, until their last
+            if hub != self.leaders[self.home]:
+                self.mailbox.listen(hub, self.inbox, last_from_hub)
         pending: list[tuple[float, Update]] = []
         open_: list[Update] = []
         waiting: list[int] = []
@@ -325,7 +278,7 @@ class QuorumSyncer:
                         self._note("rejected", [u], [], f"site {u.site}: non-finite update left out")
             waiting = [s for s in waiting if s not in self.lost]
             barrier -= self.lost
-            running = [s for s in range(n) if s not in finals and s not in self.lost and s not in barrier]
+            running = [s for s in self.sites if s not in finals and s not in self.lost and s not in barrier]
             if not running and barrier:  # a checkpoint: merge what is in, every waiting site gets the same model
                 self._merge(open_, "checkpoint")
                 self.snapshot = self.state_dict()
@@ -336,6 +289,8 @@ class QuorumSyncer:
                 self._merge(open_, "final")
                 if not open_:  # nothing was left: logged all the same
                     self._note("final", [], [], "nothing left to merge")
+                while self.world is not None and not self._world_round(pending, gone, final=True):
+                    pass  # (two tiers: until every region has ended, the world rounds of the others)
                 self._reply(sorted(finals - self.lost), exact=True)
                 return
             delivered = {u.site for u in open_} | set(waiting)
@@ -344,6 +299,8 @@ class QuorumSyncer:
                 if now >= quorum_at + self.cfg.grace_s or set(running) <= delivered:
                     self._merge(open_, "quorum")
                     open_, quorum_at = [], None
+                    if self.world is not None and self.world.since >= self.world.every:
+                        self._world_round(pending, gone, final=False)
                     self._reply(waiting)
                     waiting = []
             # wait for input, at most until the next message lands, the grace window closes, or TICK
@@ -351,6 +308,26 @@ class QuorumSyncer:
             # so a deadline just past never turns the loop into a spin
             deadlines = [p[0] for p in pending] + ([quorum_at + self.cfg.grace_s] if quorum_at is not None and waiting else [])
             self._receive(pending, gone, max(0.001, min([TICK, *(d - time.monotonic() for d in deadlines)])))
+
+    def _world_round(self, pending: list[tuple[float, Update]], gone: set[int], final: bool) -> bool:
+        """Two tiers: this region's contribution to a world round, the others' (meanwhile the
+        region's updates keep coming in, for later), and the world step; whether every region has
+        ended. The region's version moves on: updates from before it are one merge stale."""
+        assert self.world is not None
+        lost, ever = site_mask(self.lost), site_mask(self.ever_lost)
+        self.world.contribute(self.theta, final, self.world_steps, int(lost), int(ever))
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while self.world.missing():
+            if time.monotonic() > deadline:
+                raise self.world.timeout()
+            landing = self.world.next_arrival()
+            wait = TICK if landing is None else min(TICK, landing - time.monotonic())
+            self._receive(pending, gone, max(0.001, wait))
+        ended, regions = self.world.step(self.theta)
+        self.version += 1
+        hubs = [self.leaders.index(self.world.hubs[r]) for r in regions]  # (each contributing region's first site)
+        self._note("world", [], [], f"world round {self.world.round - 1}", sites=hubs)
+        return ended
 
     def _receive(self, pending: list[tuple[float, Update]], gone: set[int], wait_s: float) -> None:
         """Block up to ``wait_s`` for an update or message, then take every other one already in:
@@ -362,6 +339,10 @@ class QuorumSyncer:
         while True:
             if isinstance(item, Update):
                 pending.append((0.0, item))
+            elif self.world is not None and item.src in self.world.hubs:
+                if item.lost:
+                    raise SyncerTimeout(f"lost region {self.world.hubs.index(item.src)}'s syncer: its connection closed")
+                self.world.take(item)
             elif item.lost:
                 gone.add(self.leaders.index(item.src))
             else:
@@ -378,7 +359,7 @@ class QuorumSyncer:
         weights = merge_weights(ups, self.version, self.weight_by_tokens, self.cfg.staleness_power)
         # a whole world round's tokens: each site's steps in this merge, or its round's H if it is
         # not in it (a merge of every site: the merge's own tokens)
-        steps = [0 if s in self.lost else h for s, h in enumerate(self.H)]
+        steps = [0 if s in self.lost or s not in self.sites else h for s, h in enumerate(self.H)]
         for s in {u.site for u in ups}:
             steps[s] = max(u.steps for u in ups if u.site == s)
         world = (
@@ -388,6 +369,8 @@ class QuorumSyncer:
         self._note(why, ups, weights, "")
         self.version += 1
         self.world_steps += sum(u.workers * u.steps for u in ups)
+        if self.world is not None:
+            self.world.merged(float(sum(u.workers * u.steps for u in ups)))
         if self.adapter is not None and self.adapter.choose(self.version):  # every site's next H and codec
             self.max_H, self.codec_name, chosen = self.adapter.H, self.adapter.codec, [self.adapter.H] * len(self.workers)
             # (dynamic local steps: the chosen H is the fastest site's, the others' follow their rates)
@@ -414,7 +397,7 @@ class QuorumSyncer:
     def _silent_sites(self, finals: set[int]) -> list[int]:
         """Sites (not the first, which holds this thread) still running, one of whose ranks has
         not beaten its heartbeat for ``lost_after_s``."""
-        watched = [s for s in range(1, len(self.site_ranks)) if s not in finals and s not in self.lost]
+        watched = [s for s in self.sites[1:] if s < len(self.site_ranks) and s not in finals and s not in self.lost]
         if not watched:
             return []
         silent = self.watch.silent([r for s in watched for r in self.site_ranks[s]])
@@ -427,7 +410,7 @@ class QuorumSyncer:
             return
         self.lost.add(site)
         self.ever_lost.add(site)
-        self.outer.sites = len(self.workers) - len(self.lost)
+        self.outer.sites = len(self.sites) - len(self.lost)
         channel = self.channels.pop(site, None)
         if channel is not None:
             channel.close()
@@ -438,7 +421,7 @@ class QuorumSyncer:
         again, its messages come through the run's store, and it is answered at once with the
         global model (its new base) and the steps it had delivered (where its data goes on)."""
         self.lost.discard(site)
-        self.outer.sites = len(self.workers) - len(self.lost)
+        self.outer.sites = len(self.sites) - len(self.lost)
         assert self.rejoins is not None
         channel = self.channels[site] = self.rejoins.channel(site, incarnation)
         channel.listen(self.inbox, lambda m: m.fields[0] == FINAL)
@@ -454,23 +437,30 @@ class QuorumSyncer:
         what the site holds, which this syncer then updates exactly as the site will (so the next
         answer carries what this one's encoding left out)."""
         theta = torch.cat([t.reshape(-1) for t in self.theta])
-        live = site_mask([s for s in range(len(self.workers)) if s not in self.lost])
+        lost, ever = set(self.lost), set(self.ever_lost)
+        steps = self.world_steps
+        if self.world is not None:  # the other regions' lost sites and steps, as of the last world round
+            for r in range(len(self.world.hubs)):
+                lost |= set(mask_sites(self.world.lost[r], len(self.workers))) - set(self.sites)
+                ever |= set(mask_sites(self.world.ever_lost[r], len(self.workers)))
+            steps += self.world.others_steps()
+        live = site_mask([s for s in range(len(self.workers)) if s not in lost])
         now = time.monotonic()
         coder, index = self.coders[self.codec_name], 1.0 + self.names.index(self.codec_name)
         for s in sites:
             fields = [
                 float(self.version),
-                float(self.world_steps),
+                float(steps),
                 float(self.H[s]),
                 live,
-                site_mask(self.ever_lost),
+                site_mask(ever),
                 float(self.site_steps[s]),
                 now - self._t0,
                 0.0,
                 max(0.0, now - self._arrived[s]),
                 index,
             ]
-            if s == 0:
+            if s == self.home:
                 self.outbox.put((fields, theta.clone()))
                 continue
             if s in self.lost:  # (a site that came back is reached through its channel until it is lost again)
@@ -495,6 +485,8 @@ class QuorumSyncer:
         """Lose the sites an answer could not be sent to (they are gone). Never waits: a site that
         hangs may never take its answer, and the others must not wait for it."""
         for r in self.mailbox.poll():
+            if self.world is not None and r in self.world.hubs:
+                raise SyncerTimeout(f"lost region {self.world.hubs.index(r)}'s syncer: a world round could not be sent to it")
             site = self.leaders.index(r)
             if site not in self.channels:  # not a send to the dead incarnation of a site that came back
                 self._lose(site, "the answer to it could not be sent")

@@ -49,13 +49,9 @@ from geotrain.config import SyncConfig
 from geotrain.errors import RoundFailed
 from geotrain.sync.adapt import NetworkAdapter
 from geotrain.sync.diloco import DiLoCo
+from geotrain.sync.merge import averaging
 from geotrain.sync.outer import OuterSync, outer_step_, pseudo_gradient
 from geotrain.sync.reducer import SiteReducer
-
-
-def _averaging(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """The plain-averaging step: θ ← θ − Δ̄ is the (token-weighted) mean of the models."""
-    return torch.optim.SGD(params, lr=1.0)
 
 
 class RegionTier(OuterSync):
@@ -74,7 +70,7 @@ class RegionTier(OuterSync):
     def _tier_optimizer(self, params: list[torch.Tensor], tier: str) -> torch.optim.Optimizer:
         """The step of ``tier`` ('region' or 'world'): the outer optimizer, or plain averaging (``sync.tier_outer``)."""
         outer = self.cfg.tier_outer
-        return self._outer_optimizer(params) if outer in (tier, "both") else _averaging(params)
+        return self._outer_optimizer(params) if outer in (tier, "both") else averaging(params)
 
     def _tier_weights(self, sites: list[int], steps: list[int] | None = None) -> list[float]:
         """Each site's weight in a tier's average over ``sites`` (0 for the others): its tokens,
