@@ -17,10 +17,13 @@
    at 0.35 speed, 8 s of training on an emulated 100 Mbit/s, 30 ms link between regions, two
    seeds: lock-step tiers against a syncer per region with quorums of one site and world rounds
    every second merge (tokens trained, eval loss, utilisation, bytes across regions).
+6. **Streaming DiLoCo in quorum rounds** (``--only quorum-streaming``): three sites, C at 0.35
+   speed, 8 s, the same link, two seeds: lock-step Streaming DiLoCo (2 fragments, τ = 2) against
+   its fragment syncs as quorum deliveries (quorums of one).
 
 Prints a table, writes JSON.
 
-    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers] [--json benchmarks/results/compose.json]
+    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers|quorum-streaming] [--json benchmarks/results/compose.json]
 """
 
 from __future__ import annotations
@@ -83,30 +86,43 @@ def example_dp(tmp: Path, base: list[str]) -> dict[str, Any]:
     return runs
 
 
-def quorum_tiers(tmp: Path, seconds: float = 8.0) -> dict[str, Any]:
-    """Lock-step tiers against quorum rounds in two tiers, equal wall time, two seeds (part 5)."""
-    slow = FOUR.replace("{name: D, workers: 1}", "{name: D, workers: 1, compute_speed: 0.35}")
-    common = [slow, REGIONS, "sync.H=10", "sync.region_every=2", "train.steps=100000", f"train.max_seconds={seconds}"]
-    common += ["optim.schedule=constant", "train.eval_every=0", "run.baseline=none", "topology.links.emulate=inprocess"]
+def lockstep_vs_quorum(tmp: Path, name: str, setting: list[str], seconds: float = 8.0) -> dict[str, Any]:
+    """``setting`` lock-step and in quorum rounds of one site, equal wall time (8 s), an emulated
+    100 Mbit/s, 30 ms link, two seeds (parts 5 and 6)."""
+    common = [*setting, "train.steps=100000", f"train.max_seconds={seconds}", "optim.schedule=constant"]
+    common += ["train.eval_every=0", "run.baseline=none", "topology.links.emulate=inprocess"]
     common += ["topology.links.inter.bandwidth_bps=1e8", "topology.links.inter.latency_s=0.03"]
     runs: dict[str, Any] = {}
     for seed in (1234, 1235):
-        for name, extra in (("tiers-lockstep", []), ("tiers-quorum", ["sync.quorum={sites: 1, grace_s: 0}"])):
-            s = train(tmp / f"{name}-{seed}", [*common, *extra, f"train.seed={seed}"])
-            runs[f"{name}-seed{seed}"] = {
+        for mode, extra in (("lockstep", []), ("quorum", ["sync.quorum={sites: 1, grace_s: 0}"])):
+            s = train(tmp / f"{name}-{mode}-{seed}", [*common, *extra, f"train.seed={seed}"])
+            runs[f"{name}-{mode}-seed{seed}"] = {
                 **row(s),
                 "tokens": s["tokens"],
                 "utilization": s["utilization"],
                 "inter_region_bytes": s["inter_region_bytes"],
+                "peak_inter_site_bytes_per_step": s["peak_inter_site_bytes_per_step"],
                 "steps": [p["steps"] for p in s["per_site"]],
             }
     return runs
 
 
+def quorum_tiers(tmp: Path) -> dict[str, Any]:
+    """Lock-step tiers against quorum rounds in two tiers (part 5)."""
+    slow = FOUR.replace("{name: D, workers: 1}", "{name: D, workers: 1, compute_speed: 0.35}")
+    return lockstep_vs_quorum(tmp, "tiers", [slow, REGIONS, "sync.H=10", "sync.region_every=2"])
+
+
+def quorum_streaming(tmp: Path) -> dict[str, Any]:
+    """Lock-step Streaming DiLoCo against its fragments in quorum rounds (part 6)."""
+    stream = ["sync.algorithm=streaming", "sync.H=20", "sync.fragments=2", "sync.tau=2"]
+    return lockstep_vs_quorum(tmp, "streaming", [SLOW, *stream])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--only", choices=["pairs", "example-dp", "quorum-tiers"], default=None)
+    ap.add_argument("--only", choices=["pairs", "example-dp", "quorum-tiers", "quorum-streaming"], default=None)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
     a = ap.parse_args()
     result: dict[str, Any] = {"pairs": pairs(), "steps": a.steps}
@@ -118,6 +134,9 @@ def main() -> None:
     if a.only == "quorum-tiers":
         with tempfile.TemporaryDirectory() as tmp:
             result["quorum_tiers"] = quorum_tiers(Path(tmp))
+    if a.only == "quorum-streaming":
+        with tempfile.TemporaryDirectory() as tmp:
+            result["quorum_streaming"] = quorum_streaming(Path(tmp))
     if a.only is None:
         with tempfile.TemporaryDirectory() as tmp:
             runs: dict[str, dict[str, Any]] = {}
@@ -195,6 +214,7 @@ def main() -> None:
             result["adapt"] = adapted
             result["example_dp"] = example_dp(Path(tmp), base)
             result["quorum_tiers"] = quorum_tiers(Path(tmp))
+            result["quorum_streaming"] = quorum_streaming(Path(tmp))
         print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
         every = {
             **result["elastic_vs_lockstep"],
@@ -215,7 +235,7 @@ def main() -> None:
             print(f"{name:34} inter-region bytes {r['inter_region_bytes']:,}, world rounds {r['world_rounds']}")
         for name, r in result["adapt"].items():
             print(f"{name:34} (round, H, codec) chosen {r['choices']}; link Mbit/s {r['link_mbps']}; rtt ms {r['rtt_ms']}")
-    for name, r in result.get("quorum_tiers", {}).items():
+    for name, r in {**result.get("quorum_tiers", {}), **result.get("quorum_streaming", {})}.items():
         print(
             f"{name:34} final eval loss {r['final_eval_loss']:.4f}, tokens {r['tokens']:,}, steps per site {r['steps']}, "
             f"utilisation {r['utilization']:.1%}, across regions {r['inter_region_bytes']:,} B, one model {r['one_model']}"

@@ -470,7 +470,11 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
     ("overrides", "message"),
     [
         (["sync.quorum={sites: 5}"], "sync.quorum.sites: 5 is more than the 2 sites in topology.sites (allowed: 1..2)"),
-        (["sync.quorum={sites: 1}", "sync.algorithm=streaming"], "sync.algorithm: not combined with sync.quorum yet"),
+        (["sync.quorum={sites: 1}", "sync.algorithm=ddp"], "sync.algorithm: quorum rounds merge the pseudo-gradients of rounds"),
+        (
+            ["sync.quorum={sites: 1}", "sync.algorithm=streaming", "sync.within_site=fsdp"],
+            "sync.within_site: not combined with Streaming DiLoCo in asynchronous quorum rounds yet",
+        ),
         (
             ["sync.quorum={sites: 1}", "sync.pace=adaptive", "checkpoint.every=10"],
             "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same step",

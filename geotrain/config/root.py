@@ -187,8 +187,12 @@ class Config(Section):
         if q.sites > n:
             raise ValueError(f"sync.quorum.sites: {q.sites} is more than the {n} sites in topology.sites (allowed: 1..{n})")
         p = self.privacy
+        if self.sync.algorithm == "ddp":
+            raise ValueError(
+                "sync.algorithm: quorum rounds merge the pseudo-gradients of rounds, and DDP has no rounds "
+                "(allowed: diloco, streaming)"
+            )
         refused = [
-            (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
             (
                 self.sync.codec == "powersgd",
                 "sync.codec",
@@ -199,6 +203,25 @@ class Config(Section):
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
         ]
         _refuse(refused, "sync.quorum")
+        if self.sync.algorithm == "streaming":  # each fragment's sync a delivery (sync/quorum_streaming.py)
+            s = self.sync
+            streaming = [
+                (
+                    s.eager,
+                    "sync.eager",
+                    "set sync.eager=false (its step applies this site's share at once, as 1/M of the average)",
+                ),
+                (bool(s.region_every), "sync.region_every", "set sync.region_every=0"),
+                (
+                    s.dynamic_quorum_steps,
+                    "sync.pace" if s.pace != "lockstep" else "sync.quorum.local_steps",
+                    "use fixed local steps at lock-step pace (the fragments' schedule is H)",
+                ),
+                (s.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
+                (s.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
+                (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0"),
+            ]
+            _refuse(streaming, "Streaming DiLoCo in asynchronous quorum rounds")
         if self.sync.region_every:  # a syncer per region, world rounds among them (sync/quorum_world.py)
             tiers = [
                 (

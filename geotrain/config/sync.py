@@ -69,8 +69,8 @@ class AdaptConfig(Section):
 
 
 class QuorumConfig(Section):
-    """Asynchronous quorum rounds (DiLoCo; docs/HETERO.md): a syncer beside the first site's local
-    rank 0 merges pseudo-gradients when ``sites`` sites have delivered, plus ``grace_s``; a site
+    """Asynchronous quorum rounds (DiLoCo, or Streaming DiLoCo's fragments; docs/HETERO.md): a syncer
+    beside the first site's local rank 0 (in two tiers, each region's first) merges pseudo-gradients when ``sites`` sites have delivered, plus ``grace_s``; a site
     whose update was computed from an older global model is not made to wait, and its update is
     merged later, discounted by its staleness."""
 
@@ -175,8 +175,9 @@ class SyncConfig(Section):
     )
     quorum: QuorumConfig | None = Field(
         default=None,
-        description="Asynchronous quorum rounds (DiLoCo): merge when quorum.sites sites have delivered, plus quorum.grace_s; "
-        "late updates are merged later with a staleness discount and no site waits for the slowest one; a final "
+        description="Asynchronous quorum rounds (DiLoCo, or each of Streaming DiLoCo's fragments): merge when quorum.sites "
+        "sites have delivered, plus quorum.grace_s; late updates are merged later with a staleness discount and no site "
+        "waits for the slowest one; with sync.region_every a syncer per region and world rounds among them; a final "
         "synchronous round leaves every site bit-identical (unset: lock-step rounds).",
     )
     allreduce: Literal["hierarchical", "flat"] = Field(

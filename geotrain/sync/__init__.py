@@ -28,6 +28,7 @@ from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.guard import UpdateGuard
 from geotrain.sync.outer import OuterSync
 from geotrain.sync.quorum import AsyncDiLoCo, Rejoin
+from geotrain.sync.quorum_streaming import AsyncStreaming
 from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
 from geotrain.sync.streaming_elastic import ElasticStreaming
@@ -88,6 +89,8 @@ def build_sync(
         if cfg.algorithm == "streaming":
             if elastic:
                 outer = ElasticStreaming(model, optimizer, comm, grad_clip, cfg)
+            elif cfg.quorum is not None:  # each fragment's sync a quorum delivery
+                outer = AsyncStreaming(model, optimizer, comm, grad_clip, cfg, rejoin)
             elif cfg.region_every:
                 outer = TieredStreaming(model, optimizer, comm, grad_clip, cfg)
             elif cfg.pace == "adaptive" or timed:  # slots of the clock (budgeted, or timed at lock-step)

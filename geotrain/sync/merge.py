@@ -4,12 +4,14 @@ and DiLoCo's outer step with its momentum delayed over a world round."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from geotrain.config import SyncConfig
 from geotrain.sync.base import views_like
 from geotrain.sync.outer import outer_step_
+from geotrain.sync.quorum_adapt import LinkReport
 
 
 def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float], total: float) -> torch.Tensor:
@@ -99,3 +101,26 @@ def site_mask(sites: Iterable[int]) -> float:
 def mask_sites(mask: float, n: int) -> list[int]:
     """The site indices in a :func:`site_mask` field."""
     return [s for s in range(n) if int(mask) >> s & 1]
+
+
+@dataclass
+class Update:
+    """One site's delivery to the syncer."""
+
+    site: int
+    base: int  # version of the global model its round started from
+    steps: int
+    workers: int
+    delta: torch.Tensor  # flat fp32 pseudo-gradient (empty: a final delivery of no steps)
+    final: bool = False
+    compute_s: float = 0.0  # seconds of compute (pacing included, network waits not) the steps took
+    checkpoint: bool = False  # the round before a checkpoint: answered once every live site has delivered
+    link: LinkReport | None = None  # sync.adapt: what the site measured in its last round
+    ping: bool = False  # sync.adapt: an empty message, answered at once (the site times it)
+    fragment: int = 0  # Streaming DiLoCo: the fragment whose pseudo-gradient this is (versions are per fragment)
+
+
+def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: bool, power: float) -> list[float]:
+    """Each update's weight in the merge that makes version ``version + 1``: tokens (or 1) times
+    (1 + staleness)^-power, staleness = ``version - base``."""
+    return [(float(u.workers * u.steps) if weight_by_tokens else 1.0) * (1.0 + (version - u.base)) ** -power for u in updates]

@@ -15,20 +15,11 @@ local rank 0 (site 0 talks to it in memory; the others by messages,
    would only hold up;
 3. continues from the global model it got back (its new ``base``).
 
-A round **merges** once it holds updates from ``quorum.sites`` sites (fewer when fewer are still
-running) and someone is waiting on it, after ``quorum.grace_s`` more (or as soon as every
-running site has delivered). The merge sums the round's updates in site order, weight = tokens
-(workers × steps; 1 without ``weight_by_tokens``) × (1 + staleness)^-``staleness_power``, over a
-whole world round's tokens (each site's workers × its steps in the merge, or its round's H if it
-is not in it), where staleness is the number of merges between an update's
-``base`` and this merge (FedAsync's polynomial rule, Xie et al. 2019, arXiv:1903.03934). The
-outer step is DiLoCo's Nesterov SGD with its momentum delayed until a world round's worth of
-updates has been merged (:class:`DelayedNesterov`; docs/DESIGN.md §26 has the measured reason).
-
-With ``quorum.local_steps=dynamic`` (Async Local-SGD's dynamic local updates) every site runs a
-first round of max(1, H/10) steps; from then on the syncer gives each site about H × its measured
-rate / the fastest site's rate steps (rates from each update's steps and compute seconds,
-smoothed), with its answer, so every site delivers about as often and few updates are stale.
+When a round **merges**, with which weights (tokens discounted by staleness, FedAsync's rule)
+and its delayed Nesterov step: :mod:`geotrain.sync.syncer`, docs/DESIGN.md §26. With
+``quorum.local_steps=dynamic`` the syncer gives each site about H × its rate / the fastest
+rate steps with its answer (Async Local-SGD's dynamic local updates). Streaming DiLoCo's
+fragments sync the same way, each with a version of its own (:mod:`.quorum_streaming`).
 
 With ``quorum.sites`` = every site, an infinite grace window and fixed local steps, every site
 is always on time, every round holds every site's update from the same base, and the merge does
@@ -76,6 +67,7 @@ from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, channel_keys, 
 from geotrain.comm.topology import Topology
 from geotrain.config import SyncConfig
 from geotrain.errors import SyncerTimeout
+from geotrain.sync.base import views_like
 from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.merge import averaging
 from geotrain.sync.outer import pseudo_gradient
@@ -155,6 +147,7 @@ class AsyncDiLoCo(DiLoCo):
         self.adapter = None  # (sync.adapt: the syncer chooses, from the links the sites measure: quorum_adapt)
         self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
         self.syncer: QuorumSyncer | None = None
+        self.fragments, self.versions = self._fragments(), [0] * len(self._fragments())  # (Streaming: a version each)
         # FSDP: the syncer holds whole tensors; the first site's ranks gather its initial model together
         hub = rejoin is None and self.site_index == self.hub_site
         initial = self.full_tensors(self.global_params) if self.sharded and hub else None
@@ -189,11 +182,11 @@ class AsyncDiLoCo(DiLoCo):
                     cfg,
                     self.coders,
                 ),
+                fragments=self.fragments,
             )
         rank = self.full.first_rank(self.site_index) + g.me.local_rank
         self.heartbeat = Heartbeat(rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
         self.ever_lost: list[int] = []  # sites lost at some point (the syncer's last answer)
-        self.version = 0
         self.world_total = 0
         # the syncer sets each later round's steps (dynamic local updates: what adaptive pace is here)
         self.clock = RoundClock(comm, self.H, adaptive=False)
@@ -207,6 +200,12 @@ class AsyncDiLoCo(DiLoCo):
         self._finished = False
         self._held: torch.Tensor | None = None  # FSDP with a codec: the whole model this site holds
         self._barrier_passed = False  # a checkpoint's barrier round just ended: every site holds one model
+
+    def _fragments(self) -> list[list[int]]:
+        """The parameters merged together, each list with a version of its own: all of them."""
+        return [list(range(len(self.params)))]
+
+    version = property(lambda self: self.versions[0])
 
     def add_compute(self, seconds: float) -> None:
         if self._t0 is None:
@@ -379,20 +378,19 @@ class AsyncDiLoCo(DiLoCo):
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         q = state["quorum"]
-        self.version, self.world_total, self._site_steps = q["version"], q["world_total"], q["site_steps"]
+        self.versions[0], self.world_total, self._site_steps = q["version"], q["world_total"], q["site_steps"]
         if self.residual is not None:
             self.residual.tensor = q["residual"]
         if self.syncer is not None:
             self.syncer.load_state_dict(q["syncer"])
 
-    def _take(self, answer: tuple[list[float], torch.Tensor] | None) -> None:
+    def _take(self, answer: tuple[list[float], torch.Tensor] | None, fragment: int | None = None) -> None:
         """Go on from the syncer's ``answer`` (the leader's; None on the site's other ranks, which
-        get it from the leader): the global model, version, next H, live and lost sites."""
-        g = self.comm.groups
-        # version, world steps, stop, next round's H, live sites, sites ever lost, this site's steps, the syncer's seconds,
-        # the codec of the next update
-        control = torch.zeros(9, dtype=torch.float64)
-        theta = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32)  # whole (FSDP: every shard)
+        get it from the leader): the global model, version, next H, live and lost sites. With a
+        ``fragment``, the answer holds its parameters, mixed into the local ones as Streaming DiLoCo mixes."""
+        g, which = self.comm.groups, list(range(len(self.params))) if fragment is None else self.fragments[fragment]
+        control = torch.zeros(9, dtype=torch.float64)  # version, world steps, stop, H, live, lost, steps, seconds, codec
+        theta = torch.empty(sum(self.params[i].numel() for i in which), dtype=torch.float32)  # whole (FSDP: every shard)
         if answer is not None:
             fields, theta = answer
             time_up = bool(self._max_seconds) and self._t0 is not None and time.perf_counter() - self._t0 >= self._max_seconds
@@ -403,11 +401,13 @@ class AsyncDiLoCo(DiLoCo):
                 if self.leader:
                     for r in g.intra_ranks[1:]:
                         self.comm._count(r, t.numel() * t.element_size())
-        for gp, v in zip(self.global_params, self._own(theta), strict=True):
-            gp.copy_(v)
-        for p, gp in zip(self.local_params(), self.global_params, strict=True):
-            p.copy_(gp)
-        self.version, self.world_total = int(control[0]), int(control[1])
+        local, a = self.local_params(), self.cfg.alpha
+        for i, v in zip(
+            which, self._own(theta) if fragment is None else views_like(theta, [local[i] for i in which]), strict=True
+        ):
+            gp = self.global_params[i].copy_(v)
+            local[i].copy_(gp) if fragment is None else local[i].mul_(a).add_(gp, alpha=1 - a)
+        self.versions[0 if fragment is None else fragment], self.world_total = int(control[0]), int(control[1])
         self._done = bool(control[2])
         self.clock.limit = max(1, int(control[3]))
         n = self.full.num_sites
@@ -469,7 +469,7 @@ class AsyncDiLoCo(DiLoCo):
         payload, raw, encoded = self._encode(update.delta)
         kind = FINAL if update.final else CHECKPOINT if update.checkpoint else UPDATE
         fields = [kind, float(update.base), float(update.steps), float(update.workers), update.compute_s, encoded]
-        fields += [*self._link, 0.0]  # (sync.adapt: what this site measured in its last round; zeros: nothing)
+        fields += [*self._link, float(update.fragment)]  # (sync.adapt: what this site measured last; zeros: nothing)
         ping, t0 = 0.0, time.perf_counter()
         if self.cfg.adapt is not None:  # an empty message to the syncer and back: the link's round trip
             self._roundtrip([PING] + [0.0] * (FIELDS - 1), torch.zeros(0), None)

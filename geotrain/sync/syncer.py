@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,14 +29,25 @@ from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message, Rejoins, StoreChannel
 from geotrain.config import QuorumConfig, SyncConfig
 from geotrain.errors import SyncerTimeout
-from geotrain.sync.merge import DelayedNesterov, dynamic_steps, first_round_steps, mask_sites, site_mask, weighted_mean
+from geotrain.sync.merge import (
+    DelayedNesterov,
+    Update,
+    dynamic_steps,
+    first_round_steps,
+    mask_sites,
+    merge_weights,
+    site_mask,
+    weighted_mean,
+)
 from geotrain.sync.quorum_adapt import LinkReport, StarAdapter
 from geotrain.sync.quorum_world import WorldTier, last_from_hub
 from geotrain.sync.reducer import Codecs
+from geotrain.sync.syncer_state import SyncerState
 
 # CHECKPOINT: waits for every live site (a checkpoint's barrier); PING: answered at once, empty (sync.adapt)
 UPDATE, FINAL, CHECKPOINT, PING = 1.0, 2.0, 3.0, 4.0
-# site → syncer: [kind, base, steps, workers, compute s, encoded, link bytes, link s, ping s (sync.adapt; 0: none), 0]
+# site → syncer: [kind, base, steps, workers, compute s, encoded, link bytes, link s, ping s (sync.adapt; 0: none),
+#                 the fragment (Streaming DiLoCo; else 0)]
 # syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's
 #                 seconds, encoded, seconds the site's update waited here, the codec of its next update]
 # encoded: 1 + the index, in the run's codecs (sync.adapt.codecs, else sync.codec), of the codec whose bytes the payload
@@ -46,29 +56,7 @@ FIELDS = 10
 TICK = 0.05  # the syncer's longest wait for input: failed sends, silent sites and restarted sites are checked this often
 
 
-@dataclass
-class Update:
-    """One site's delivery to the syncer."""
-
-    site: int
-    base: int  # version of the global model its round started from
-    steps: int
-    workers: int
-    delta: torch.Tensor  # flat fp32 pseudo-gradient (empty: a final delivery of no steps)
-    final: bool = False
-    compute_s: float = 0.0  # seconds of compute (pacing included, network waits not) the steps took
-    checkpoint: bool = False  # the round before a checkpoint: answered once every live site has delivered
-    link: LinkReport | None = None  # sync.adapt: what the site measured in its last round
-    ping: bool = False  # sync.adapt: an empty message, answered at once (the site times it)
-
-
-def merge_weights(updates: Sequence[Update], version: int, weight_by_tokens: bool, power: float) -> list[float]:
-    """Each update's weight in the merge that makes version ``version + 1``: tokens (or 1) times
-    (1 + staleness)^-power, staleness = ``version - base``."""
-    return [(float(u.workers * u.steps) if weight_by_tokens else 1.0) * (1.0 + (version - u.base)) ** -power for u in updates]
-
-
-class QuorumSyncer:
+class QuorumSyncer(SyncerState):
     """The global model, the outer optimizer and the merge rule, in a thread (see the module docstring).
 
     Args:
@@ -94,6 +82,7 @@ class QuorumSyncer:
         adapter: StarAdapter | None = None,
         sites: Sequence[int] = (),
         world: WorldTier | None = None,
+        fragments: Sequence[Sequence[int]] = (),
     ) -> None:
         self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
         # the sites this syncer merges (two tiers: its region's; else every site), the first of which
@@ -108,9 +97,18 @@ class QuorumSyncer:
         # every site's next round (H, or dynamic: a first one of max(1, H/10)), and its smoothed steps per compute second
         self.H, self.rates = [first_round_steps(sync_cfg)] * len(self.workers), [0.0] * len(self.workers)
         self.theta = [t.detach().clone() for t in theta]
-        self.outer = DelayedNesterov(self.theta, make_optimizer(self.theta), sync_cfg, len(self.sites))
+        # Streaming DiLoCo: the tensors of each fragment, merged on their own (a version, an open round and
+        # an outer optimizer each), and where each fragment's values lie in the flat model; else one fragment
+        self.fragments = [list(f) for f in fragments] or [list(range(len(self.theta)))]
+        starts = [0, *torch.tensor([t.numel() for t in self.theta]).cumsum(0).tolist()]
+        self.index = [torch.cat([torch.arange(starts[i], starts[i + 1]) for i in f]) for f in self.fragments]
+        self.outers = [
+            DelayedNesterov(ts, make_optimizer(ts), sync_cfg, len(self.sites))
+            for ts in ([self.theta[i] for i in f] for f in self.fragments)
+        ]
+        self.outer = self.outers[0]
         self.mailbox, self.leaders = mailbox, list(leaders)
-        self.version = 0
+        self.versions = [0] * len(self.fragments)
         self.world_steps = 0  # rank-steps merged so far
         self.lost: set[int] = set()  # sites that died: late forever, left out of the world round from then on
         self.ever_lost: set[int] = set()  # sites lost at some point (the world group has their dead ranks)
@@ -137,6 +135,15 @@ class QuorumSyncer:
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._guarded, name="quorum-syncer", daemon=True)
 
+    @property
+    def version(self) -> int:
+        """The global model's version (Streaming DiLoCo: the first fragment's)."""
+        return self.versions[0]
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.versions[0] = v
+
     def start(self) -> None:
         """Start taking updates (after a resumed run has loaded :meth:`load_state_dict`)."""
         if not self._thread.is_alive():
@@ -148,42 +155,9 @@ class QuorumSyncer:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps, taken at a barrier (nothing in flight; every live site holds
-        the model exactly): the global model, the outer optimizer with its delayed momentum, the
-        version and the merge log, the sites' step counts and measured rates."""
-        return {
-            "theta": [t.clone() for t in self.theta],
-            "optimizer": self.outer.optimizer.state_dict(),
-            "pending": [p.clone() for p in self.outer.pending],
-            "pending_updates": self.outer.pending_updates,
-            "version": self.version,
-            "world_steps": self.world_steps,
-            "H": list(self.H),
-            "rates": list(self.rates),
-            "site_steps": list(self.site_steps),
-            "log": [dict(e) for e in self.log],
-            "adapt": None if self.adapter is None else self.adapter.state_dict(),
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (before :meth:`start`)."""
-        assert not self._thread.is_alive()
-        for t, v in zip(self.theta, state["theta"], strict=True):
-            t.copy_(v)
-        self.outer.optimizer.load_state_dict(state["optimizer"])
-        for p, v in zip(self.outer.pending, state["pending"], strict=True):
-            p.copy_(v)
-        self.outer.pending_updates = state["pending_updates"]
-        self.version, self.world_steps = state["version"], state["world_steps"]
-        self.H, self.rates, self.site_steps = list(state["H"]), list(state["rates"]), list(state["site_steps"])
-        self.log = list(state["log"])
-        if self.adapter is not None and state.get("adapt") is not None:
-            self.adapter.load_state_dict(state["adapt"])
-            self.codec_name = self.adapter.codec
-        flat = torch.cat([t.reshape(-1) for t in self.theta])
-        self.held = {s: flat.clone() for s in self.held}  # the barrier's answer was exact
+    def _last(self, msg: Message) -> bool:
+        """Whether ``msg`` is a site's last message: its (last fragment's) final update."""
+        return msg.fields[0] == FINAL and msg.fields[9] == len(self.fragments) - 1
 
     def _guarded(self) -> None:
         try:
@@ -195,7 +169,8 @@ class QuorumSyncer:
         kind, base, steps, workers, compute_s, encoded, link_bytes, link_s, ping_s = msg.fields[:9]
         site = self.leaders.index(msg.src)
         coder = self.coders[self.names[int(encoded) - 1]] if encoded and msg.payload.numel() else None
-        delta = coder.decode(msg.payload, sum(t.numel() for t in self.theta)) if coder is not None else msg.floats()
+        fragment = int(msg.fields[9])
+        delta = coder.decode(msg.payload, self.index[fragment].numel()) if coder is not None else msg.floats()
         return Update(
             site,
             int(base),
@@ -207,6 +182,7 @@ class QuorumSyncer:
             checkpoint=kind == CHECKPOINT,
             link=LinkReport(link_bytes, link_s, ping_s, int(steps), compute_s) if link_s > 0 else None,
             ping=kind == PING,
+            fragment=fragment,
         )
 
     def _measure(self, u: Update) -> None:
@@ -219,18 +195,21 @@ class QuorumSyncer:
         self.H = dynamic_steps(self.rates, self.H, self.max_H)
 
     def _run(self) -> None:
+        F = len(self.fragments)
         for s in self.sites[1:]:  # each site's messages, until its final one (or its death)
-            self.mailbox.listen(self.leaders[s], self.inbox, lambda m: m.fields[0] == FINAL)
+            self.mailbox.listen(self.leaders[s], self.inbox, self._last)
         for hub in [] if self.world is None else self.world.hubs:  # the other regions' syncers, until their last
             if hub != self.leaders[self.home]:
                 self.mailbox.listen(hub, self.inbox, last_from_hub)
         pending: list[tuple[float, Update]] = []
-        open_: list[Update] = []
-        waiting: list[int] = []
+        # per fragment: the updates of its open round, the sites waiting on it, when its quorum came in
+        open_: list[list[Update]] = [[] for _ in range(F)]
+        waiting: list[list[int]] = [[] for _ in range(F)]
+        quorum_at: list[float | None] = [None] * F
         finals: set[int] = set()
+        parts = [0] * len(self.workers)  # each site's final deliveries so far (one per fragment)
         barrier: set[int] = set()  # sites waiting at a checkpoint's barrier
         gone: set[int] = set()  # sites whose connection closed, lost once their messages in flight are in
-        quorum_at: float | None = None
         poll_joins_at = 0.0
         while not self._stop.is_set():
             if self.rejoins is not None and (self.lost or self.channels) and time.monotonic() >= poll_joins_at:
@@ -240,6 +219,7 @@ class QuorumSyncer:
                 for s, k in self.rejoins.poll(self.lost):
                     pending = [p for p in pending if p[1].site != s]  # its dead incarnation's: late forever
                     finals.discard(s)
+                    parts[s] = 0
                     self._rejoin(s, k)
             now = time.monotonic()
             due = sorted((p for p in pending if p[0] <= now), key=lambda p: p[0])
@@ -259,54 +239,60 @@ class QuorumSyncer:
                     self._send(u.site, [0.0] * FIELDS, torch.zeros(0), None)
                     continue
                 self._arrived[u.site] = now
-                self.site_steps[u.site] += u.steps
+                f = u.fragment
+                self.site_steps[u.site] += u.steps if f == 0 else 0  # (fragment 0's windows cover every step)
                 self._measure(u)
                 if self.adapter is not None and u.link is not None:
                     self.adapter.report(u.site, u.link)
                 if u.final:
-                    finals.add(u.site)
+                    parts[u.site] += 1
+                    if parts[u.site] == F:
+                        finals.add(u.site)
                 elif u.checkpoint:
                     barrier.add(u.site)
-                elif u.base < self.version:  # late: merged later, and it goes on at once
-                    self._reply([u.site])
+                elif u.base < self.versions[f]:  # late: merged later, and it goes on at once
+                    self._reply([u.site], fragment=f)
                 else:
-                    waiting.append(u.site)
+                    waiting[f].append(u.site)
                 if u.steps > 0:
                     if bool(torch.isfinite(u.delta).all()):
-                        open_.append(u)
+                        open_[f].append(u)
                     else:
                         self._note("rejected", [u], [], f"site {u.site}: non-finite update left out")
-            waiting = [s for s in waiting if s not in self.lost]
+            waiting = [[s for s in w if s not in self.lost] for w in waiting]
             barrier -= self.lost
             running = [s for s in self.sites if s not in finals and s not in self.lost and s not in barrier]
             if not running and barrier:  # a checkpoint: merge what is in, every waiting site gets the same model
-                self._merge(open_, "checkpoint")
+                self._merge(open_[0], "checkpoint")
                 self.snapshot = self.state_dict()
                 self._reply(sorted(barrier), exact=True)
-                open_, quorum_at, barrier = [], None, set()
+                open_, quorum_at, barrier = [[]], [None], set()
                 continue
             if not running:  # the final round: merge what is left, every live site gets the same model
-                self._merge(open_, "final")
-                if not open_:  # nothing was left: logged all the same
+                for f in range(F):
+                    self._merge(open_[f], "final", f)
+                if not any(open_):  # nothing was left: logged all the same
                     self._note("final", [], [], "nothing left to merge")
                 while self.world is not None and not self._world_round(pending, gone, final=True):
                     pass  # (two tiers: until every region has ended, the world rounds of the others)
                 self._reply(sorted(finals - self.lost), exact=True)
                 return
-            delivered = {u.site for u in open_} | set(waiting)
-            if waiting and len(delivered) >= min(self.cfg.sites, len(running)):
-                quorum_at = now if quorum_at is None else quorum_at
-                if now >= quorum_at + self.cfg.grace_s or set(running) <= delivered:
-                    self._merge(open_, "quorum")
-                    open_, quorum_at = [], None
-                    if self.world is not None and self.world.since >= self.world.every:
-                        self._world_round(pending, gone, final=False)
-                    self._reply(waiting)
-                    waiting = []
-            # wait for input, at most until the next message lands, the grace window closes, or TICK
+            for f in range(F):
+                delivered = {u.site for u in open_[f]} | set(waiting[f])
+                if waiting[f] and len(delivered) >= min(self.cfg.sites, len(running)):
+                    quorum_at[f] = now if quorum_at[f] is None else quorum_at[f]
+                    if now >= (quorum_at[f] or now) + self.cfg.grace_s or set(running) <= delivered:
+                        self._merge(open_[f], "quorum", f)
+                        open_[f], quorum_at[f] = [], None
+                        if self.world is not None and self.world.since >= self.world.every:
+                            self._world_round(pending, gone, final=False)
+                        self._reply(waiting[f], fragment=f)
+                        waiting[f] = []
+            # wait for input, at most until the next message lands, a grace window closes, or TICK
             # (failed sends, silent sites and restarted sites are checked that often); at least 1 ms,
             # so a deadline just past never turns the loop into a spin
-            deadlines = [p[0] for p in pending] + ([quorum_at + self.cfg.grace_s] if quorum_at is not None and waiting else [])
+            windows = [q + self.cfg.grace_s for q, w in zip(quorum_at, waiting, strict=True) if q is not None and w]
+            deadlines = [p[0] for p in pending] + windows
             self._receive(pending, gone, max(0.001, min([TICK, *(d - time.monotonic() for d in deadlines)])))
 
     def _world_round(self, pending: list[tuple[float, Update]], gone: set[int], final: bool) -> bool:
@@ -352,11 +338,12 @@ class QuorumSyncer:
             except queue.Empty:
                 return
 
-    def _merge(self, updates: list[Update], why: str) -> None:
+    def _merge(self, updates: list[Update], why: str, f: int = 0) -> None:
+        """Merge ``updates`` of fragment ``f`` (the whole model, without fragments)."""
         if not updates:
             return
         ups = sorted(updates, key=lambda u: (u.site, u.base))
-        weights = merge_weights(ups, self.version, self.weight_by_tokens, self.cfg.staleness_power)
+        weights = merge_weights(ups, self.versions[f], self.weight_by_tokens, self.cfg.staleness_power)
         # a whole world round's tokens: each site's steps in this merge, or its round's H if it is
         # not in it (a merge of every site: the merge's own tokens)
         steps = [0 if s in self.lost or s not in self.sites else h for s, h in enumerate(self.H)]
@@ -365,9 +352,11 @@ class QuorumSyncer:
         world = (
             float(sum(w * k for w, k in zip(self.workers, steps, strict=True))) if self.weight_by_tokens else float(len(steps))
         )
-        self.outer.step(weighted_mean([u.delta for u in ups], weights, world), len(ups))
-        self._note(why, ups, weights, "")
-        self.version += 1
+        self.outers[f].step(weighted_mean([u.delta for u in ups], weights, world), len(ups))
+        self._note(why, ups, weights, "", fragment=f)
+        self.versions[f] += 1
+        if f:  # (fragment 0's windows cover every step: the tokens are counted there)
+            return
         self.world_steps += sum(u.workers * u.steps for u in ups)
         if self.world is not None:
             self.world.merged(float(sum(u.workers * u.steps for u in ups)))
@@ -377,16 +366,24 @@ class QuorumSyncer:
             self.H = dynamic_steps(self.rates, chosen, self.max_H) if self.dynamic else chosen
 
     def _note(
-        self, why: str, ups: Sequence[Update], weights: Sequence[float], reason: str, sites: Sequence[int] | None = None
+        self,
+        why: str,
+        ups: Sequence[Update],
+        weights: Sequence[float],
+        reason: str,
+        sites: Sequence[int] | None = None,
+        fragment: int = 0,
     ) -> None:
         """One log entry: a merge of ``ups`` (``reason`` empty), or an event about ``sites`` (default: the updates' sites)."""
+        version = self.versions[fragment]
         self.log.append(
             {
-                "version": self.version + (0 if reason else 1),
+                "version": version + (0 if reason else 1),
+                **({"fragment": fragment} if len(self.fragments) > 1 else {}),
                 "t": round(time.monotonic() - self._t0, 3),
                 "kind": why,
                 "sites": [u.site for u in ups] if sites is None else list(sites),
-                "staleness": [self.version - u.base for u in ups],
+                "staleness": [version - u.base for u in ups],
                 "steps": [u.steps for u in ups],
                 "weights": [round(w, 4) for w in weights],
                 **({"next_H": list(self.H)} if self.dynamic else {}),
@@ -410,7 +407,8 @@ class QuorumSyncer:
             return
         self.lost.add(site)
         self.ever_lost.add(site)
-        self.outer.sites = len(self.sites) - len(self.lost)
+        for outer in self.outers:
+            outer.sites = len(self.sites) - len(self.lost)
         channel = self.channels.pop(site, None)
         if channel is not None:
             channel.close()
@@ -421,22 +419,28 @@ class QuorumSyncer:
         again, its messages come through the run's store, and it is answered at once with the
         global model (its new base) and the steps it had delivered (where its data goes on)."""
         self.lost.discard(site)
-        self.outer.sites = len(self.sites) - len(self.lost)
+        for outer in self.outers:
+            outer.sites = len(self.sites) - len(self.lost)
         assert self.rejoins is not None
         channel = self.channels[site] = self.rejoins.channel(site, incarnation)
-        channel.listen(self.inbox, lambda m: m.fields[0] == FINAL)
+        channel.listen(self.inbox, self._last)
         if self.site_ranks:
             self.watch.restart(self.site_ranks[site])
         why = f"site {site}: incarnation {incarnation} came back; it goes on from version {self.version}, its step {self.site_steps[site]}"
         self._note("rejoined", [], [], why, sites=[site])
         self._reply([site], exact=True)
 
-    def _reply(self, sites: Sequence[int], exact: bool = False) -> None:
+    def _reply(self, sites: Sequence[int], exact: bool = False, fragment: int = 0) -> None:
         """Answer ``sites`` with the global model: in fp32 to site 0 (in memory), with ``exact`` (the
         final round, a site that came back) and without a codec; else encoded, as the change from
         what the site holds, which this syncer then updates exactly as the site will (so the next
-        answer carries what this one's encoding left out)."""
-        theta = torch.cat([t.reshape(-1) for t in self.theta])
+        answer carries what this one's encoding left out). Streaming DiLoCo: an answer carries
+        ``fragment``'s values, an exact one the whole model and then every fragment's version."""
+        whole = torch.cat([t.reshape(-1) for t in self.theta])
+        many, idx = len(self.fragments) > 1, self.index[fragment]
+        theta = whole[idx] if many and not exact else whole
+        if many and exact:
+            theta = torch.cat([whole, torch.tensor(self.versions, dtype=torch.float32)])
         lost, ever = set(self.lost), set(self.ever_lost)
         steps = self.world_steps
         if self.world is not None:  # the other regions' lost sites and steps, as of the last world round
@@ -449,7 +453,7 @@ class QuorumSyncer:
         coder, index = self.coders[self.codec_name], 1.0 + self.names.index(self.codec_name)
         for s in sites:
             fields = [
-                float(self.version),
+                float(self.versions[fragment]),
                 float(steps),
                 float(self.H[s]),
                 live,
@@ -466,11 +470,13 @@ class QuorumSyncer:
             if s in self.lost:  # (a site that came back is reached through its channel until it is lost again)
                 continue
             payload, raw = theta, None
-            if s in self.held and (exact or coder is None):
-                self.held[s] = theta.clone()
+            if s in self.held and exact:
+                self.held[s] = whole.clone()
+            elif s in self.held and coder is None:
+                self.held[s][idx] = theta
             elif coder is not None:
-                payload, raw, fields[7] = coder.encode(theta - self.held[s]), 4 * theta.numel(), index
-                self.held[s] += coder.decode(payload, theta.numel())
+                payload, raw, fields[7] = coder.encode(theta - self.held[s][idx]), 4 * theta.numel(), index
+                self.held[s][idx] += coder.decode(payload, theta.numel())
             self._send(s, fields, payload, raw)
         self._check_sends()
 
