@@ -19,7 +19,7 @@ from geotrain.comm.faults import FaultPlan
 from geotrain.config import PrivacyConfig
 from geotrain.privacy.aggregation import PrivateAggregation
 from geotrain.privacy.audit import AuditChain, site_key
-from geotrain.privacy.dp import Accountant, ExampleDP, RoundNoise, calibrate_noise
+from geotrain.privacy.dp import Accountant, ExampleDP, PerExampleDP, RoundNoise, calibrate_noise
 from geotrain.privacy.ghost import GhostClipping
 
 
@@ -36,7 +36,7 @@ class Privacy:
         self,
         cfg: PrivacyConfig,
         aggregation: PrivateAggregation | None,
-        example: ExampleDP | GhostClipping | None,
+        example: PerExampleDP | None,
         max_steps: int,
         round_noise: RoundNoise | None = None,
     ) -> None:

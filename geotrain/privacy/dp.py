@@ -110,7 +110,46 @@ def secure_generator() -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
 
 
-class ExampleDP:
+class PerExampleDP:
+    """What both DP-SGD paths share: the bound, the noise, the site's workers, the sampling rate,
+    the generator and the accountant (one step per privatized gradient), and a model that looks
+    its positions up per example. :class:`ExampleDP` noises whole tensors, :class:`GhostClipping`
+    (:mod:`geotrain.privacy.ghost`) FSDP shards."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        clip_norm: float,
+        noise_multiplier: float,
+        workers_per_site: int,
+        sample_rate: float = 1.0,
+        accountant: Accountant | None = None,
+    ) -> None:
+        if hasattr(model, "batched_positions"):
+            model.batched_positions = True  # type: ignore[assignment]  # per-example gradients need a batch dimension everywhere
+        self.clip_norm, self.noise_multiplier, self.workers = clip_norm, noise_multiplier, workers_per_site
+        self.sample_rate, self.accountant = sample_rate, accountant
+        self.gen = secure_generator()
+
+    def spend(self) -> None:
+        """One privatized gradient: one step of the accountant."""
+        if self.accountant is not None:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    def backward(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One forward and backward; the loss."""
+        loss = compute()
+        loss.backward()
+        return loss.detach()
+
+    def privatize(self) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} keeps no per-example gradients of whole tensors (see noise_shards)")
+
+    def noise_shards(self, grads: list[torch.Tensor]) -> None:
+        raise TypeError(f"{type(self).__name__} noises whole tensors' gradients, not FSDP shards (see privatize)")
+
+
+class ExampleDP(PerExampleDP):
     """DP-SGD on the inner steps of one rank: per-example gradients (Opacus), clipped, summed, noised.
 
     :meth:`privatize` turns the per-example gradients of the last backward pass into
@@ -129,20 +168,13 @@ class ExampleDP:
     ) -> None:
         from opacus import GradSampleModule
 
-        if hasattr(model, "batched_positions"):
-            model.batched_positions = True  # type: ignore[assignment]  # per-example gradients need a batch dimension everywhere
+        super().__init__(model, clip_norm, noise_multiplier, workers_per_site, sample_rate, accountant)
         # Opacus's hooks fire on the first layer, whose input (token ids) needs no gradient: harmless
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.module = GradSampleModule(model, loss_reduction="mean")
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.clip_norm = clip_norm
-        self.noise_multiplier = noise_multiplier
-        self.workers = workers_per_site
-        self.gen = secure_generator()
-        self.sample_rate = sample_rate
-        self.accountant = accountant  # steps once per privatized gradient
 
     @torch.no_grad()
     def privatize(self) -> torch.Tensor:
@@ -156,18 +188,8 @@ class ExampleDP:
             total.add_(gaussian_noise(self.gen, total, self.noise_multiplier * self.clip_norm / math.sqrt(self.workers)))
         for p in self.params:
             p.grad_sample = None  # type: ignore[attr-defined]
-        if self.accountant is not None:
-            self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self.spend()
         return total.div_(batch)
-
-    def noise_shards(self, grads: list[torch.Tensor]) -> None:
-        raise TypeError("ExampleDP clips whole tensors' per-example gradients; a sharded model's DP-SGD is GhostClipping")
-
-    def backward(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """One forward and backward (Opacus's hooks keep each example's gradient); the loss."""
-        loss = compute()
-        loss.backward()
-        return loss.detach()
 
 
 class RoundNoise:

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from geotrain.privacy.dp import Accountant, gaussian_noise, secure_generator
+from geotrain.privacy.dp import Accountant, PerExampleDP, gaussian_noise
 
 SUPPORTED = (nn.Linear, nn.Embedding, nn.LayerNorm)
 
@@ -69,7 +69,7 @@ def tied_cross(ids: torch.Tensor, e: torch.Tensor, h: torch.Tensor, dlogits: tor
     return (picked * (h @ e.transpose(1, 2))).sum((1, 2))
 
 
-class GhostClipping:
+class GhostClipping(PerExampleDP):
     """DP-SGD for a sharded model: per-example clipping by ghost norms, noise on each shard.
 
     Raises:
@@ -86,11 +86,7 @@ class GhostClipping:
         sample_rate: float = 1.0,
         accountant: Accountant | None = None,
     ) -> None:
-        if hasattr(model, "batched_positions"):
-            model.batched_positions = True  # type: ignore[assignment]  # positions looked up per example
-        self.clip_norm, self.noise_multiplier, self.workers = clip_norm, noise_multiplier, workers_per_site
-        self.sample_rate, self.accountant = sample_rate, accountant
-        self.gen = secure_generator()
+        super().__init__(model, clip_norm, noise_multiplier, workers_per_site, sample_rate, accountant)
         owners: dict[int, list[nn.Module]] = {}
         for m in model.modules():
             own = [p for p in m.parameters(recurse=False) if p.requires_grad]
@@ -205,9 +201,6 @@ class GhostClipping:
             )
         torch.autograd.grad(loss, self._leaves)
 
-    def privatize(self) -> torch.Tensor:
-        raise TypeError("GhostClipping keeps no per-example gradients: FSDP averages the clipped ones, noise_shards noises them")
-
     @torch.no_grad()
     def noise_shards(self, grads: list[torch.Tensor]) -> None:
         """Add this rank's noise to its shards of the site-averaged gradient, once per step."""
@@ -215,5 +208,4 @@ class GhostClipping:
             std = self.noise_multiplier * self.clip_norm / (self.workers * self.batch)
             for g in grads:
                 g.add_(gaussian_noise(self.gen, g, std).to(g.dtype))
-        if self.accountant is not None:
-            self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self.spend()
