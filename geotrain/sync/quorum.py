@@ -21,19 +21,15 @@ and its delayed Nesterov step: :mod:`geotrain.sync.syncer`, docs/DESIGN.md §26.
 rate steps with its answer (Async Local-SGD's dynamic local updates). Streaming DiLoCo's
 fragments sync the same way, each with a version of its own (:mod:`.quorum_streaming`).
 
-With ``quorum.sites`` = every site, an infinite grace window and fixed local steps, every site
-is always on time, every round holds every site's update from the same base, and the merge does
-the synchronous round's arithmetic in the same order: the run equals lock-step DiLoCo bit for
-bit (two sites: one addition, which is exact in either order; with more, the ring all-reduce
-adds in another order). At the end every site sends a **final** update (possibly of no steps)
-and waits; the syncer merges what is left once every site has, and sends every site the same
-model.
+With ``quorum.sites`` = every site, an endless grace window and fixed local steps, the run is
+lock-step DiLoCo (bit for bit with two sites; with more, the ring adds in another order). At the
+end every site sends a **final** update (possibly of no steps) and waits; the syncer merges what
+is left and sends every site the same model.
 
 A site that dies (any but the first, which holds the syncer) is **late forever**: the syncer
-learns it from the closed connection (:mod:`geotrain.comm.mailbox`), keeps the updates already in,
-and from then on counts a world round over the live sites only. Every answer names the sites ever
-lost, so the end of the run (evaluation, rank records) avoids the world group, which holds the
-dead ranks (:meth:`AsyncDiLoCo.gather_records`, :class:`geotrain.run.loop.Evaluator`).
+learns it from the closed connection, keeps the updates already in, and counts a world round over
+the live sites. Every answer names the sites ever lost, so the end of the run avoids the world
+group, which holds the dead ranks (:meth:`AsyncDiLoCo.gather_records`).
 
 A lost site **comes back** when the launcher starts it again (``fault.restart_after``). Its new
 ranks form a torch.distributed world of their own (:class:`Rejoin`), since the run's world cannot
@@ -451,14 +447,13 @@ class AsyncDiLoCo(DiLoCo):
     def _syncer_name(self) -> str:
         return f"the syncer (site {self.full.site_names[self.hub_site]}'s local rank 0)"
 
-    def _deliver(self, update: Update) -> tuple[list[float], torch.Tensor]:
-        """Hand ``update`` to the syncer; its answer (version, world steps, ...; flat global model)."""
-        timeout = self.quorum.timeout_s
-        who = self._syncer_name()
+    def _deliver(self, update: Update, answer: bool = True) -> tuple[list[float], torch.Tensor] | None:
+        """Hand ``update`` to the syncer; its answer (version, world steps, ...; flat model), or None if not ``answer``."""
+        timeout, who = self.quorum.timeout_s, self._syncer_name()
         if self.syncer is not None:
             self.syncer.inbox.put(replace(update, delta=update.delta.clone()))
             deadline = time.monotonic() + timeout
-            while True:  # a blocking wait, woken every quarter second to see whether the syncer failed
+            while answer:  # a blocking wait, woken every quarter second to see whether the syncer failed
                 if self.syncer.error is not None:
                     raise RuntimeError(f"sync.quorum: the syncer failed: {self.syncer.error!r}") from self.syncer.error
                 try:
@@ -466,6 +461,7 @@ class AsyncDiLoCo(DiLoCo):
                 except queue.Empty:
                     if time.monotonic() > deadline:
                         raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
+            return None  # (no answer asked for)
         payload, raw, encoded = self._encode(update.delta)
         kind = FINAL if update.final else CHECKPOINT if update.checkpoint else UPDATE
         fields = [kind, float(update.base), float(update.steps), float(update.workers), update.compute_s, encoded]
@@ -474,27 +470,31 @@ class AsyncDiLoCo(DiLoCo):
         if self.cfg.adapt is not None:  # an empty message to the syncer and back: the link's round trip
             self._roundtrip([PING] + [0.0] * (FIELDS - 1), torch.zeros(0), None)
             ping, t0 = time.perf_counter() - t0, time.perf_counter()
-        msg = self._roundtrip(fields, payload, raw)
+        msg = self._roundtrip(fields, payload, raw, answer)
+        if msg is None:
+            return None
         if self.cfg.adapt is not None:  # both ways' bytes, and the seconds less the update's wait at the syncer
             moved = payload.numel() * payload.element_size() + msg.payload.numel() * msg.payload.element_size()
             self._link = (float(moved), max(0.0, time.perf_counter() - t0 - msg.fields[8]), ping)
         return self._model_from(msg)
 
-    def _roundtrip(self, fields: list[float], payload: torch.Tensor, raw: int | None) -> Message:
-        """Send one message to the syncer and take its answer (bounded by sync.quorum.timeout_s)."""
-        timeout, who = self.quorum.timeout_s, self._syncer_name()
+    def _roundtrip(self, fields: list[float], payload: torch.Tensor, raw: int | None, answer: bool = True) -> Message | None:
+        """Send one message to the syncer and take its answer (bounded by sync.quorum.timeout_s;
+        None without ``answer``)."""
+        timeout, who, mailbox = self.quorum.timeout_s, self._syncer_name(), self.mailbox
         if self.channel is not None:  # a site that came back
             self.channel.send(fields, payload, raw)
-            msg = self.channel.receive(timeout)
-            if msg is None:
-                raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
-            return msg
-        assert self.mailbox is not None
-        self.mailbox.send(self.leaders[self.hub_site], fields, payload, raw)
-        msg = self.mailbox.receive(self.leaders[self.hub_site], timeout)
+            msg = self.channel.receive(timeout) if answer else None
+        else:
+            assert mailbox is not None
+            mailbox.send(self.leaders[self.hub_site], fields, payload, raw)
+            msg = mailbox.receive(self.leaders[self.hub_site], timeout) if answer else None
+        if not answer:
+            return None
         if msg is None:
             raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
         if msg.lost:
             raise SyncerTimeout(f"lost {who}: its connection closed (the run cannot go on without the first site)")
-        self.mailbox.flush()
+        if mailbox is not None and self.channel is None:
+            mailbox.flush()
         return msg

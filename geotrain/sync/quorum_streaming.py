@@ -43,7 +43,6 @@ from geotrain.sync.merge import Update
 from geotrain.sync.outer import pseudo_gradient
 from geotrain.sync.quorum import AsyncDiLoCo, Rejoin
 from geotrain.sync.streaming import fragment_count, strided_fragments
-from geotrain.sync.syncer import FIELDS, FINAL, UPDATE
 
 Answer = tuple[list[float], torch.Tensor]
 
@@ -116,7 +115,9 @@ class AsyncStreaming(AsyncDiLoCo):
         """Delivery thread: one fragment's update, in that fragment's error feedback, and its answer."""
         if self._residuals:
             self.residual = self._residuals[update.fragment]
-        return self._whole_answer(self._deliver(update))
+        answer = self._deliver(update)
+        assert answer is not None
+        return self._whole_answer(answer)
 
     @torch.no_grad()
     def _settle(self, f: int) -> None:
@@ -165,30 +166,13 @@ class AsyncStreaming(AsyncDiLoCo):
             update = Update(self.site_index, self.versions[f], steps, self.site_workers, delta, True, fragment=f)
             if self._residuals:
                 self.residual = self._residuals[f]
-            if f < self.F - 1:
-                self._post(update)
-            else:
-                answer = self._whole_answer(self._deliver(update))
+            last = self._deliver(update, answer=f == self.F - 1)  # (one answer, to the last)
+            answer = None if last is None else self._whole_answer(last)
         self._take(answer)
         self._finished = True
         self._network.shutdown()
         if self.syncer is not None:
             self.syncer.close()
-
-    def _post(self, update: Update) -> None:
-        """A final update that is not the last: sent, with no answer to wait for."""
-        if self.syncer is not None:
-            self.syncer.inbox.put(replace(update, delta=update.delta.clone()))
-            return
-        payload, raw, encoded = self._encode(update.delta)
-        fields = [FINAL if update.final else UPDATE, float(update.base), float(update.steps), float(update.workers)]
-        fields += [update.compute_s, encoded, 0.0, 0.0, 0.0, float(update.fragment)]
-        assert len(fields) == FIELDS
-        if self.channel is not None:
-            self.channel.send(fields, payload, raw)
-        else:
-            assert self.mailbox is not None
-            self.mailbox.send(self.leaders[self.hub_site], fields, payload, raw)
 
     def rejoin_run(self) -> int:
         start = super().rejoin_run()  # (the answer's versions: each fragment's, kept by _whole_answer)
