@@ -84,3 +84,43 @@ def test_a_slow_sites_fragments_are_late_and_a_killed_site_comes_back(tmp_path: 
     assert steps["A"] > 2 * steps["C"]  # and nobody waited for it
     assert s["compression_ratio"] > 2.5  # int8 both ways (the final answers are fp32)
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+def test_an_update_for_no_such_fragment_or_of_the_wrong_size_is_left_out() -> None:
+    """The syncer checks what a site sends before it merges it: an update naming a fragment that
+    does not exist decodes as an empty update of fragment 0, and an update whose length is not its
+    fragment's is left out of the merge (logged), so a bad message costs its site's round only."""
+    from geotrain.comm.mailbox import Message
+    from geotrain.config import SyncConfig
+    from geotrain.sync.merge import Update, averaging
+    from geotrain.sync.syncer import UPDATE, QuorumSyncer
+
+    cfg = SyncConfig(algorithm="streaming", quorum={"sites": 1})
+    assert cfg.quorum is not None
+    theta = [torch.zeros(3), torch.zeros(2)]
+    syncer = QuorumSyncer(cfg.quorum, True, [1, 1], theta, averaging, cfg, object(), [0, 1], fragments=[[0], [1]])  # type: ignore[arg-type]
+
+    def sent(fragment: float, n: int) -> Message:
+        fields = [UPDATE, 0.0, 4.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, fragment]
+        return Message(1, 0.0, fields, torch.ones(n).view(torch.uint8))
+
+    assert syncer._decode(sent(1, 2)).delta.numel() == 2 and syncer._decode(sent(1, 2)).fragment == 1
+    ghost = syncer._decode(sent(7, 2))
+    assert ghost.fragment == 0 and ghost.delta.numel() == 0
+
+    class Quiet:  # the mailbox of a syncer whose only site is its own (site 0, in memory)
+        def listen(self, *_: object) -> None: ...
+
+        def poll(self) -> set[int]:
+            return set()
+
+    syncer.mailbox = Quiet()  # type: ignore[assignment]
+    syncer.sites, syncer.held = [0], {}
+    syncer.start()
+    try:  # fragment 0 holds 3 values: 5 do not fit; site 0 is still answered, the model unchanged
+        syncer.inbox.put(Update(0, 0, 4, 1, torch.ones(5), fragment=0))
+        fields, answer = syncer.outbox.get(timeout=10)
+    finally:
+        syncer.close()
+    assert syncer.error is None and torch.equal(answer, torch.zeros(3))
+    assert [m["kind"] for m in syncer.log] == ["rejected"] and "an update of 5 values" in syncer.log[0]["why"]

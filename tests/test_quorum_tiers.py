@@ -102,3 +102,29 @@ def test_a_slow_site_never_holds_up_its_region_and_a_killed_site_comes_back_in_t
     contributions = sum(len(w) for w in _world(eu))
     assert s["inter_region_bytes"] == contributions * (4 * s["params"] + HEADER)
     assert s["final_eval_loss"] < s["eval_curve"][0]["eval_loss"]
+
+
+def test_a_world_contribution_of_the_wrong_size_or_not_finite_weighs_nothing() -> None:
+    """What another region's syncer sends is checked before it is used: a contribution of the
+    wrong length or with a non-finite value counts with weight 0 and zeros (it costs its region
+    the world round, never the run); a good one keeps its tokens and values."""
+    from geotrain.comm.mailbox import Message
+    from geotrain.config import SyncConfig
+    from geotrain.sync.merge import averaging
+    from geotrain.sync.quorum_world import WORLD, WorldTier
+
+    theta = [torch.zeros(3), torch.zeros(2)]
+    cfg = SyncConfig(quorum={"sites": 1}, region_every=2)
+    tier = WorldTier(0, [0, 5], theta, averaging, object(), cfg, {"none": None})  # type: ignore[arg-type]
+
+    def sent(values: torch.Tensor, round_: int) -> Message:
+        fields = [WORLD, float(round_), 40.0, 0.0, 0.0, 0.0, 80.0, 0.0, 0.0, 0.0]
+        return Message(5, 0.0, fields, values.to(torch.float32).contiguous().view(torch.uint8))
+
+    tier.take(sent(torch.arange(5.0), 0))
+    tier.take(sent(torch.arange(4.0), 1))
+    tier.take(sent(torch.tensor([1.0, float("nan"), 0.0, 0.0, 0.0]), 2))
+    good, short, nan = (tier.got[(1, r)] for r in range(3))
+    assert good.tokens == 40.0 and torch.equal(good.delta, torch.arange(5.0))
+    for bad in (short, nan):
+        assert bad.tokens == 0.0 and torch.equal(bad.delta, torch.zeros(5))

@@ -121,7 +121,10 @@ class WorldTier:
         region = self.hubs.index(msg.src)
         n = sum(t.numel() for t in self.anchor)
         delta = self.codec.decode(msg.payload, n) if f[7] and self.codec is not None else msg.floats().clone()
-        c = Contribution(region, int(f[1]), f[2], bool(f[3]), int(f[4]), int(f[5]), int(f[6]), delta, msg.arrival)
+        # a contribution of the wrong size, or not finite, weighs nothing: it costs its region this world round
+        good = delta.numel() == n and bool(torch.isfinite(delta).all()) and f[2] >= 0
+        tokens, delta = (f[2], delta) if good else (0.0, torch.zeros(n))
+        c = Contribution(region, int(f[1]), tokens, bool(f[3]), int(f[4]), int(f[5]), int(f[6]), delta, msg.arrival)
         self.got[(region, c.round)] = c
 
     def merged(self, tokens: float) -> bool:

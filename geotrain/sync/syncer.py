@@ -9,9 +9,8 @@ model, and treats a site whose connection closed as late forever. A lost site th
 (started again by the launcher) asks to rejoin through the run's store; the syncer answers it with
 the global model and where to go on from, and takes it back into the world round.
 
-In two tiers (``sync.region_every``) each region has a syncer of its own, beside its first
-site's local rank 0, merging that region's sites; every ``region_every`` merges the syncers run a
-world round among themselves (:mod:`geotrain.sync.quorum_world`).
+In two tiers (``sync.region_every``) each region's first site holds a syncer for the region's
+sites, and the syncers run world rounds among themselves (:mod:`geotrain.sync.quorum_world`).
 """
 
 from __future__ import annotations
@@ -168,9 +167,10 @@ class QuorumSyncer(SyncerState):
     def _decode(self, msg: Message) -> Update:
         kind, base, steps, workers, compute_s, encoded, link_bytes, link_s, ping_s = msg.fields[:9]
         site = self.leaders.index(msg.src)
-        coder = self.coders[self.names[int(encoded) - 1]] if encoded and msg.payload.numel() else None
-        fragment = int(msg.fields[9])
-        delta = coder.decode(msg.payload, self.index[fragment].numel()) if coder is not None else msg.floats()
+        known = 0 <= msg.fields[9] < len(self.fragments)  # (no such fragment: an empty update, left out as malformed)
+        fragment, n = (int(msg.fields[9]), self.index[int(msg.fields[9])].numel()) if known else (0, 0)
+        coder = self.coders[self.names[int(encoded) - 1]] if encoded and msg.payload.numel() and known else None
+        delta = coder.decode(msg.payload, n) if coder is not None else msg.floats() if known else torch.zeros(0)
         return Update(
             site,
             int(base),
@@ -255,7 +255,9 @@ class QuorumSyncer(SyncerState):
                 else:
                     waiting[f].append(u.site)
                 if u.steps > 0:
-                    if bool(torch.isfinite(u.delta).all()):
+                    if u.delta.numel() != self.index[f].numel():
+                        self._note("rejected", [u], [], f"site {u.site}: an update of {u.delta.numel()} values left out")
+                    elif bool(torch.isfinite(u.delta).all()):
                         open_[f].append(u)
                     else:
                         self._note("rejected", [u], [], f"site {u.site}: non-finite update left out")
