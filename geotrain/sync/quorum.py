@@ -87,8 +87,7 @@ from geotrain.sync.syncer import (
 
 @dataclass(frozen=True)
 class Rejoin:
-    """A site that came back: its ranks' world is the site alone. ``full``: the whole run's
-    topology; ``site``: its index in it. (Its incarnation is its join count in the run's store.)"""
+    """A site that came back (its ranks' world is the site alone): ``full``, the run's topology; ``site``, its index."""
 
     full: Topology
     site: int
@@ -143,7 +142,8 @@ class AsyncDiLoCo(DiLoCo):
         self.adapter = None  # (sync.adapt: the syncer chooses, from the links the sites measure: quorum_adapt)
         self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
         self.syncer: QuorumSyncer | None = None
-        self.fragments, self.versions = self._fragments(), [0] * len(self._fragments())  # (Streaming: a version each)
+        self.fragments = self._fragments()
+        self.versions = [0] * len(self.fragments)  # (Streaming: a version each)
         # FSDP: the syncer holds whole tensors; the first site's ranks gather its initial model together
         hub = rejoin is None and self.site_index == self.hub_site
         initial = self.full_tensors(self.global_params) if self.sharded and hub else None

@@ -96,15 +96,15 @@ class QuorumSyncer(SyncerState):
         # every site's next round (H, or dynamic: a first one of max(1, H/10)), and its smoothed steps per compute second
         self.H, self.rates = [first_round_steps(sync_cfg)] * len(self.workers), [0.0] * len(self.workers)
         self.theta = [t.detach().clone() for t in theta]
-        # Streaming DiLoCo: the tensors of each fragment, merged on their own (a version, an open round and
-        # an outer optimizer each), and where each fragment's values lie in the flat model; else one fragment
+        # Streaming DiLoCo: each fragment's tensors, merged on their own (a version, an open round and an outer
+        # optimizer each), its size and where its values lie in the flat model (one fragment: all of it, a slice)
         self.fragments = [list(f) for f in fragments] or [list(range(len(self.theta)))]
+        self.sizes = [sum(self.theta[i].numel() for i in f) for f in self.fragments]
         starts = [0, *torch.tensor([t.numel() for t in self.theta]).cumsum(0).tolist()]
-        self.index = [torch.cat([torch.arange(starts[i], starts[i + 1]) for i in f]) for f in self.fragments]
-        self.outers = [
-            DelayedNesterov(ts, make_optimizer(ts), sync_cfg, len(self.sites))
-            for ts in ([self.theta[i] for i in f] for f in self.fragments)
-        ]
+        ranges = ([torch.arange(starts[i], starts[i + 1]) for i in f] for f in self.fragments)
+        self.index: list[torch.Tensor | slice] = [slice(None)] if len(self.fragments) == 1 else [torch.cat(r) for r in ranges]
+        parts = ([self.theta[i] for i in f] for f in self.fragments)
+        self.outers = [DelayedNesterov(ts, make_optimizer(ts), sync_cfg, len(self.sites)) for ts in parts]
         self.outer = self.outers[0]
         self.mailbox, self.leaders = mailbox, list(leaders)
         self.versions = [0] * len(self.fragments)
@@ -168,7 +168,7 @@ class QuorumSyncer(SyncerState):
         kind, base, steps, workers, compute_s, encoded, link_bytes, link_s, ping_s = msg.fields[:9]
         site = self.leaders.index(msg.src)
         known = 0 <= msg.fields[9] < len(self.fragments)  # (no such fragment: an empty update, left out as malformed)
-        fragment, n = (int(msg.fields[9]), self.index[int(msg.fields[9])].numel()) if known else (0, 0)
+        fragment, n = (int(msg.fields[9]), self.sizes[int(msg.fields[9])]) if known else (0, 0)
         coder = self.coders[self.names[int(encoded) - 1]] if encoded and msg.payload.numel() and known else None
         delta = coder.decode(msg.payload, n) if coder is not None else msg.floats() if known else torch.zeros(0)
         return Update(
@@ -255,7 +255,7 @@ class QuorumSyncer(SyncerState):
                 else:
                     waiting[f].append(u.site)
                 if u.steps > 0:
-                    if u.delta.numel() != self.index[f].numel():
+                    if u.delta.numel() != self.sizes[f]:
                         self._note("rejected", [u], [], f"site {u.site}: an update of {u.delta.numel()} values left out")
                     elif bool(torch.isfinite(u.delta).all()):
                         open_[f].append(u)
