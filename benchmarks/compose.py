@@ -20,10 +20,16 @@
 6. **Streaming DiLoCo in quorum rounds** (``--only quorum-streaming``): three sites, C at 0.35
    speed, 8 s, the same link, two seeds: lock-step Streaming DiLoCo (2 fragments, τ = 2) against
    its fragment syncs as quorum deliveries (quorums of one).
+7. **Elastic rounds in two tiers** (``--only elastic-tiers``): three sites, A alone in region us,
+   B and C in region eu, an emulated 100 Mbit/s, 30 ms link between regions: flat lock-step
+   DiLoCo, lock-step tiers and elastic tiers (world round every second region round; final loss,
+   bytes across regions, wall time), then elastic tiers with int8 while C and then A are killed
+   and restarted (heal sources, rounds rolled back, one model at the end).
 
 Prints a table, writes JSON.
 
-    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers|quorum-streaming] [--json benchmarks/results/compose.json]
+    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers|quorum-streaming|elastic-tiers]
+        [--json benchmarks/results/compose.json]
 """
 
 from __future__ import annotations
@@ -119,10 +125,45 @@ def quorum_streaming(tmp: Path) -> dict[str, Any]:
     return lockstep_vs_quorum(tmp, "streaming", [SLOW, *stream])
 
 
+def elastic_tiers(tmp: Path, base: list[str]) -> dict[str, Any]:
+    """Flat DiLoCo, lock-step tiers and elastic tiers side by side, then elastic tiers with two
+    sites killed and restarted (part 7)."""
+    regions = (
+        "topology.regions=[{name: us, sites: [A]}, {name: eu, sites: [B, C], link: {bandwidth_bps: 1.0e+9, latency_s: 0.001}}]"
+    )
+    link = ["topology.links.emulate=inprocess", "topology.links.inter.bandwidth_bps=1e8", "topology.links.inter.latency_s=0.03"]
+    common = [THREE, regions, *link, *base]
+    runs: dict[str, Any] = {}
+    kills = ["sync.codec=int8", "train.steps=160", 'fault.kill=["C@35", "A@75"]', "fault.restart_after=0.5"]
+    for name, extra in (
+        ("flat-lockstep", []),
+        ("tiers-lockstep", ["sync.region_every=2"]),
+        ("tiers-elastic", ["sync.region_every=2", "elastic.enabled=true"]),
+        ("tiers-elastic-int8-C-and-A-killed", ["sync.region_every=2", "elastic.enabled=true", *kills]),
+    ):
+        out = tmp / name
+        s = train(out, [*common, *extra])
+        runs[name] = {**row(s), "inter_region_bytes": s["inter_region_bytes"], "wall_seconds": s["wall_seconds"]}
+        if "elastic.enabled=true" in extra:
+            runs[name].update(
+                survivors=s["survivors"],
+                rounds_committed=s["rounds_committed"],
+                rounds_rolled_back=s["rounds_rolled_back"],
+                consistent=s["consistent"],
+                heals=[
+                    ln.split("] ", 1)[1]
+                    for f in sorted((out / "logs").glob("*.1.log"))
+                    for ln in f.read_text().splitlines()
+                    if "healed from" in ln
+                ],
+            )
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--only", choices=["pairs", "example-dp", "quorum-tiers", "quorum-streaming"], default=None)
+    ap.add_argument("--only", choices=["pairs", "example-dp", "quorum-tiers", "quorum-streaming", "elastic-tiers"], default=None)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
     a = ap.parse_args()
     result: dict[str, Any] = {"pairs": pairs(), "steps": a.steps}
@@ -137,6 +178,9 @@ def main() -> None:
     if a.only == "quorum-streaming":
         with tempfile.TemporaryDirectory() as tmp:
             result["quorum_streaming"] = quorum_streaming(Path(tmp))
+    if a.only == "elastic-tiers":
+        with tempfile.TemporaryDirectory() as tmp:
+            result["elastic_tiers"] = elastic_tiers(Path(tmp), base)
     if a.only is None:
         with tempfile.TemporaryDirectory() as tmp:
             runs: dict[str, dict[str, Any]] = {}
@@ -215,6 +259,7 @@ def main() -> None:
             result["example_dp"] = example_dp(Path(tmp), base)
             result["quorum_tiers"] = quorum_tiers(Path(tmp))
             result["quorum_streaming"] = quorum_streaming(Path(tmp))
+            result["elastic_tiers"] = elastic_tiers(Path(tmp), base)
         print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
         every = {
             **result["elastic_vs_lockstep"],
@@ -239,6 +284,11 @@ def main() -> None:
         print(
             f"{name:34} final eval loss {r['final_eval_loss']:.4f}, tokens {r['tokens']:,}, steps per site {r['steps']}, "
             f"utilisation {r['utilization']:.1%}, across regions {r['inter_region_bytes']:,} B, one model {r['one_model']}"
+        )
+    for name, r in result.get("elastic_tiers", {}).items():
+        print(
+            f"{name:34} final eval loss {r['final_eval_loss']:.4f}, across regions {r['inter_region_bytes']:,} B, "
+            f"{r['wall_seconds']:.1f} s, one model {r['one_model']}" + (f", heals {r['heals']}" if "heals" in r else "")
         )
     for name, r in result.get("example_dp", {}).items():
         print(f"{name:34} final eval loss {r['final_eval_loss']:.6f}, compute {r['compute_s_per_step']:.3f} s/step")

@@ -444,14 +444,22 @@ def test_a_fault_is_judged_only_until_its_site_heals() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "algorithm", [[], ["sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2"]], ids=["diloco", "streaming"]
+    "algorithm",
+    [
+        [],
+        ["sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2"],
+        ["topology.regions=[{name: us, sites: [A]}, {name: eu, sites: [B]}]", "sync.region_every=3"],
+    ],
+    ids=["diloco", "streaming", "tiers"],
 )
 def test_elastic_checkpoints_resume_after_a_total_outage_exactly(tmp_path: Path, algorithm: list[str]) -> None:
     """Every process of the run (launcher, Lighthouse, all sites) SIGKILLed at once; started again
     with checkpoint.resume=auto, each site resumes from its own checkpoint and the run ends
     bit-identical to one that never stopped. Streaming DiLoCo's checkpoint at step 40 holds a
     fragment synced at 40 and merged at 42: its average is in the checkpoint, and the resumed run
-    merges it at 42 and syncs the next fragment at 45, as the run that never stopped."""
+    merges it at 42 and syncs the next fragment at 45, as the run that never stopped. In two tiers
+    (a world round every third region round) the checkpoint at 40 falls between world rounds: it
+    holds the region's model and momentum beside the world's."""
     common = [*ELASTIC, "train.steps=100", "checkpoint.every=20", *algorithm]
     whole = tmp_path / "whole"
     train_cli(whole, common, TWO)

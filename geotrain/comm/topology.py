@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from geotrain.config import LinkChangeConfig, LinkConfig, TopologyConfig
 
+REGION, WORLD = 0, 1  # two tiers: a region round, or a world round (what an elastic round of two tiers syncs)
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -96,6 +98,10 @@ class Topology:
     def tiered(self) -> bool:
         """Whether sites are grouped in two or more regions."""
         return len(self.region_names) > 1
+
+    def region_name(self, site: int) -> str:
+        """The name of site ``site``'s region ("" without regions)."""
+        return self.region_names[self.region_of[site]] if self.region_of else ""
 
     def same_region(self, a: int, b: int) -> bool:
         """Whether sites ``a`` and ``b`` (indices) are in one region (always, without regions)."""

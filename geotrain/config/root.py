@@ -128,10 +128,18 @@ class Config(Section):
             (streaming and bool(self.train.max_seconds), "train.max_seconds", "set train.max_seconds=0 with Streaming DiLoCo"),
             (streaming and self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset with Streaming DiLoCo"),
             (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
-            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (self.privacy.dp.unit == "site", "privacy.dp.unit", "use none or example"),
         ]
         _refuse(refused, "sync.region_every")
+        e = self.elastic.enabled  # elastic rounds in two tiers (sync/tiers_elastic.py): DiLoCo's lock-step rounds
+        elastic = [
+            (e and streaming, "sync.algorithm", "use sync.algorithm=diloco"),
+            (e and self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
+            (e and self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
+            (e and self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=ddp"),
+            (e and self.privacy.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
+        ]
+        _refuse(elastic, "elastic.enabled and sync.region_every together")
         if self.privacy.secure_aggregation:  # region rounds sum securely over each region's sites
             for region in self.topology.regions:
                 k = len(region.sites)

@@ -70,7 +70,11 @@ class Exchange:
             rank's, or None) is added before encoding and the new one is left in
             :attr:`residual` for the main thread to keep if the round commits.
         backstop: the timeout of one wait of ``nbytes`` among ``n`` sites.
-        count: adds bytes sent across sites to the member's counter (under its lock).
+        count: adds bytes sent across sites to the member's counter (under its lock), with the
+            site they went to.
+        ring: the sites whose shards are summed, in ``view.admitted``'s order (two tiers: a region
+            round sums over the region's admitted sites; default: every admitted site). Healing
+            state crosses between any two admitted sites.
         on_mid_round: called between the reduce-scatter and the all-gather (failure injection).
         Every frame (ring chunk, healing state) is encrypted and authenticated under the key of its
         pair of sites in this round (``view.frame_keys``, :class:`FrameCipher`), bound to the
@@ -94,7 +98,7 @@ class Exchange:
         outgoing: bytes | None,
         backstop: Callable[[int], float],
         timeout_s: float,
-        count: Callable[[int], None],
+        count: Callable[[int, str], None],
         on_mid_round: Callable[[], None] | None,
         tamper: bool = False,
         heals: bool = True,
@@ -103,8 +107,10 @@ class Exchange:
         residual: torch.Tensor | None = None,
         add: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         ping: bool = False,
+        ring: list[str] | None = None,
     ) -> None:
         self.view, self.site, self.local, self.names, self.wan = view, site, local, names, wan
+        self.ring = ring if ring is not None else view.admitted
         self.monitor, self.store, self.shard, self.outgoing = monitor, store, shard, outgoing
         self.backstop, self.timeout_s, self.count, self.on_mid_round = backstop, timeout_s, count, on_mid_round
         self.ciphers = {peer: FrameCipher(k) for peer, k in view.frame_keys.items()}
@@ -255,7 +261,7 @@ class Exchange:
         for i, k in enumerate(outs):
             piece = self._seal(out_u8[k : k + PIECE], dst, f"{what}|{i}")
             nbytes = piece.numel()
-            self.count(nbytes)
+            self.count(nbytes, self.view.admitted[dst])
             works = [pg.send([piece], dst, PIECE_TAG + 2 * i)]
             if self.wan is not None:
                 arrival = self.wan.pace([(self.names.index(self.view.admitted[dst]), nbytes)])[0]
@@ -269,15 +275,19 @@ class Exchange:
             if isinstance(item, tuple):
                 self._wait(item[0], item[1].numel())
 
+    def _rank(self, j: int) -> int:
+        """The group rank of the ``j``-th site of the ring (modulo its length)."""
+        return self.view.admitted.index(self.ring[j % len(self.ring)])
+
     def _ring_sum(self) -> None:
-        view, x = self.view, self.shard
-        n = len(view.admitted)
-        i = view.admitted.index(self.site)
-        nxt, prv = (i + 1) % n, (i - 1) % n
+        x = self.shard
+        n = len(self.ring)
+        i = self.ring.index(self.site)
+        nxt, prv = self._rank(i + 1), self._rank(i - 1)
         chunks = x.tensor_split(n)
         scratch = torch.empty_like(chunks[0])
         # an fp32 ring sends every chunk but its own, then every chunk but the next one's
-        self.raw_bytes += 4 * (2 * x.numel() - chunks[i].numel() - chunks[nxt].numel())
+        self.raw_bytes += 4 * (2 * x.numel() - chunks[i].numel() - chunks[(i + 1) % n].numel())
         for s in range(n - 1):
             into = chunks[(i - s - 2) % n]
             buf = scratch[: into.numel()]
@@ -291,34 +301,34 @@ class Exchange:
     def _ping(self) -> None:
         """sync.adapt: two one-float hops around the ring, back to back, timed (the second cannot
         leave before the first arrived: at least one round trip for the site that started last)."""
-        n = len(self.view.admitted)
-        i = self.view.admitted.index(self.site)
+        i = self.ring.index(self.site)
         one, got = torch.zeros(1), torch.zeros(1)
         t = time.perf_counter()
         for _ in range(2):
-            self._send_recv(one, (i + 1) % n, got, (i - 1) % n)
+            self._send_recv(one, self._rank(i + 1), got, self._rank(i - 1))
         self.ping_s = time.perf_counter() - t
 
     def _heal(self) -> None:
-        """The source sends its serialised state to every healer (same local rank), encrypted; a
-        healer keeps the bytes for the main thread to load."""
+        """A source sends its serialised state to each of its healers (same local rank), encrypted;
+        a healer keeps the bytes for the main thread to load."""
         view, pg = self.view, self.group
-        src = view.admitted.index(view.source)
-        if self.site == view.source and self.outgoing is not None:
+        if view.healed_by(self.site) and self.outgoing is not None:
             state = torch.frombuffer(bytearray(self.outgoing), dtype=torch.uint8)
             size = torch.tensor([state.numel()], dtype=torch.int64)
-            for h in view.healers:
+            for h in view.healed_by(self.site):
                 dst = view.admitted.index(h)
                 blob = self._seal(state, dst, f"heal{state.numel()}")  # the size is bound into the context
                 self._wait([pg.send([size], dst, HEAL_TAG), pg.send([blob], dst, HEAL_TAG + 1)], blob.numel())
-                self.count(blob.numel() + 8)
+                self.count(blob.numel() + 8, h)
                 self.raw_bytes += blob.numel() + 8  # the same with or without a codec
         elif self.site in view.healers:
+            source = view.source_of(self.site)
+            src = view.admitted.index(source)
             size = torch.zeros(1, dtype=torch.int64)
             self._wait([pg.recv([size], src, HEAL_TAG)], 8)
             n = int(size.item())
             if not 0 < n <= 1 << 36:
-                raise RoundFailed(f"site {view.source} announced healing state of {n} bytes")
+                raise RoundFailed(f"site {source} announced healing state of {n} bytes")
             blob = torch.empty(sealed_size(n), dtype=torch.uint8)
             self._wait([pg.recv([blob], src, HEAL_TAG + 1)], blob.numel())
             state = torch.empty(n, dtype=torch.uint8)
@@ -340,9 +350,9 @@ class Exchange:
         that divides the sum is exact. Pairs are visited as offsets d = 1..n-1 (send to
         i+d, receive from i-d), one encrypted frame each way, like the ring's steps.
         """
-        view, ext = self.view, self.shard
-        n = len(view.admitted)
-        i = view.admitted.index(self.site)
+        ext = self.shard
+        n = len(self.ring)
+        i = self.ring.index(self.site)
         if n == 1:  # alone in the round: nothing crosses, nothing is encoded (the residual waits, as in lock-step)
             return
         x, weight = ext[:-TRAILER], ext[-TRAILER:]
@@ -369,7 +379,7 @@ class Exchange:
             got: dict[int, torch.Tensor] = {i: frame(codes, weight)}
             for d in range(1, n):
                 buf = received(x.numel())
-                self._send_recv(got[i], (i + d) % n, buf, (i - d) % n)
+                self._send_recv(got[i], self._rank(i + d), buf, self._rank(i - d))
                 got[(i - d) % n] = buf
                 self.raw_bytes += 4 * x.numel()
                 if d == 1 and self.on_mid_round is not None:  # some peers have this site's update, others not
@@ -390,7 +400,7 @@ class Exchange:
                 codes = codec.encode(chunks[dst])
                 codec.decode(codes, chunks[dst].numel(), spent[dst])
                 buf = received(mine.numel())
-                self._send_recv(frame(codes, weight), dst, buf, src)
+                self._send_recv(frame(codes, weight), self._rank(dst), buf, self._rank(src))
                 self.raw_bytes += 4 * chunks[dst].numel()
                 parts.append(unpack(buf))
             for codes_j, w in parts:
@@ -404,7 +414,7 @@ class Exchange:
             for d in range(1, n):  # all-gather of the encoded sums
                 dst, src = (i + d) % n, (i - d) % n
                 buf = received(chunks[src].numel())
-                self._send_recv(ours, dst, buf, src)
+                self._send_recv(ours, self._rank(dst), buf, self._rank(src))
                 self.raw_bytes += 4 * mine.numel()
                 codes_j, _ = unpack(buf)
                 codec.decode(codes_j, chunks[src].numel(), chunks[src])

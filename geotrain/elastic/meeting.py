@@ -29,7 +29,7 @@ from geotrain.elastic.auth import (
     round_digest,
 )
 from geotrain.elastic.roundstore import wait_keys
-from geotrain.elastic.view import Member, RoundView, heal_source, healers, member_from_claims, round_part
+from geotrain.elastic.view import Member, RoundView, heal_source, healers, member_from_claims, region_healers, round_part
 from geotrain.errors import ROUND_FAILURES, MembershipRefused
 
 
@@ -44,9 +44,11 @@ def meet(
     timeout: float,
     min_sites: int,
     log: Callable[[str], None],
+    region_of: dict[str, str] | None = None,
 ) -> tuple[RoundView, list[Member]]:
     """Meet in ``store`` for the round ``view.key`` with the sites ``names``; ``claims``: what this
-    site holds now. Returns the round's view (``error`` set if it cannot go ahead: every site that
+    site holds now; ``region_of``: each site's region in two tiers (healers heal from their own
+    region's source, :func:`~geotrain.elastic.view.region_healers`). Returns the round's view (``error`` set if it cannot go ahead: every site that
     met rolls back) and the members as they described themselves in the meeting.
 
     Raises:
@@ -89,6 +91,13 @@ def meet(
                 view.error = f"round {view.key}: site {s} sent an invalid X25519 key"
                 return view, members
             frame_keys[s] = pair_key(keys.payload, shared, digest[:32], site, s)
+    part = round_part(members, source, admitted)
+    sources: dict[str, str] = {}
+    if region_of is None:
+        healing = healers(members, source, admitted)
+    else:  # two tiers: a region round if any site has steps to bring to its region (the part is the tier)
+        healing, sources = region_healers(members, source, admitted, region_of)
+        part = min((m.part for m in members if m.part >= 0), default=-1)
     done = RoundView(
         key=view.key,
         round_id=digest[:32],
@@ -96,8 +105,9 @@ def meet(
         members=members,
         admitted=admitted,
         source=source,
-        healers=healers(members, source, admitted),
-        part=round_part(members, source, admitted),
+        healers=healing,
+        sources=sources,
+        part=part,
         frame_keys=frame_keys,
     )
     return done, members

@@ -52,7 +52,7 @@ from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import meet
 from geotrain.elastic.records import append_record
 from geotrain.elastic.roundstore import Monitor
-from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_members, heal_source, same_initial_model
+from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_members, heal_source, same_initial_model, tier_ring
 from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
@@ -96,6 +96,7 @@ class SiteMember(Schedule):
         incarnation: int = 0,
         identity: Callable[[], Identity] | None = None,
         sharded: bool = False,
+        tiers: bool = False,
     ) -> None:
         self.cfg = cfg
         self.stats = stats if stats is not None else CommStats()
@@ -109,8 +110,11 @@ class SiteMember(Schedule):
         self.faults = FaultPlan(site)  # failure injection: frames altered after sealing, votes missed (fault.tamper, split)
         self.masker: commit.Masker | None = None  # privacy.secure_aggregation: parts masked (PairMasks)
         self.noise: commit.Noise | None = None  # privacy.dp.unit=site: each site's update clipped and noised (RoundNoise)
-        # bytes this rank sent to other sites (pseudo-gradients, healing state); what fp32 rings would have sent for them
-        self.inter_bytes = self.raw_bytes = 0
+        # bytes this rank sent to other sites (pseudo-gradients, healing state); what fp32 rings would have sent for
+        # them; those of them that left this site's region
+        self.inter_bytes = self.raw_bytes = self.region_bytes = 0
+        # two tiers (sync.region_every): each site's region; a round's part says its tier (REGION or WORLD)
+        self.region_of = {s: topology.region_name(i) for i, s in enumerate(self.names)} if tiers else None
         self.sharded = sharded  # FSDP: each rank carries its own shard, and heals from the same local rank of the source
         self.carriers = workers if sharded else topology.carriers
         Schedule.__init__(self, list(topology.workers), site_index)
@@ -128,7 +132,7 @@ class SiteMember(Schedule):
         self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
-        self._stores: dict[str, AuthStore] = {}
+        self._stores = roundstore.Stores(self.keys.store, self.cfg.heartbeat_timeout_s)
         self._host_store, self.coordinator = cast("AuthStoreServer | None", None), cast("Coordinator | None", None)
         addr = self.cfg.lighthouse or os.environ.get("GEOTRAIN_LIGHTHOUSE", "")
         if not addr:
@@ -198,17 +202,6 @@ class SiteMember(Schedule):
         claims["tag"] = self.keys.member_tag(self.site, claims)
         return self.coordinator.quorum(can_postpone, committed=claims["committed"], joining=self.joining, data=claims)
 
-    def _store(self, address: str) -> AuthStore:
-        if address not in self._stores:
-            self._stores[address] = roundstore.connect(address, self.keys.store, self.cfg.heartbeat_timeout_s)
-        return self._stores[address]
-
-    def _forget_store(self, address: str) -> None:
-        """Reconnect next time (the store's host may be gone)."""
-        client = self._stores.pop(address, None)
-        if client is not None:
-            client.close()
-
     def _decide(self, can_postpone: bool) -> RoundView:
         """Local rank 0: quorum (who to meet, where), authentication and claims inside the round,
         healing plan from those claims."""
@@ -230,16 +223,16 @@ class SiteMember(Schedule):
         meeting = next(m.store for m in hints if m.site == host)
         view = RoundView(key=key, meeting=meeting, members=hints)
         try:
-            store = self._store(meeting)
+            store = self._stores.get(meeting)
         except RoundFailed as exc:
             view.error = str(exc)
             return view
         view, members = meet(
             store, self.keys, view, self.site, names, self._claims(), self.identity, self.cfg.heartbeat_timeout_s,
-            self.cfg.min_sites, self.log,
+            self.cfg.min_sites, self.log, self.region_of,
         )  # fmt: skip
         if view.error:
-            self._forget_store(meeting)
+            self._stores.forget(meeting)
         self.hints.proved(members)
         if view.admitted and not self.hooks.committed() and not self.joining:
             try:
@@ -263,10 +256,12 @@ class SiteMember(Schedule):
 
     # ------------------------------------------------------------------ the round (every rank)
 
-    def _count(self, nbytes: int) -> None:
-        """Bytes this rank sent to other sites (called by exchange threads)."""
+    def _count(self, nbytes: int, to: str) -> None:
+        """Bytes this rank sent to site ``to`` (called by exchange threads)."""
         with self._bytes_lock:
             self.inter_bytes += nbytes
+            if self.region_of is not None and self.region_of[to] != self.region_of[self.site]:
+                self.region_bytes += nbytes
 
     def _drop_group(self) -> None:
         if self._pg is not None:
@@ -305,7 +300,7 @@ class SiteMember(Schedule):
             RoundFailed: the round cannot commit on every participant; roll it back.
             MembershipRefused: this site failed authentication.
         """
-        t0, sent0, raw0 = time.monotonic(), self.inter_bytes, self.raw_bytes
+        t0, sent0, raw0, far0 = time.monotonic(), self.inter_bytes, self.raw_bytes, self.region_bytes
         self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # only local rank 0 claims it
         self._part, self._rest, self._sizes, self._pace, self._link = part, rest, sizes, pace, link
         try:
@@ -319,6 +314,7 @@ class SiteMember(Schedule):
             st = self.stats
             st.inter_bytes += self.inter_bytes - sent0
             st.inter_raw_bytes += self.raw_bytes - raw0
+            st.inter_region_bytes += self.region_bytes - far0
             st.comm_seconds += seconds
             st.wan_wait_seconds += seconds
             st.network_seconds += seconds
@@ -340,15 +336,17 @@ class SiteMember(Schedule):
             return None
         self.heard([m for m in view.members if m.site in view.admitted])
         if self.codec_for is not None and self.site in view.healers:  # sync.adapt: a healer encodes as its source does
-            what.codec = self.codec_for(next(m.link for m in view.members if m.site == view.source))
+            what.codec = self.codec_for(next(m.link for m in view.members if m.site == view.source_of(self.site)))
         self.part = view.part
-        if self._sizes is not None and not -1 <= view.part < len(self._sizes):  # a claim no site of this run makes
+        sizes = self._sizes if self.region_of is None else [delta.numel()] * 2  # two tiers: parts 0 and 1 are tiers
+        if sizes is not None and not -1 <= view.part < len(sizes):  # a claim no site of this run makes
             view.error = f"round {view.key}: it sums part {view.part}, which this run does not have"
-        elif view.part != self._part and view.part >= 0 and self._sizes is not None:  # a healer: the source's part
-            delta, what = torch.zeros(self._sizes[view.part], device=delta.device), Contribution(False, 0.0, what.codec, None)
+        elif view.part != self._part and view.part >= 0 and sizes is not None:  # a healer, or (tiers) it sits out
+            delta, what = torch.zeros(sizes[view.part], device=delta.device), Contribution(False, 0.0, what.codec, None)
         self._current = {
             "key": view.key, "start": t0, "quorum_s": time.monotonic() - t0, "members": sorted(m.site for m in view.members),
             "admitted": view.admitted, "healers": view.healers,
+            **({"part": view.part, "region": self.region_of[self.site]} if self.region_of is not None else {}),
         }  # fmt: skip
         if view.error:
             raise RoundFailed(view.error)
@@ -356,7 +354,7 @@ class SiteMember(Schedule):
             raise RoundFailed(
                 f"secure aggregation needs 3 sites in a round; {len(view.admitted)} met (each would see the other's update)"
             )
-        store = self._store(view.meeting)
+        store = self._stores.get(view.meeting)
         if not self.carries:  # nothing crosses sites from this rank: no exchange, no heartbeats to watch
             return self._exchange_and_vote(delta, view, store, None, what)
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
@@ -389,7 +387,7 @@ class SiteMember(Schedule):
             part = dp(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
             carry = commit.carried(part, what.weight, contributes, self.masker, factor, (lo, self.site, view, self.local))
         outgoing = None
-        if self.site == view.source and view.healers and (self.local == 0 or self.sharded):
+        if view.healed_by(self.site) and (self.local == 0 or self.sharded):
             buf = io.BytesIO()
             torch.save(self.hooks.state(), buf)
             outgoing = buf.getvalue()
@@ -422,7 +420,7 @@ class SiteMember(Schedule):
         if self.site in view.healers:  # complete: the source's state at the start of this round
             heal_blob = commit.share_in_site(heal_blob, self.local, self.G, self.intra, own=self.sharded)
             if heal_blob is not None:
-                self._load_healing(heal_blob, view.source)
+                self._load_healing(heal_blob, view.source_of(self.site))
                 if what.residual is not None:  # a healed site starts its error feedback afresh
                     what.residual.tensor = None
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
@@ -435,7 +433,7 @@ class SiteMember(Schedule):
         if not committed or self.split:  # on every site of the round alike (split: some committed): a new group next round
             self._drop_group()
         if not committed:
-            self._forget_store(view.meeting)
+            self._stores.forget(view.meeting)
             reason = why or (monitor.failed if monitor is not None else None) or "a participant did not confirm the round"
             if self.local == 0:
                 self.log(f"round {view.key} rolled back: {reason} (round store {view.meeting})")
@@ -443,9 +441,9 @@ class SiteMember(Schedule):
         if x is not None and what.residual is not None and self.site not in view.healers:
             what.residual.tensor = x.residual  # the round committed: keep what its encoding left out
         total, count = (float(v) for v in carry[-TRAILER:].tolist())
-        if count < 0.5 or total <= 0:
-            raise RoundFailed("no site contributed to the round")
-        self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total)
+        if (count < 0.5 or total <= 0) and tier_ring(view, self.site, self.region_of) is None:
+            raise RoundFailed("no site contributed to the round")  # (tiers: a region of sites that healed or sat out sums 0)
+        self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total if total > 0 else 1.0)
         self._current.update(contributors=int(round(count)), weight=total)
         return self._current["contributors"]
 
@@ -468,7 +466,7 @@ class SiteMember(Schedule):
             lambda nbytes: backstop(self.slowest_link, self.cfg, nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
             self.on_mid_round, tamper=self.faults.tampers(self.hooks.step()), heals=self.local == 0 or self.sharded,
             codec=what.codec, error_feedback=what.residual is not None, residual=residual,
-            add=self.masker.add_ if self.masker is not None else None, ping=self.ping,
+            add=self.masker.add_ if self.masker is not None else None, ping=self.ping, ring=tier_ring(view, self.site, self.region_of),
         )  # fmt: skip
 
     def _load_healing(self, blob: bytes, source: str) -> None:
@@ -494,7 +492,6 @@ class SiteMember(Schedule):
         if self.coordinator is not None:
             self.coordinator.close()
         self._drop_group()
-        for address in list(self._stores):
-            self._forget_store(address)
+        self._stores.close()
         if self._host_store is not None:
             self._host_store.close()

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from geotrain.comm.topology import Topology
+from geotrain.comm.topology import REGION, Topology
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
@@ -33,15 +33,17 @@ def read_rounds(out: Path) -> dict[str, list[dict[str, Any]]]:
 
 def round_outcomes(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """What the sites' records say about every round: committed, rolled back, split, and whether
-    every committed round count maps to one global model (``consistent``)."""
+    every committed round count maps to one global model (``consistent``; in two tiers, after a
+    region round, one model per region)."""
     by_key: dict[str, set[str]] = {}
-    hashes: dict[int, set[str]] = {}
+    hashes: dict[tuple[int, str], set[str]] = {}
     for recs in logs.values():
         for r in recs:
             if r.get("key"):
                 by_key.setdefault(r["key"], set()).add(r["outcome"])
             if r["outcome"] == "committed":
-                hashes.setdefault(r["committed"], set()).add(r["hash"])
+                scope = r.get("region", "") if r.get("part") == REGION else ""
+                hashes.setdefault((r["committed"], scope), set()).add(r["hash"])
     committed = sum(1 for o in by_key.values() if o == {"committed"})
     rolled = sum(1 for o in by_key.values() if o == {"rolled_back"})
     return {
@@ -176,6 +178,7 @@ def merge_summaries(
         "global_param_hash": hashes,
         "hashes_agree_within_sites": all(s["hashes_agree_within_sites"] for s in finished.values()),
         "inter_site_bytes": sum(s["inter_site_bytes"] for s in finished.values()),
+        "inter_region_bytes": sum(s.get("inter_region_bytes", 0) for s in finished.values()),
         "intra_site_bytes": sum(s["intra_site_bytes"] for s in finished.values()),
         "wall_seconds": wall,
         "per_site": {

@@ -30,6 +30,30 @@ def connect(address: str, key: bytes, timeout: float) -> AuthStore:
         raise RoundFailed(f"round store {address}: {exc}") from None
 
 
+class Stores:
+    """This site's clients of the round stores it met in, one per address, kept from round to round."""
+
+    def __init__(self, key: bytes, timeout: float) -> None:
+        self.key, self.timeout = key, timeout
+        self._clients: dict[str, AuthStore] = {}
+
+    def get(self, address: str) -> AuthStore:
+        """The client of the store at ``address`` (connected on first use; raises RoundFailed as :func:`connect`)."""
+        if address not in self._clients:
+            self._clients[address] = connect(address, self.key, self.timeout)
+        return self._clients[address]
+
+    def forget(self, address: str) -> None:
+        """Reconnect next time (the store's host may be gone)."""
+        client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
+
+    def close(self) -> None:
+        for address in list(self._clients):
+            self.forget(address)
+
+
 class Monitor:
     """Heartbeats of this rank and its ring peers through the round store, in a thread: a peer
     whose counter stops for ``timeout`` seconds (or an unreachable store) fails the round.

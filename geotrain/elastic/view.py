@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from geotrain.comm.topology import REGION
 from geotrain.errors import MembershipRefused
 
 
@@ -54,11 +55,20 @@ class RoundView:
     admitted: list[str] = field(default_factory=list)
     source: str = ""
     healers: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)  # two tiers: a healer's own source (absent: ``source``)
     part: int = -1  # the part of the model this round sums (:func:`round_part`)
     postponed: bool = False
     error: str = ""  # the round fails (rolled back); the site carries on
     fatal: str = ""  # local rank 0 must stop (refused, or a wait passed its bound): every rank raises
     fatal_timeout: bool = False  # fatal is an ElasticTimeout (else MembershipRefused)
+
+    def source_of(self, healer: str) -> str:
+        """The site ``healer`` takes its state from."""
+        return self.sources.get(healer, self.source)
+
+    def healed_by(self, site: str) -> list[str]:
+        """The healers that take their state from ``site``."""
+        return [h for h in self.healers if self.source_of(h) == site]
 
 
 @dataclass
@@ -144,6 +154,40 @@ def healers(members: list[Member], source: str, admitted: list[str]) -> list[str
         return part >= 0 and by[s].part >= 0 and by[s].part != part
 
     return [s for s in admitted if (by[s].committed, by[s].hash) != ref or by[s].joining or other_part(s)]
+
+
+def region_healers(
+    members: list[Member], source: str, admitted: list[str], region_of: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """Two tiers (elastic mode with ``sync.region_every``): the healers of a round and each one's
+    source. A site's state is its region's model as well as the world's, so a region's sites heal
+    from the region's own source: :func:`heal_source` among its members that have committed as
+    many rounds as the round's ``source``. A region with no such member heals from ``source`` (its
+    region model is lost: it restarts from the world model, see
+    :class:`geotrain.sync.tiers_elastic.ElasticTiers`). Healers are the region's members whose
+    (committed, hash) differ from their source's, and restarted sites. A site that claims another
+    tier than the round's does not heal: its state is valid, it sits the round out."""
+    by = {m.site: m for m in members}
+    top = by[source].committed
+    healing: list[str] = []
+    sources: dict[str, str] = {}
+    for region in sorted({region_of[s] for s in admitted}):
+        mine = [by[s] for s in admitted if region_of[s] == region]
+        src = heal_source([m for m in mine if m.committed == top]) or source
+        ref = (by[src].committed, by[src].hash)
+        for m in mine:
+            if m.site != src and ((m.committed, m.hash) != ref or m.joining):
+                healing.append(m.site)
+                sources[m.site] = src
+    return sorted(healing), sources
+
+
+def tier_ring(view: RoundView, site: str, region_of: dict[str, str] | None) -> list[str] | None:
+    """The sites a round sums over: in a region round of two tiers, ``site``'s region's admitted
+    sites; else every admitted site (None)."""
+    if region_of is None or view.part != REGION:
+        return None
+    return [s for s in view.admitted if region_of[s] == region_of[site]]
 
 
 def same_initial_model(site: str, mine: str, members: list[Member]) -> None:

@@ -26,7 +26,7 @@ from geotrain.report.metrics import log
 from geotrain.run.checkpoint import atomic_write
 from geotrain.run.fsdp import local_tree, sharded_like
 from geotrain.run.state import RankObjects
-from geotrain.sync import OuterSync
+from geotrain.sync import ElasticTiers, OuterSync
 
 
 def fault_file(folder: Path, site: str, step: int) -> Path:
@@ -95,6 +95,7 @@ def join_elastic(
         request_fault(out / "elastic", where, kind, step)
 
     sharded = sync.sharded  # FSDP: each rank heals its own shards from the same local rank of the source
+    tiers = isinstance(sync, ElasticTiers)  # two tiers: region rounds sum over the region's sites
 
     def load(state: dict[str, Any]) -> None:
         objs.load_training(sharded_like(objs.model, objs.optimizer, state) if sharded else state)
@@ -133,6 +134,7 @@ def join_elastic(
         incarnation=incarnation,
         identity=_identity(cfg, where.site, keys),
         sharded=sharded,
+        tiers=tiers,
     )
     if plan is not None:
         member.faults = plan

@@ -238,6 +238,7 @@ def _train(
         rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
         elastic=place.elastic,
         timed=bool(cfg.train.max_seconds),
+        region=place.full.region_name(place.site_index),
     )
     closing.callback(sync.close)
     sync.checkpoint_every = cfg.checkpoint.every

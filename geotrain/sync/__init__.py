@@ -10,6 +10,7 @@
 - :mod:`.streaming_elastic`: Streaming DiLoCo whose fragment syncs are elastic rounds;
 - :mod:`.streaming_paced`: Streaming DiLoCo whose fragment syncs end the slots of the pace clock;
 - :mod:`.streaming_tiers`: Streaming DiLoCo in two tiers (each fragment's syncs in its region, some across regions);
+- :mod:`.tiers` and :mod:`.tiers_elastic`: DiLoCo in two tiers (region rounds, rarer world rounds), lock-step or elastic;
 - :mod:`.quorum`: asynchronous quorum rounds (a syncer; late updates merged with a staleness discount);
 - :mod:`.guard`: non-finite / outlier pseudo-gradients left out, the same way on every rank.
 """
@@ -35,11 +36,13 @@ from geotrain.sync.streaming_elastic import ElasticStreaming
 from geotrain.sync.streaming_paced import PacedStreaming
 from geotrain.sync.streaming_tiers import TieredStreaming
 from geotrain.sync.tiers import TieredDiLoCo
+from geotrain.sync.tiers_elastic import ElasticTiers
 
 __all__ = [
     "AsyncDiLoCo",
     "DDP",
     "DiLoCo",
+    "ElasticTiers",
     "OuterSync",
     "Rejoin",
     "SiteReducer",
@@ -67,6 +70,7 @@ def build_sync(
     rejoin: Rejoin | None = None,
     elastic: bool = False,
     timed: bool = False,
+    region: str = "",
 ) -> SyncAlgorithm:
     """The algorithm ``cfg.algorithm`` with its settings from the ``sync`` config section, hooked
     onto ``optimizer``.
@@ -80,6 +84,7 @@ def build_sync(
         rejoin: asynchronous quorum rounds, a site that came back (its world is its own ranks).
         elastic: elastic mode (its membership is attached later, when the site joins).
         timed: the run ends on ``train.max_seconds`` (Streaming DiLoCo then agrees on time at each slot's end).
+        region: this site's region (elastic rounds in two tiers: what a heal's state is compared with).
     """
     alg: SyncAlgorithm
     if cfg.algorithm == "ddp":
@@ -99,8 +104,11 @@ def build_sync(
                 outer = StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg)
         elif cfg.quorum is not None:  # (in two tiers too: a syncer per region, world rounds among them)
             outer = AsyncDiLoCo(model, optimizer, comm, grad_clip, cfg, rejoin)
-        elif cfg.region_every:
-            outer = TieredDiLoCo(model, optimizer, comm, grad_clip, cfg)
+        elif cfg.region_every:  # (elastic: both tiers' rounds are elastic rounds)
+            if elastic:
+                outer = ElasticTiers(model, optimizer, comm, grad_clip, cfg, region)
+            else:
+                outer = TieredDiLoCo(model, optimizer, comm, grad_clip, cfg)
         else:
             outer = DiLoCo(model, optimizer, comm, grad_clip, cfg)
         if cfg.quorum is not None:  # the guard's outlier test is collective; the syncer leaves non-finite updates out

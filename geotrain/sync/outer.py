@@ -64,6 +64,7 @@ class OuterSync(SyncAlgorithm):
         self.private: PrivateAverage | None = None  # clipping, site DP, secure aggregation
         self.elastic: RoundMembership | None = None  # elastic mode: the cross-site average goes through the membership layer
         self.idle = False  # elastic: this site has run its steps and takes part in the others' rounds without an update
+        self.contributors = 0  # elastic: the sites that contributed to the last round (in a region round, of this region)
         # elastic: what a round's claims say besides the step (Streaming DiLoCo's part; adaptive pace's rate)
         self._part_claim: dict[str, Any] = {}
         self.paced = cfg.pace == "adaptive"  # each site runs its own steps in a round (sync.pace, DiLoCo's)
@@ -127,6 +128,7 @@ class OuterSync(SyncAlgorithm):
             )
             if got is None:
                 raise RoundPostponed(f"round {round_id}")
+            self.contributors = got
             return
         if self.num_sites == 1:
             return
@@ -154,7 +156,7 @@ class OuterSync(SyncAlgorithm):
         self.idle = True
         target = self.local_steps  # where this site stopped: the run's steps (or the privacy budget's, the same everywhere)
         healing = 0  # rounds held after every site finished, to heal a split
-        while not (finished := self.elastic.all_finished(target)) or self.elastic.split:
+        while not (finished := self.elastic.all_finished(target) and self._settled()) or self.elastic.split:
             if finished and healing == SPLIT_ROUNDS:
                 raise ElasticTimeout(f"the sites' last round split, and {SPLIT_ROUNDS} more rounds did not heal it")
             if not one_round():  # postponed: ask again after a heartbeat
@@ -162,6 +164,11 @@ class OuterSync(SyncAlgorithm):
             else:
                 healing += finished
         self.idle = False
+
+    def _settled(self) -> bool:
+        """Elastic: whether this site's state is one that every site ends on (two tiers: the last
+        committed round was a world round)."""
+        return True
 
     def join_round(self) -> None:
         """Elastic: a restarted site's first round, in which it heals (see :mod:`geotrain.run.elastic_site`)."""
