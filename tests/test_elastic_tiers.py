@@ -45,15 +45,18 @@ def test_a_site_heals_from_its_own_regions_source() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_elastic_tiers_end_where_lock_step_tiers_end(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["replicate", "fsdp"])
+def test_elastic_tiers_end_where_lock_step_tiers_end(tmp_path: Path, layout: str) -> None:
     """Without failures, elastic rounds in two tiers take the same steps as lock-step tiers: the
     same final loss, and the same bytes on the slow tier (frames add only their tags); region
-    rounds sum over the region's sites only."""
+    rounds sum over the region's sites only. Under FSDP (two workers a site) each rank carries
+    its own shards in both tiers."""
     runs = {}
+    topology = TIERS3 if layout == "replicate" else TIERS3.replace("workers: 1", "workers: 2")
     for elastic in ("true", "false"):
         out = tmp_path / elastic
-        train_cli(out, [*BASE, "train.steps=40", f"elastic.enabled={elastic}"], TIERS3)
+        train_cli(out, [*BASE, "train.steps=40", f"elastic.enabled={elastic}", f"sync.within_site={layout}"], topology)
         runs[elastic] = read_summary(out)
     e, lock = runs["true"], runs["false"]
     assert e["final_eval_loss"] == pytest.approx(lock["final_eval_loss"], rel=1e-6)
@@ -98,3 +101,29 @@ def test_tiers_elastic_a_site_of_one_region_dies_and_comes_back(tmp_path: Path) 
         world = [r for r in a if r["part"] == WORLD and r["outcome"] == "committed" and r["committed"] < heal["committed"]]
         assert heal["contributors"] == 0 and heal["hash"] == world[-1]["hash"], told(out)
     assert s["compression_ratio"] > 1.5  # int8 in both tiers' rounds
+
+
+FOUR = (
+    "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
+    "  regions: [{name: eu, sites: [A, B, C]}, {name: us, sites: [D]}]\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_secure_aggregation_masks_each_elastic_tier_over_the_sites_it_sums(tmp_path: Path) -> None:
+    """Secure aggregation in elastic tiers: a region round's masks are drawn among the region's
+    sites only (they cancel in its sum; D, alone in us, sums only its own update), a world
+    round's among every site. The masked run ends where the plain one ends (fixed point), on one
+    model, with the same bytes across regions."""
+    runs = {}
+    for name, extra in (("plain", []), ("masked", ["privacy.secure_aggregation=true"])):
+        out = tmp_path / name
+        train_cli(out, [*BASE, "train.steps=40", "elastic.enabled=true", *extra], FOUR)
+        runs[name] = read_summary(out)
+    plain, masked = runs["plain"], runs["masked"]
+    assert masked["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=1e-4)
+    assert masked["consistent"] and len(set(masked["global_param_hash"].values())) == 1
+    assert masked["inter_region_bytes"] == pytest.approx(plain["inter_region_bytes"], rel=0.01)
+    assert [r["contributors"] for r in records(tmp_path / "masked", "D")] == [1, 1, 4] * 2
+    assert [r["contributors"] for r in records(tmp_path / "masked", "A")] == [3, 3, 4] * 2

@@ -136,8 +136,6 @@ class Config(Section):
             (e and streaming, "sync.algorithm", "use sync.algorithm=diloco"),
             (e and self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
             (e and self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
-            (e and self.sync.within_site == "fsdp", "sync.within_site", "use sync.within_site=ddp"),
-            (e and self.privacy.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
         ]
         _refuse(elastic, "elastic.enabled and sync.region_every together")
         if self.privacy.secure_aggregation:  # region rounds sum securely over each region's sites

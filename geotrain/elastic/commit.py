@@ -112,25 +112,30 @@ WEIGHT_UNIT = 1 << 16  # a masked round's weights travel as integers of this man
 
 
 def carried(
-    part: torch.Tensor, weight: float, contributes: bool, masker: Masker | None, factor: float, where: tuple[int, str, Any, int]
+    part: torch.Tensor,
+    weight: float,
+    contributes: bool,
+    masker: Masker | None,
+    factor: float,
+    where: tuple[int, str, Any, int, list[str]],
 ) -> torch.Tensor:
     """What a carrying rank sends: its ``part`` of the pseudo-gradient times ``weight``, then the
     weight and 1 (zeros if it does not contribute), fp32. With a ``masker`` (secure aggregation):
     the part times ``factor`` (rounded to 1/WEIGHT_UNIT), masked with every admitted peer of the
-    round, zeros masked all the same if it does not contribute (the masks cancel only if every
-    site adds its own), then the weight and count as plain int32. ``where``: the part's first
-    value, this site, the round's view and this local rank."""
+    round's ring, zeros masked all the same if it does not contribute (the masks cancel only if
+    every site adds its own), then the weight and count as plain int32. ``where``: the part's
+    first value, this site, the round's view, this local rank and the sites the round sums over."""
     if masker is None:
         carry = torch.zeros(part.numel() + TRAILER)
         if contributes:
             carry[:-TRAILER] = part if weight == 1.0 else part * weight
             carry[-TRAILER:] = torch.tensor([weight, 1.0])
         return carry
-    start, me, view, local = where
+    start, me, view, local, ring = where
     on = contributes and weight > 0
     w = round(factor * WEIGHT_UNIT) if on else 0
     x = part * (w / WEIGHT_UNIT) if on else torch.zeros_like(part)
-    keys = {s: k for s, k in view.frame_keys.items() if s in view.admitted}
+    keys = {s: k for s, k in view.frame_keys.items() if s in ring}
     masked = masker.encode(x, start, me, keys, f"{view.round_id}|{local}".encode())
     return torch.cat([masked, torch.tensor([w, int(on)], dtype=torch.int32)])
 

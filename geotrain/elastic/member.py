@@ -44,6 +44,7 @@ from geotrain.comm.identity import Identity
 from geotrain.comm.topology import Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic import commit, roundstore
+from geotrain.elastic import view as views
 from geotrain.elastic.auth import RunKeys, SealedStore, load_secret
 from geotrain.elastic.commit import TRAILER, Contribution
 from geotrain.elastic.coordinator import Coordinator
@@ -52,7 +53,7 @@ from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import meet
 from geotrain.elastic.records import append_record
 from geotrain.elastic.roundstore import Monitor
-from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_members, heal_source, same_initial_model, tier_ring
+from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_members, heal_source, same_initial_model
 from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
@@ -350,10 +351,8 @@ class SiteMember(Schedule):
         }  # fmt: skip
         if view.error:
             raise RoundFailed(view.error)
-        if self.masker is not None and len(view.admitted) < 3:  # every site decides alike, from the view
-            raise RoundFailed(
-                f"secure aggregation needs 3 sites in a round; {len(view.admitted)} met (each would see the other's update)"
-            )
+        if self.masker is not None and (why := views.too_few_to_mask(view, self.region_of)):  # every site decides alike
+            raise RoundFailed(why)
         store = self._stores.get(view.meeting)
         if not self.carries:  # nothing crosses sites from this rank: no exchange, no heartbeats to watch
             return self._exchange_and_vote(delta, view, store, None, what)
@@ -385,7 +384,8 @@ class SiteMember(Schedule):
         if self.carries:  # secure: a masked part's weight is its share of the largest site's tokens (at most 1)
             factor = 1.0 if what.weight == 1.0 else self.workers[self.site_index] / max(self.workers)
             part = dp(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
-            carry = commit.carried(part, what.weight, contributes, self.masker, factor, (lo, self.site, view, self.local))
+            ring = views.tier_ring(view, self.site, self.region_of) or view.admitted  # masks cancel over the sites summed
+            carry = commit.carried(part, what.weight, contributes, self.masker, factor, (lo, self.site, view, self.local, ring))
         outgoing = None
         if view.healed_by(self.site) and (self.local == 0 or self.sharded):
             buf = io.BytesIO()
@@ -441,7 +441,7 @@ class SiteMember(Schedule):
         if x is not None and what.residual is not None and self.site not in view.healers:
             what.residual.tensor = x.residual  # the round committed: keep what its encoding left out
         total, count = (float(v) for v in carry[-TRAILER:].tolist())
-        if (count < 0.5 or total <= 0) and tier_ring(view, self.site, self.region_of) is None:
+        if (count < 0.5 or total <= 0) and views.tier_ring(view, self.site, self.region_of) is None:
             raise RoundFailed("no site contributed to the round")  # (tiers: a region of sites that healed or sat out sums 0)
         self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total if total > 0 else 1.0)
         self._current.update(contributors=int(round(count)), weight=total)
@@ -466,7 +466,7 @@ class SiteMember(Schedule):
             lambda nbytes: backstop(self.slowest_link, self.cfg, nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
             self.on_mid_round, tamper=self.faults.tampers(self.hooks.step()), heals=self.local == 0 or self.sharded,
             codec=what.codec, error_feedback=what.residual is not None, residual=residual,
-            add=self.masker.add_ if self.masker is not None else None, ping=self.ping, ring=tier_ring(view, self.site, self.region_of),
+            add=self.masker.add_ if self.masker is not None else None, ping=self.ping, ring=views.tier_ring(view, self.site, self.region_of),
         )  # fmt: skip
 
     def _load_healing(self, blob: bytes, source: str) -> None:

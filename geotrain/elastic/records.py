@@ -57,19 +57,24 @@ def round_outcomes(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def seconds_lost(logs: dict[str, list[dict[str, Any]]]) -> float:
     """Wall time the surviving sites lost to failures (mean over sites): the whole of every
-    rolled-back round (its inner steps are discarded) plus quorum waits beyond the usual."""
+    rolled-back round (its inner steps are discarded) plus quorum waits beyond the usual (in two
+    tiers, the usual of the round's tier: a world round follows its region round at once, so its
+    quorum forms sooner)."""
     per_site = []
     for recs in logs.values():
         if not recs:
             continue
-        waits = [r.get("quorum_s", 0.0) for r in recs if r["outcome"] == "committed"]
-        usual = statistics.median(waits) if waits else 0.0
+        waits: dict[Any, list[float]] = {}
+        for r in recs:
+            if r["outcome"] == "committed":
+                waits.setdefault(r.get("part"), []).append(r.get("quorum_s", 0.0))
+        usual = {tier: statistics.median(w) for tier, w in waits.items()}
         lost = 0.0
         for prev, r in zip(recs, recs[1:], strict=False):
             if r["outcome"] == "rolled_back":
                 lost += r["end"] - prev["end"]
             else:
-                lost += max(0.0, r.get("quorum_s", 0.0) - usual)
+                lost += max(0.0, r.get("quorum_s", 0.0) - usual.get(r.get("part"), 0.0))
         per_site.append(lost)
     return statistics.mean(per_site) if per_site else 0.0
 

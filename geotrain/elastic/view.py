@@ -190,6 +190,20 @@ def tier_ring(view: RoundView, site: str, region_of: dict[str, str] | None) -> l
     return [s for s in view.admitted if region_of[s] == region_of[site]]
 
 
+def too_few_to_mask(view: RoundView, region_of: dict[str, str] | None) -> str:
+    """Secure aggregation: why the round cannot be masked ("" if it can). A sum over two sites
+    shows each the other's update: a round needs three sites, and in a region round of two tiers
+    every region's admitted sites are one (its update stays its own) or at least three."""
+    if region_of is None or view.part != REGION:
+        n = len(view.admitted)
+        return f"secure aggregation needs 3 sites in a round; {n} met (each would see the other's update)" if n < 3 else ""
+    counts = {r: sum(region_of[s] == r for s in view.admitted) for r in set(region_of.values())}
+    two = sorted(r for r, n in counts.items() if n == 2)
+    return (
+        f"secure aggregation: region {two[0]} has 2 sites in this region round (each would see the other's update)" if two else ""
+    )
+
+
 def same_initial_model(site: str, mine: str, members: list[Member]) -> None:
     """A fresh site (no committed round, not restarted) must start from the model every other
     fresh member claims inside the round (``mine``: its global hash): same seed, model settings
