@@ -225,6 +225,7 @@ def vote(
     followed by one more). The site's ranks agree on both. ``deaf``: failure injection
     (``fault.split``): this site misses the others' votes after its own."""
     decision = torch.zeros(2)
+    refused = not ok  # a no was cast (ours, or one read): no site can commit this round
     if local == 0:
         try:
             prefix.set(f"vote/{site}", ballot(identity, view.round_id, site, ok))
@@ -241,12 +242,13 @@ def vote(
 
                 wait_keys(prefix, keys, time.monotonic() + timeout_s, monitor, stop_if=said_no)
                 decision[0] = float(all(yes.get(k, False) for k in keys))
+                refused = not all(yes.values())
         except RoundFailed as exc:  # a peer went silent while the votes were read: no commit
             log(f"round {view.key}: the vote ended without a decision ({exc}): no commit")
         except Exception as exc:  # noqa: BLE001 - the store failed: no commit, and the reason is in the log
             first = str(exc).splitlines()[0][:160] if str(exc) else ""
             log(f"round {view.key}: the vote failed ({type(exc).__name__}: {first}; round store {view.meeting}): no commit")
-        decision[1] = float(_decided_otherwise(prefix, view, monitor, ok, bool(decision[0]), site, identity, timeout_s))
+        decision[1] = float(_decided_otherwise(prefix, view, monitor, refused, bool(decision[0]), site, identity, timeout_s))
     dist.broadcast(decision, src=0, group=intra)
     return bool(decision[0].item()), bool(decision[1].item())
 
@@ -255,22 +257,25 @@ def _decided_otherwise(
     prefix: SealedStore,
     view: RoundView,
     monitor: Monitor | None,
-    voted: bool,
+    refused: bool,
     mine: bool,
     site: str,
     identity: Identity | None,
     timeout_s: float,
 ) -> bool:
-    """Whether an admitted site decided the round otherwise than this one, which voted ``voted``
-    and decided ``mine``. Without this wait a site that decided first stopped its heartbeats, and
-    a peer still reading the votes could take that silence for a failure and roll back a round the
-    first had committed; after the run's last round nothing healed that. A site that voted no
-    waits for nobody (no site can commit without its yes). A peer whose decision cannot be read
-    (silent, or the store gone) counts as agreeing: it failed, and a site that comes back heals."""
+    """Whether an admitted site decided the round otherwise than this one, which decided ``mine``.
+    Without this wait a site that decided first stopped its heartbeats, and a peer still reading
+    the votes could take that silence for a failure and roll back a round the first had committed;
+    after the run's last round nothing healed that. A site that voted no, or read a no
+    (``refused``), waits for nobody: no site can commit without every yes, and every site reads
+    the same votes. (In two tiers a region whose own sum went well votes yes while the site that
+    failed is in another region: it reads that region's no and rolls back at once, instead of
+    waiting out the dead site's silence.) A peer whose decision cannot be read (silent, or the
+    store gone) counts as agreeing: it failed, and a site that comes back heals."""
     try:
         prefix.set(f"decided/{site}", ballot(identity, view.round_id, site, mine, "decided"))
         keys = [f"decided/{s}" for s in view.admitted if s != site]
-        if not voted or monitor is None:
+        if refused or monitor is None:
             return False
         got = None
         if monitor.failed is None:

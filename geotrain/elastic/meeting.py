@@ -48,8 +48,9 @@ def meet(
 ) -> tuple[RoundView, list[Member]]:
     """Meet in ``store`` for the round ``view.key`` with the sites ``names``; ``claims``: what this
     site holds now; ``region_of``: each site's region in two tiers (healers heal from their own
-    region's source, :func:`~geotrain.elastic.view.region_healers`). Returns the round's view (``error`` set if it cannot go ahead: every site that
-    met rolls back) and the members as they described themselves in the meeting.
+    region's source, :func:`~geotrain.elastic.view.region_healers`, and the round is a region
+    round if any site claims one). Returns the round's view (``error`` set if it cannot go ahead:
+    every site that met rolls back) and the members as they described themselves in the meeting.
 
     Raises:
         MembershipRefused: this site failed authentication (from :func:`authenticate`).

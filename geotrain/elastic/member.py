@@ -374,7 +374,7 @@ class SiteMember(Schedule):
         # the main thread prepares everything the exchange thread reads (it must not touch the model)
         finite = what.contribute and bool(torch.isfinite(delta).all())
         if not finite and what.weight == 0:
-            self.log("this site has run its steps: it takes part in the round without an update")
+            self.log("this site takes part in the round without an update (its steps are run, or synced in another tier)")
         elif not finite:
             self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if what.contribute else "update guard)"))
         contributes = finite and self.site not in view.healers
