@@ -88,7 +88,7 @@ def test_tiers_elastic_a_site_of_one_region_dies_and_comes_back(tmp_path: Path) 
     no site of its region is alive, so it heals from a site of eu and its region restarts from
     the world model. Every site ends on one model."""
     out = tmp_path / "run"
-    overrides = [*BASE, "elastic.enabled=true", "sync.codec=int8", "train.steps=160", 'fault.kill=["C@35", "A@75"]']
+    overrides = [*BASE, "elastic.enabled=true", "sync.codec=int8", "train.steps=160", 'fault.kill=["C@35", "A@55"]']
     train_cli(out, [*overrides, "fault.restart_after=0.5"], TIERS3)
     s = read_summary(out)
     assert s["survivors"] == ["A", "B", "C"] and s["consistent"], told(out)
