@@ -407,8 +407,8 @@ def test_the_guard_leaves_a_nan_update_out_of_its_region_round(tmp_path: Path) -
         ("[]", ["sync.region_every=2"], "sync.region_every: needs at least two topology.regions"),
         (
             "[{name: eu, sites: [A]}, {name: us, sites: [B]}]",
-            ["sync.region_every=2", "elastic.enabled=true"],
-            "elastic.enabled: not combined with sync.region_every",
+            ["sync.region_every=2", "elastic.enabled=true", "sync.pace=adaptive"],
+            "sync.pace: not combined with elastic.enabled and sync.region_every together yet; use sync.pace=lockstep",
         ),
     ],
 )
