@@ -92,10 +92,9 @@ def meet(
                 view.error = f"round {view.key}: site {s} sent an invalid X25519 key"
                 return view, members
             frame_keys[s] = pair_key(keys.payload, shared, digest[:32], site, s)
-    part = round_part(members, source, admitted)
     sources: dict[str, str] = {}
     if region_of is None:
-        healing = healers(members, source, admitted)
+        healing, part = healers(members, source, admitted), round_part(members, source, admitted)
     else:  # two tiers: a region round if any site has steps to bring to its region (the part is the tier)
         healing, sources = region_healers(members, source, admitted, region_of)
         part = min((m.part for m in members if m.part >= 0), default=-1)

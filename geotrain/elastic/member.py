@@ -379,13 +379,14 @@ class SiteMember(Schedule):
             self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if what.contribute else "update guard)"))
         contributes = finite and self.site not in view.healers
         lo, hi = (0, delta.numel()) if self.sharded else commit.span(delta.numel(), self.local, self.carriers)
+        ring = views.tier_ring(view, self.site, self.region_of)  # two tiers: a region round's sites (None: every site)
         carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
         dp = commit.site_dp(self.noise, delta, contributes and what.weight > 0, self.sharded, self.intra)  # every rank
         if self.carries:  # secure: a masked part's weight is its share of the largest site's tokens (at most 1)
             factor = 1.0 if what.weight == 1.0 else self.workers[self.site_index] / max(self.workers)
             part = dp(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
-            ring = views.tier_ring(view, self.site, self.region_of) or view.admitted  # masks cancel over the sites summed
-            carry = commit.carried(part, what.weight, contributes, self.masker, factor, (lo, self.site, view, self.local, ring))
+            where = (lo, self.site, view, self.local, ring or view.admitted)  # masks cancel over the sites summed
+            carry = commit.carried(part, what.weight, contributes, self.masker, factor, where)
         outgoing = None
         if view.healed_by(self.site) and (self.local == 0 or self.sharded):
             buf = io.BytesIO()
@@ -395,7 +396,7 @@ class SiteMember(Schedule):
         ok, why, heal_blob = torch.ones(1), "", None
         x: Exchange | None = None
         if monitor is not None:
-            x = self._exchange(view, monitor, round_store, carry, outgoing, what)
+            x = self._exchange(view, monitor, round_store, carry, outgoing, what, ring)
             x.start()
             finished = x.wait()
             self._current["exchange_s"] = time.monotonic() - self._current["start"] - self._current["quorum_s"]
@@ -441,7 +442,7 @@ class SiteMember(Schedule):
         if x is not None and what.residual is not None and self.site not in view.healers:
             what.residual.tensor = x.residual  # the round committed: keep what its encoding left out
         total, count = (float(v) for v in carry[-TRAILER:].tolist())
-        if (count < 0.5 or total <= 0) and views.tier_ring(view, self.site, self.region_of) is None:
+        if (count < 0.5 or total <= 0) and ring is None:
             raise RoundFailed("no site contributed to the round")  # (tiers: a region of sites that healed or sat out sums 0)
         self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total if total > 0 else 1.0)
         self._current.update(contributors=int(round(count)), weight=total)
@@ -452,7 +453,7 @@ class SiteMember(Schedule):
 
     def _exchange(
         self, view: RoundView, monitor: Monitor, round_store: SealedStore, carry: torch.Tensor, outgoing: bytes | None,
-        what: Contribution,
+        what: Contribution, ring: list[str] | None,
     ) -> Exchange:  # fmt: skip
         members = group_members(view)
         if self._pg is not None and self._pg[0] != members:
@@ -466,7 +467,7 @@ class SiteMember(Schedule):
             lambda nbytes: backstop(self.slowest_link, self.cfg, nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
             self.on_mid_round, tamper=self.faults.tampers(self.hooks.step()), heals=self.local == 0 or self.sharded,
             codec=what.codec, error_feedback=what.residual is not None, residual=residual,
-            add=self.masker.add_ if self.masker is not None else None, ping=self.ping, ring=views.tier_ring(view, self.site, self.region_of),
+            add=self.masker.add_ if self.masker is not None else None, ping=self.ping, ring=ring,
         )  # fmt: skip
 
     def _load_healing(self, blob: bytes, source: str) -> None:
