@@ -19,6 +19,7 @@ The object is passed explicitly to whoever needs a group; there are no module gl
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -227,3 +228,10 @@ def round_group(store: dist.Store, rank: int, size: int, timeout_s: float, addre
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     opts._timeout = timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is an FSDP2 / DCP ``DTensor``, without importing ``torch.distributed.tensor``
+    (half a second of every rank's start, measured): if it was never imported, none exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)

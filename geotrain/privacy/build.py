@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.faults import FaultPlan
+from geotrain.comm.groups import is_dtensor
 from geotrain.config import PrivacyConfig
 from geotrain.privacy.aggregation import PrivateAggregation
 from geotrain.privacy.audit import AuditChain, site_key
@@ -190,7 +190,7 @@ def build_privacy(
             nm = calibrate_noise(d.epsilon or 0.0, d.delta, q, steps, d.accountant)
         accountant = Accountant(d.accountant, d.delta, d.epsilon)
         workers = groups.topology.workers[groups.me.site_index]
-        sharded = any(isinstance(p, DTensor) for p in model.parameters())  # sync.within_site=fsdp: ghost norms
+        sharded = any(is_dtensor(p) for p in model.parameters())  # sync.within_site=fsdp: ghost norms
         example = (GhostClipping if sharded else ExampleDP)(model, d.clip_norm, nm, workers, q, accountant)
         max_steps = accountant.max_steps(nm, q, steps) if nm > 0 else (0 if d.epsilon else steps)
     return Privacy(cfg, aggregation, example, max_steps, round_noise)

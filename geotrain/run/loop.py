@@ -20,12 +20,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from geotrain.comm.collectives import CommStats
-from geotrain.comm.groups import ProcessGroups
+from geotrain.comm.groups import ProcessGroups, is_dtensor
 from geotrain.data import RankData
 from geotrain.privacy.build import Privacy
 from geotrain.report.metrics import MetricsSink, log
 from geotrain.sync import SyncAlgorithm
-from geotrain.sync.base import is_dtensor, local_tensor
+from geotrain.sync.base import local_tensor
 
 
 @torch.no_grad()

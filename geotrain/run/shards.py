@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from geotrain.comm.groups import is_dtensor
 from geotrain.errors import CheckpointError
-from geotrain.sync.base import is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -15,7 +15,6 @@ imports :mod:`geotrain.privacy` or :mod:`geotrain.elastic`: the composition root
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from geotrain.codecs import Codec, Residual
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.control import all_gather_json
 from geotrain.comm.faults import FaultPlan
+from geotrain.comm.groups import is_dtensor
 from geotrain.sync.guard import UpdateGuard
 
 
@@ -147,13 +147,6 @@ class RoundMembership(Protocol):
     def affords(self) -> bool:
         """Whether this site's ε budget (site-level DP) allows one more round."""
         ...
-
-
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is an FSDP2 / DCP ``DTensor``, without importing ``torch.distributed.tensor``
-    (half a second of every rank's start, measured): if it was never imported, none exists."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
