@@ -29,6 +29,12 @@ class NonFiniteError(ValueError):
     """A tensor to encode holds NaN or inf: refused at the sender."""
 
 
+class CorruptPayload(RuntimeError):
+    """An encoded payload from another site is not what its codec makes (length, positions): it
+    is refused before any kernel reads it. In elastic rounds the round rolls back; a syncer leaves
+    the update out."""
+
+
 class RoundFailed(RuntimeError):
     """The round cannot be applied consistently on every site; the caller rolls it back."""
 

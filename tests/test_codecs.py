@@ -17,7 +17,8 @@ import torch
 from geotrain.codecs import CODEC_NAMES, FP4, Int4, Int8, Residual, SparseLoCo, build_codec, relative_error, roundtrip
 from geotrain.codecs import reference as R
 from geotrain.codecs.powersgd import PowerSGD
-from geotrain.errors import NonFiniteError
+from geotrain.comm.mailbox import Message
+from geotrain.errors import CorruptPayload, NonFiniteError
 from tests.helpers import run_ranks, uniform_topology
 
 BYTE_CODECS = [n for n in CODEC_NAMES if n != "powersgd"]
@@ -182,6 +183,42 @@ def test_residual_shape_checked() -> None:
     r = Residual(torch.zeros(3))
     with pytest.raises(ValueError, match="residual"):
         r.add_to(torch.zeros(4))
+
+
+@pytest.mark.parametrize("name", BYTE_CODECS)
+def test_a_payload_of_the_wrong_length_is_refused_before_a_kernel_reads_it(name: str) -> None:
+    """Another site's bytes are checked before the compiled kernels (which do not check bounds)
+    read them: one byte short or long is CorruptPayload, and so is another dtype."""
+    codec = build_codec(name)
+    good = codec.encode(torch.randn(4099, generator=torch.Generator().manual_seed(1)))
+    for bad in (good[:-1], torch.cat([good, good[:1]]), good[: good.numel() // 4 * 4].view(torch.float32)):
+        with pytest.raises(CorruptPayload, match=f"{name} codec"):
+            codec.decode(bad, 4099)
+    torch.testing.assert_close(codec.decode(good, 4099), codec.decode(good.clone(), 4099))  # the good one still decodes
+
+
+def test_positions_outside_the_tensor_are_refused() -> None:
+    """top-k's indices and SparseLoCo's chunk offsets come from the sender: an index past the end
+    (or negative, which would count from the end) and an offset past its chunk's end (a chunk that
+    is not a power of two, or the last, shorter chunk) are CorruptPayload."""
+    topk = build_codec("topk")
+    buf = topk.encode(torch.randn(1000))
+    for index in (1000, -1):
+        tampered = buf.clone()
+        tampered[:4].view(torch.int32)[0] = index
+        with pytest.raises(CorruptPayload, match="outside"):
+            topk.decode(tampered, 1000)
+    for codec, n in ((SparseLoCo(fraction=0.5, chunk=5), 10), (SparseLoCo(), 4097)):
+        ones = torch.full((codec.encoded_nbytes(n),), 255, dtype=torch.uint8)  # every offset all ones: 7 of 5, 4095 of 1
+        with pytest.raises(CorruptPayload, match="outside their chunk"):
+            codec.decode(ones, n)
+
+
+def test_a_message_that_is_not_whole_fp32_values_is_refused() -> None:
+    msg = Message(src=1, arrival=0.0, fields=[], payload=torch.zeros(10, dtype=torch.uint8))
+    with pytest.raises(CorruptPayload, match="10 bytes"):
+        msg.floats()
+    assert Message(src=1, arrival=0.0, fields=[], payload=torch.zeros(8, dtype=torch.uint8)).floats().numel() == 2
 
 
 # --------------------------------------------------------------------------- over real groups

@@ -26,7 +26,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from geotrain.errors import NonFiniteError
+from geotrain.errors import CorruptPayload, NonFiniteError
 
 CODEC_NAMES = ("none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd")
 FP16_MAX = 65504.0
@@ -64,7 +64,24 @@ class Codec:
         raise NotImplementedError
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Inverse of :meth:`encode` into ``out`` (fp32, ``n`` values; allocated if None)."""
+        """Inverse of :meth:`encode` into ``out`` (fp32, ``n`` values; allocated if None). ``buf``
+        may come from another site: its length and every position it names are checked before
+        a kernel reads it (the compiled kernels do not check bounds).
+
+        Raises:
+            CorruptPayload: ``buf`` is not an encoding of ``n`` values by this codec.
+        """
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != self.encoded_nbytes(n):
+            raise CorruptPayload(
+                f"{self.name} codec: a payload of {buf.numel():,} {buf.dtype} values for {n:,} values "
+                f"(its encoding is {self.encoded_nbytes(n):,} bytes)"
+            )
+        if out is not None and (out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous()):
+            raise ValueError(f"{self.name} codec: decoding {n:,} values into {out.numel():,} {out.dtype} values")
+        return self._decode(buf, n, self._out(out, n))
+
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` of a payload of the right length into ``out``."""
         raise NotImplementedError
 
     def warm(self) -> Codec:
@@ -107,8 +124,7 @@ class NoneCodec(Codec):
             _refuse_non_finite(self.name, x)
         return x.clone().view(torch.uint8)
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._out(out, n)
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         out.copy_(buf.view(torch.float32))
         return out
 
@@ -131,8 +147,7 @@ class _HalfCodec(Codec):
             _refuse_non_finite(self.name, x)
         return h.view(torch.uint8)
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._out(out, n)
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         out.copy_(buf.view(self.dtype))
         return out
 
@@ -185,8 +200,7 @@ class Int8(Codec):
         _kernels().int8_encode(xs, lo, 256.0 / (2 * half), _np(buf[self.TABLE :]), _np(table))
         return buf
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._out(out, n)
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         _kernels().lookup_decode(_np(buf[self.TABLE :]), _np(buf[: self.TABLE].view(torch.float32)), _np(out))
         return out
 
@@ -216,8 +230,7 @@ class _Block4(Codec):
             _refuse_non_finite(self.name, x)
         return buf
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._out(out, n)
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         nb = self._blocks(n)
         _kernels().block4_decode(
             _np(buf[4 * nb :]), _np(buf[: 4 * nb].view(torch.float32)), self.block_size, self.is_fp4, _np(out)
@@ -273,12 +286,14 @@ class TopK(Codec):
         buf[4 * k :].view(torch.float32).copy_(x[idx])
         return buf
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._out(out, n)
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         out.zero_()
         k = buf.numel() // 8
         if k:
-            out[buf[: 4 * k].view(torch.int32).long()] = buf[4 * k :].view(torch.float32)
+            idx = buf[: 4 * k].view(torch.int32).long()
+            if int(idx.min()) < 0 or int(idx.max()) >= n:  # (a negative index would count from the end)
+                raise CorruptPayload(f"{self.name} codec: a payload names positions outside 0..{n - 1}")
+            out[idx] = buf[4 * k :].view(torch.float32)
         return out
 
 
@@ -330,13 +345,14 @@ class SparseLoCo(Codec):
                 _refuse_non_finite(self.name, x)
         return buf
 
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._out(out, n)
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         if n:
             nc = -(-n // self.chunk)
-            _kernels().sparse2_decode(
+            bad = _kernels().sparse2_decode(
                 _np(buf[8 * nc :]), _np(buf[: 8 * nc].view(torch.float32)), self.chunk, self.fraction, self.offset_bits, _np(out)
             )
+            if bad:
+                raise CorruptPayload(f"{self.name} codec: {bad} offset(s) of a payload fall outside their chunk")
         return out
 
 

@@ -292,9 +292,12 @@ def sparse2_encode(
 @_jit
 def sparse2_decode(
     packed: np.ndarray, scales: np.ndarray, chunk: int, fraction: float, offset_bits: int, out: np.ndarray
-) -> None:  # pragma: no cover - compiled
-    """Inverse of :func:`sparse2_encode`: zeros except the kept entries, each ± its level's scale."""
+) -> int:  # pragma: no cover - compiled
+    """Inverse of :func:`sparse2_encode`: zeros except the kept entries, each ± its level's scale.
+    Returns the number of offsets that fell outside their chunk (left out: a payload no encoder
+    makes, since an offset's bits can name positions past a chunk's end)."""
     n = out.size
+    bad = 0
     width = offset_bits + 2
     mask = (1 << width) - 1
     for i in range(n):
@@ -314,5 +317,9 @@ def sparse2_decode(
             code = (window >> (bit & 7)) & mask
             bit += width
             mag = scales[2 * c + (code & 1)]
+            if (code >> 2) >= m:
+                bad += 1
+                continue
             out[base + (code >> 2)] = -mag if code & 2 else mag
         pos += (k * width + 7) >> 3
+    return bad

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from geotrain.comm.collectives import Collectives
+from geotrain.errors import CorruptPayload
 
 HEADER_TAG = 11
 PAYLOAD_TAG = 12
@@ -83,7 +84,13 @@ class Message:
     lost: bool = False  # the sender is gone: its connection closed before a whole message came in
 
     def floats(self) -> torch.Tensor:
-        """The payload as the fp32 vector it was sent as."""
+        """The payload as the fp32 vector it was sent as.
+
+        Raises:
+            CorruptPayload: its length is not a whole number of fp32 values.
+        """
+        if self.payload.numel() % 4:
+            raise CorruptPayload(f"a payload of {self.payload.numel()} bytes is not an fp32 vector")
         return self.payload.view(torch.float32)
 
 

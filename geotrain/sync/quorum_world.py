@@ -39,7 +39,7 @@ from geotrain.codecs import Codec, Residual
 from geotrain.comm.mailbox import Mailbox, Message
 from geotrain.comm.topology import Topology
 from geotrain.config import SyncConfig
-from geotrain.errors import SyncerTimeout
+from geotrain.errors import CorruptPayload, SyncerTimeout
 from geotrain.sync.merge import weighted_mean
 from geotrain.sync.outer import outer_step_
 
@@ -120,7 +120,10 @@ class WorldTier:
         f = msg.fields
         region = self.hubs.index(msg.src)
         n = sum(t.numel() for t in self.anchor)
-        delta = self.codec.decode(msg.payload, n) if f[7] and self.codec is not None else msg.floats().clone()
+        try:
+            delta = self.codec.decode(msg.payload, n) if f[7] and self.codec is not None else msg.floats().clone()
+        except CorruptPayload:  # malformed: weighs nothing, as a contribution of the wrong size
+            delta = torch.zeros(0)
         # a contribution of the wrong size, or not finite, weighs nothing: it costs its region this world round
         good = delta.numel() == n and bool(torch.isfinite(delta).all()) and f[2] >= 0
         tokens, delta = (f[2], delta) if good else (0.0, torch.zeros(n))

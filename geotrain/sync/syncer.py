@@ -27,7 +27,7 @@ from geotrain.codecs import Codec
 from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message, Rejoins, StoreChannel
 from geotrain.config import QuorumConfig, SyncConfig
-from geotrain.errors import SyncerTimeout
+from geotrain.errors import CorruptPayload, SyncerTimeout
 from geotrain.sync.merge import (
     DelayedNesterov,
     Update,
@@ -170,20 +170,15 @@ class QuorumSyncer(SyncerState):
         known = 0 <= msg.fields[9] < len(self.fragments)  # (no such fragment: an empty update, left out as malformed)
         fragment, n = (int(msg.fields[9]), self.sizes[int(msg.fields[9])]) if known else (0, 0)
         coder = self.coders[self.names[int(encoded) - 1]] if encoded and msg.payload.numel() and known else None
-        delta = coder.decode(msg.payload, n) if coder is not None else msg.floats() if known else torch.zeros(0)
+        try:
+            delta = coder.decode(msg.payload, n) if coder is not None else msg.floats() if known else torch.zeros(0)
+        except CorruptPayload:  # an empty update: left out as malformed, as one of the wrong size
+            delta = torch.zeros(0)
         return Update(
-            site,
-            int(base),
-            int(steps),
-            int(workers),
-            delta,
-            final=kind == FINAL,
-            compute_s=compute_s,
-            checkpoint=kind == CHECKPOINT,
+            site, int(base), int(steps), int(workers), delta, final=kind == FINAL, compute_s=compute_s,
+            checkpoint=kind == CHECKPOINT, ping=kind == PING, fragment=fragment,
             link=LinkReport(link_bytes, link_s, ping_s, int(steps), compute_s) if link_s > 0 else None,
-            ping=kind == PING,
-            fragment=fragment,
-        )
+        )  # fmt: skip
 
     def _measure(self, u: Update) -> None:
         """Dynamic local updates: smooth the site's rate (half weight on the newest round) and give
