@@ -25,10 +25,14 @@
    DiLoCo, lock-step tiers and elastic tiers (world round every second region round; final loss,
    bytes across regions, wall time), then elastic tiers with int8 while C and then A are killed
    and restarted (heal sources, rounds rolled back, one model at the end).
+8. **Quorum rounds in elastic mode** (``--only elastic-quorum``): three sites, C at 0.35 speed, 8 s,
+   an emulated 100 Mbit/s, 30 ms link, two seeds: lock-step DiLoCo, quorum rounds of 2 of 3 with a
+   syncer, and the same as elastic rounds (no syncer): tokens, loss, utilisation, bytes, and how
+   many of C's updates came late and still counted.
 
 Prints a table, writes JSON.
 
-    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers|quorum-streaming|elastic-tiers]
+    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers|quorum-streaming|elastic-tiers|elastic-quorum]
         [--json benchmarks/results/compose.json]
 """
 
@@ -160,10 +164,45 @@ def elastic_tiers(tmp: Path, base: list[str]) -> dict[str, Any]:
     return runs
 
 
+def elastic_quorum(tmp: Path) -> dict[str, Any]:
+    """Lock-step DiLoCo, quorum rounds of 2 of 3 with a syncer, and the same quorum rounds as
+    elastic rounds (no syncer), C at 0.35 speed, 8 s each, an emulated 100 Mbit/s, 30 ms link, two
+    seeds (part 8): tokens, loss, utilisation, bytes; in elastic mode how many of C's committed
+    rounds carried a late update of its own."""
+    common = [SLOW, "sync.H=10", "train.steps=100000", "train.max_seconds=8", "optim.schedule=constant"]
+    common += ["train.eval_every=0", "run.baseline=none", "topology.links.emulate=inprocess"]
+    common += ["topology.links.inter.bandwidth_bps=1e8", "topology.links.inter.latency_s=0.03"]
+    quorum = "sync.quorum={sites: 2}"
+    runs: dict[str, Any] = {}
+    for seed in (1234, 1235):
+        for mode, extra in (("lockstep", []), ("syncer-quorum", [quorum]), ("elastic-quorum", [quorum, "elastic.enabled=true"])):
+            out = tmp / f"{mode}-{seed}"
+            s = train(out, [*common, *extra, f"train.seed={seed}"])
+            steps = s["per_site"] if isinstance(s["per_site"], list) else list(s["per_site"].values())
+            r = runs[f"{mode}-seed{seed}"] = {
+                **row(s),
+                "tokens": s["tokens"],
+                "steps": [p["steps"] for p in steps],
+                "utilization": s["utilization"],
+                "wall_seconds": s["wall_seconds"],
+            }
+            if mode == "elastic-quorum":
+                recs = [json.loads(x) for x in (out / "elastic" / "rounds-C.jsonl").read_text().splitlines() if x]
+                r.update(
+                    consistent=s["consistent"],
+                    rounds_committed=s["rounds_committed"],
+                    rounds_rolled_back=s["rounds_rolled_back"],
+                    C_late_updates=sum(1 for x in recs if x["outcome"] == "committed" and x.get("late")),
+                    C_rounds_committed=sum(1 for x in recs if x["outcome"] == "committed"),
+                )
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--only", choices=["pairs", "example-dp", "quorum-tiers", "quorum-streaming", "elastic-tiers"], default=None)
+    parts = ["pairs", "example-dp", "quorum-tiers", "quorum-streaming", "elastic-tiers", "elastic-quorum"]
+    ap.add_argument("--only", choices=parts, default=None)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
     a = ap.parse_args()
     result: dict[str, Any] = {"pairs": pairs(), "steps": a.steps}
@@ -181,6 +220,9 @@ def main() -> None:
     if a.only == "elastic-tiers":
         with tempfile.TemporaryDirectory() as tmp:
             result["elastic_tiers"] = elastic_tiers(Path(tmp), base)
+    if a.only == "elastic-quorum":
+        with tempfile.TemporaryDirectory() as tmp:
+            result["elastic_quorum"] = elastic_quorum(Path(tmp))
     if a.only is None:
         with tempfile.TemporaryDirectory() as tmp:
             runs: dict[str, dict[str, Any]] = {}
@@ -260,6 +302,7 @@ def main() -> None:
             result["quorum_tiers"] = quorum_tiers(Path(tmp))
             result["quorum_streaming"] = quorum_streaming(Path(tmp))
             result["elastic_tiers"] = elastic_tiers(Path(tmp), base)
+            result["elastic_quorum"] = elastic_quorum(Path(tmp))
         print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
         every = {
             **result["elastic_vs_lockstep"],
@@ -289,6 +332,12 @@ def main() -> None:
         print(
             f"{name:34} final eval loss {r['final_eval_loss']:.4f}, across regions {r['inter_region_bytes']:,} B, "
             f"{r['wall_seconds']:.1f} s, one model {r['one_model']}" + (f", heals {r['heals']}" if "heals" in r else "")
+        )
+    for name, r in result.get("elastic_quorum", {}).items():
+        late = f", C's late updates {r['C_late_updates']} of {r['C_rounds_committed']}" if "C_late_updates" in r else ""
+        print(
+            f"{name:34} final eval loss {r['final_eval_loss']:.4f}, tokens {r['tokens']:,}, steps per site {r['steps']}, "
+            f"utilisation {r['utilization']:.1%}, {r['inter_site_bytes']:,} B, one model {r['one_model']}{late}"
         )
     for name, r in result.get("example_dp", {}).items():
         print(f"{name:34} final eval loss {r['final_eval_loss']:.6f}, compute {r['compute_s_per_step']:.3f} s/step")

@@ -480,7 +480,10 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
             "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same step",
         ),
         (["sync.quorum={sites: 1}", "sync.codec=powersgd"], "sync.codec: not combined with sync.quorum yet"),
-        (["sync.quorum={sites: 1}", "elastic.enabled=true"], "elastic.enabled: not combined with sync.quorum yet"),
+        (
+            ["sync.quorum={sites: 1}", "elastic.enabled=true"],
+            "sync.quorum.sites: elastic rounds need more than half of the sites (2 of 2): two rounds of disjoint sites",
+        ),
         (
             ["sync.quorum={sites: 1, local_steps: dynamic}", "checkpoint.every=10"],
             "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same step",

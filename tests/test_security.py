@@ -488,6 +488,7 @@ def test_a_bug_in_a_round_stops_the_site_a_failing_store_rolls_the_round_back() 
         "rest": 0,
         "pace": 0,
         "link": "",
+        "done": False,
     }
     lines: list[str] = []
     with pytest.raises(TypeError):

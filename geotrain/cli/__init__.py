@@ -205,6 +205,10 @@ def lighthouse(
     bind: Annotated[str, typer.Option(help="HOST:PORT to listen on (a loopback, private or VPN address).")] = "127.0.0.1:29510",
     min_sites: Annotated[int, typer.Option(help="Fewest sites a round needs.")] = 1,
     heartbeat_timeout: Annotated[float, typer.Option(help="Seconds of silence before a site is dropped.")] = 2.0,
+    join_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds a round with min-sites sites waits for the others (quorum rounds: sync.quorum.grace_s)."),
+    ] = 60.0,
 ) -> None:
     """Run the membership coordinator of elastic runs (torchft's Lighthouse) in the foreground.
 
@@ -213,6 +217,7 @@ def lighthouse(
     from geotrain.elastic.lighthouse import lighthouse_main
 
     args = ["--bind", bind, "--min-sites", str(min_sites), "--heartbeat-timeout", str(heartbeat_timeout)]
+    args += ["--join-timeout", str(join_timeout)]
     raise typer.Exit(lighthouse_main(args))
 
 

@@ -204,11 +204,13 @@ class Config(Section):
                 "sync.codec",
                 "use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none",
             ),
-            (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
             (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
             (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
         ]
         _refuse(refused, "sync.quorum")
+        if self.elastic.enabled:  # quorum rounds as elastic rounds (sync/quorum_elastic.py)
+            self._elastic_quorum_fits(n)
+            return
         if self.sync.algorithm == "streaming":  # each fragment's sync a delivery (sync/quorum_streaming.py)
             s = self.sync
             streaming = [
@@ -270,9 +272,10 @@ class Config(Section):
                 "set sync.eager=false (its step applies this site's share at once, as 1/M of the average)",
             ),
             (
-                self.elastic.enabled and bool(self.train.max_seconds),
+                self.elastic.enabled and bool(self.train.max_seconds) and self.sync.quorum is None,
                 "elastic.enabled",
-                "set train.max_seconds=0 (elastic sites end on their steps or, with sync.pace=adaptive, on rounds)",
+                "set train.max_seconds=0 (elastic sites end on their steps or, with sync.pace=adaptive, on rounds; "
+                "in quorum rounds each on its own time)",
             ),
             (
                 p.dp.unit == "site",
@@ -347,6 +350,32 @@ class Config(Section):
         if self.topology.links.emulate == "kernel":
             raise ValueError("topology.links.emulate: elastic mode supports off or inprocess")
 
+    def _elastic_quorum_fits(self, n: int) -> None:
+        """Quorum rounds in elastic mode: the Lighthouse forms a round once sync.quorum.sites sites have
+        asked (docs/COMPOSE.md); what it is not combined with yet."""
+        q, s = self.sync.quorum, self.sync
+        assert q is not None
+        if q.sites <= n // 2:
+            raise ValueError(
+                f"sync.quorum.sites: elastic rounds need more than half of the sites ({n // 2 + 1} of {n}): two rounds of "
+                f"disjoint sites would commit two models (allowed: {n // 2 + 1}..{n})"
+            )
+        refused = [
+            (s.algorithm == "streaming", "sync.algorithm", "use sync.algorithm=diloco"),
+            (bool(s.region_every), "sync.region_every", "set sync.region_every=0"),
+            (s.dynamic_quorum_steps, "sync.pace" if s.pace != "lockstep" else "sync.quorum.local_steps", "use fixed local steps"),
+            (s.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
+            (bool(self.checkpoint.every), "checkpoint.every", "set checkpoint.every=0"),
+        ]
+        _refuse(refused, "elastic quorum rounds")
+
+    @property
+    def lighthouse_join_s(self) -> float:
+        """How long the Lighthouse waits for live sites that have not asked yet once a round has the
+        sites it needs: elastic quorum rounds wait sync.quorum.grace_s; other elastic rounds wait 60 s
+        (for every live site); '.inf', a day (a dead site stops beating, so it is not waited for)."""
+        return min(self.sync.quorum.grace_s, 86_400.0) if self.sync.quorum is not None and self.elastic.enabled else 60.0
+
     def quorum_hubs(self) -> list[str]:
         """The sites whose local rank 0 holds a quorum syncer: the first site, or in two tiers the
         first site of each region."""
@@ -360,8 +389,11 @@ class Config(Section):
         """The elastic section as the rounds use it: with secure aggregation a round needs 3 sites
         whatever ``elastic.min_sites`` says (a sum of two shows each site the other's update), so
         below 3 training pauses instead of every round rolling back."""
-        if self.privacy.secure_aggregation and self.elastic.min_sites < 3:
-            return self.elastic.model_copy(update={"min_sites": 3})
+        least = 3 if self.privacy.secure_aggregation else 1
+        if self.sync.quorum is not None:  # elastic quorum rounds: a round needs sync.quorum.sites sites
+            least = max(least, self.sync.quorum.sites)
+        if self.elastic.min_sites < least:
+            return self.elastic.model_copy(update={"min_sites": least})
         return self.elastic
 
     def with_algorithm(self, algorithm: str) -> Config:

@@ -74,7 +74,12 @@ class QuorumConfig(Section):
     whose update was computed from an older global model is not made to wait, and its update is
     merged later, discounted by its staleness."""
 
-    sites: int = Field(ge=1, le=100_000, description="Deliveries a round needs before it merges (at most the number of sites).")
+    sites: int = Field(
+        ge=1,
+        le=100_000,
+        description="Deliveries a round needs before it merges (at most the number of sites; elastic mode: sites in a round, "
+        "more than half of them).",
+    )
     grace_s: float = Field(
         default=0.0,
         ge=0,
@@ -178,7 +183,8 @@ class SyncConfig(Section):
         description="Asynchronous quorum rounds (DiLoCo, or each of Streaming DiLoCo's fragments): merge when quorum.sites "
         "sites have delivered, plus quorum.grace_s; late updates are merged later with a staleness discount and no site "
         "waits for the slowest one; with sync.region_every a syncer per region and world rounds among them; a final "
-        "synchronous round leaves every site bit-identical (unset: lock-step rounds).",
+        "synchronous round leaves every site bit-identical; with elastic.enabled no syncer: elastic rounds of the first "
+        "quorum.sites sites to ask (more than half), a late site's update counted in its next round (unset: lock-step rounds).",
     )
     allreduce: Literal["hierarchical", "flat"] = Field(
         default="hierarchical",

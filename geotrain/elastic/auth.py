@@ -332,6 +332,7 @@ CLAIM_TYPES: dict[str, type] = {
     "rest": int,  # rounds it still owes after this one once its steps are run
     "pace": int,  # adaptive pace: its measured compute microseconds per inner step (0: none)
     "link": str,  # sync.adapt: "CODEC|MEASURED": its codec this round, its last committed round (adapt.LINK_FIELDS; "": none)
+    "done": bool,  # it has run its steps and takes part in the others' rounds only (quorum rounds: see view.nothing_to_do)
     "eph": str,  # this round's X25519 public key (hex): the frame keys between sites come from it
 }
 

@@ -105,6 +105,11 @@ class Coordinator:
             self._back_at = time.monotonic()
             self.log("Lighthouse reachable again")
 
+    @property
+    def down(self) -> bool:
+        """Whether the Lighthouse counts as unreachable now."""
+        return self._down
+
     def _is_down(self) -> bool:
         """Down, or its heartbeats are stale (then a fresh heartbeat thread replaces a hung one)."""
         now = time.monotonic()
@@ -115,10 +120,11 @@ class Coordinator:
             self._set_down(True)
         return self._down
 
-    def quorum(self, can_postpone: bool, *, committed: int, joining: bool, data: dict[str, Any]) -> Any:
+    def quorum(self, can_postpone: bool, *, committed: int, joining: bool, data: dict[str, Any], once: bool = False) -> Any:
         """The round's quorum, advertising this site's committed-round count, round store and
         ``data`` (its global hash, step, member tag...) (None: the Lighthouse is down and the
-        round may be postponed).
+        round may be postponed; ``once``: also when one request found too few sites, so the
+        caller can look again whether it still needs a round).
 
         Raises:
             MembershipRefused: ``joining`` and no quorum within ``start_timeout_s``.
@@ -153,6 +159,8 @@ class Coordinator:
                 self._waiting_since, self._why_waiting = None, ""
                 return q
             except TimeoutError:
+                if once:
+                    return None
                 waited += self.cfg.quorum_timeout_s
                 self._why_waiting = f"fewer than elastic.min_sites={self.cfg.min_sites} live sites answer"
                 hint = oversubscribed()

@@ -11,12 +11,13 @@ are ignored one by one, never an error; each refused name is logged once (at mos
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
 from geotrain.comm.identity import Identity
 from geotrain.elastic.auth import RunKeys
-from geotrain.elastic.view import Member, members_of
+from geotrain.elastic.view import Member, RoundView, members_of
 from geotrain.errors import MembershipRefused
 
 REJECTED_LOGGED = 64
@@ -108,3 +109,23 @@ class QuorumHints:
         if len(members) > 1:
             self.authenticated_peer = True
         return members
+
+    def rendezvous(
+        self, ask: Callable[[], Any], meet_once: Callable[[], RoundView], sites: int, timeout: float, heartbeat_s: float
+    ) -> list[str]:
+        """Local rank 0 of a fresh run (:meth:`geotrain.elastic.member.SiteMember.rendezvous`): ask
+        for quorums (``ask``) until ``sites`` sites are in one (or ``timeout`` passes), then meet
+        them (or ``sites`` sites) once (``meet_once``, which raises MembershipRefused on another
+        initial model); the sites present."""
+        deadline = time.monotonic() + timeout
+        while True:
+            present = sorted(m.site for m in self.usable(ask()))
+            if len(present) >= sites or time.monotonic() > deadline:
+                break
+            time.sleep(heartbeat_s)
+        while len(present) > 1 and not (set(met := meet_once().admitted) >= set(present) or len(met) >= sites):
+            if time.monotonic() > deadline:
+                self.log("rendezvous: no meeting with every site before the first step; the first round checks")
+                break
+        self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
+        return present

@@ -62,10 +62,12 @@ START_TIMEOUT_S = 60.0
 class LighthouseProcess:
     """A Lighthouse in its own process on ``127.0.0.1:port``, restarted by :meth:`supervise` if it
     dies (on the same port). Port 0: the Lighthouse binds a port the kernel picks and reports it,
-    so no other process can take it between choosing and binding."""
+    so no other process can take it between choosing and binding. ``join_s``: how long a round
+    that has the sites it needs waits for the live sites that have not asked yet (elastic quorum
+    rounds: ``sync.quorum.grace_s``)."""
 
-    def __init__(self, port: int, cfg: ElasticConfig, log: Path) -> None:
-        self.port, self.cfg, self.log = port, cfg, log
+    def __init__(self, port: int, cfg: ElasticConfig, log: Path, join_s: float = 60.0) -> None:
+        self.port, self.cfg, self.log, self.join_s = port, cfg, log, join_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
 
@@ -83,7 +85,7 @@ class LighthouseProcess:
             "--min-sites",
             str(self.cfg.min_sites),
         ]
-        cmd += ["--heartbeat-timeout", str(self.cfg.heartbeat_timeout_s)]
+        cmd += ["--heartbeat-timeout", str(self.cfg.heartbeat_timeout_s), "--join-timeout", str(self.join_s)]
         # the Lighthouse never needs the run secret: it does not get it (a process that reads its
         # environment, or a crash dump of it, learns nothing)
         secret_vars = {"GEOTRAIN_SECRET", self.cfg.secret_env}

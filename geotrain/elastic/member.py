@@ -53,7 +53,7 @@ from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import meet
 from geotrain.elastic.records import append_record
 from geotrain.elastic.roundstore import Monitor
-from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_members, heal_source, same_initial_model
+from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_key, heal_source, same_initial_model
 from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
@@ -134,6 +134,9 @@ class SiteMember(Schedule):
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
         self._stores = roundstore.Stores(self.keys.store, self.cfg.heartbeat_timeout_s)
+        self.done = False  # this site has run its steps (it claims so)
+        self.stale_power: float | None = None  # quorum rounds: a late site's update counts, times (1 + late)^-power
+        self.world_weight = 0.0  # quorum rounds: what a round's weighted sum is divided by (every site's weight, on time)
         self._host_store, self.coordinator = cast("AuthStoreServer | None", None), cast("Coordinator | None", None)
         addr = self.cfg.lighthouse or os.environ.get("GEOTRAIN_LIGHTHOUSE", "")
         if not addr:
@@ -165,27 +168,13 @@ class SiteMember(Schedule):
         view = RoundView()
         self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # (sharded: a collective)
         if self.local == 0:
-            deadline = time.monotonic() + timeout
             try:
-                while True:
-                    q = self._quorum(can_postpone=False)
-                    members = self.hints.usable(q)
-                    present = sorted(m.site for m in members)
-                    if len(present) >= sites or time.monotonic() > deadline:
-                        break
-                    time.sleep(self.cfg.heartbeat_s)
-                while len(present) > 1:  # meet once; MembershipRefused on another initial model
-                    met = self._decide(can_postpone=False)
-                    if set(met.admitted) >= set(present):
-                        break
-                    if time.monotonic() > deadline:
-                        self.log("rendezvous: no meeting with every site before the first step; the first round checks")
-                        break
+                ask, meet_once = lambda: self._quorum(can_postpone=False), lambda: self._decide(can_postpone=False)
+                present = self.hints.rendezvous(ask, meet_once, sites, timeout, self.cfg.heartbeat_s)
             except (MembershipRefused, ElasticTimeout) as exc:
                 view = _fatal(exc)
             else:
                 self._last_members = view.admitted = present
-                self.log(f"rendezvous: {len(present)} of {sites} sites present ({', '.join(present)})")
         return self._broadcast(view).admitted
 
     def _claims(self) -> dict[str, Any]:
@@ -194,14 +183,19 @@ class SiteMember(Schedule):
         return {
             "hash": self._hash, "step": self.hooks.step(), "joining": self.joining, "committed": self.hooks.committed(),
             "store": self.coordinator.store_address, "incarnation": self.incarnation, "session": self.hints.session,
-            "part": self._part + 1, "rest": self._rest, "pace": self._pace, "link": self._link,
+            "part": self._part + 1, "rest": self._rest, "pace": self._pace, "link": self._link, "done": self.done,
         }  # fmt: skip
+
+    def _idle(self, hints: list[views.Member]) -> bool:
+        """Whether the round these quorum entries name is not worth holding (local rank 0; quorum rounds)."""
+        return False
 
     def _quorum(self, can_postpone: bool) -> Any:
         assert self.coordinator is not None  # local rank 0
         claims = self._claims()
         claims["tag"] = self.keys.member_tag(self.site, claims)
-        return self.coordinator.quorum(can_postpone, committed=claims["committed"], joining=self.joining, data=claims)
+        once = self.done and self.stale_power is not None  # quorum rounds: a finished site looks again whether it must stay
+        return self.coordinator.quorum(can_postpone, committed=claims["committed"], joining=self.joining, data=claims, once=once)
 
     def _decide(self, can_postpone: bool) -> RoundView:
         """Local rank 0: quorum (who to meet, where), authentication and claims inside the round,
@@ -210,6 +204,8 @@ class SiteMember(Schedule):
         if q is None:
             return RoundView(postponed=True)
         hints = self.hints.usable(q)
+        if self._idle(hints):  # ask again later
+            return RoundView(postponed=True)
         names = sorted(m.site for m in hints)
         if self.site not in names:  # our own request was displaced at the Lighthouse (by a replay): ask again
             return RoundView(postponed=True)
@@ -286,16 +282,11 @@ class SiteMember(Schedule):
         link: str = "",
     ) -> int | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
-        sites in place, each site weighted by ``weight`` (its tokens, or 1); the number of sites
-        that contributed. None: postponed (Lighthouse down). ``contribute=False`` (the update
-        guard withdrew it): this site sends zeros. ``codec``: what crosses sites is encoded, with
-        this rank's error feedback ``residual`` (updated only if the round commits). ``part``: the
-        part of the model ``delta`` is (-1: all, or none), ``sizes`` this rank's values of each
-        part, ``rest`` the rounds this site still owes after this one once its steps are run,
-        ``pace`` its compute microseconds per inner step (adaptive pace; 0: none), ``link`` what it
-        measured in its last committed round (sync.adapt).
-        The round sums :attr:`part`; where it is another than ``part`` (this site healed from a
-        source on another schedule), the average is in :attr:`average`, not in ``delta``.
+        sites in place, weighted (the arguments: :meth:`geotrain.sync.base.RoundMembership.round`);
+        the number of sites that contributed, None if postponed (Lighthouse down). Error feedback
+        ``residual`` changes only if the round commits. The round sums :attr:`part`; where that is
+        not ``part`` (this site healed from a source on another schedule), the average is in
+        :attr:`average`, not in ``delta``.
 
         Raises:
             RoundFailed: the round cannot commit on every participant; roll it back.
@@ -377,7 +368,9 @@ class SiteMember(Schedule):
             self.log("this site takes part in the round without an update (its steps are run, or synced in another tier)")
         elif not finite:
             self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if what.contribute else "update guard)"))
-        contributes = finite and self.site not in view.healers
+        late = views.late_by(view, self.site) if self.stale_power is not None else 0  # quorum rounds: its update counts
+        contributes = finite and (self.site not in view.healers or late > 0)
+        what.weight *= (1.0 + late) ** -(self.stale_power or 0.0) if contributes else 1.0
         lo, hi = (0, delta.numel()) if self.sharded else commit.span(delta.numel(), self.local, self.carriers)
         ring = views.tier_ring(view, self.site, self.region_of)  # two tiers: a region round's sites (None: every site)
         carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
@@ -390,7 +383,8 @@ class SiteMember(Schedule):
         outgoing = None
         if view.healed_by(self.site) and (self.local == 0 or self.sharded):
             buf = io.BytesIO()
-            torch.save(self.hooks.state(), buf)
+            only_late = self.hooks.global_state is not None and views.all_late(view, self.site)  # quorum rounds: the global part
+            torch.save(self.hooks.global_state() if only_late else self.hooks.state(), buf)  # type: ignore[misc]
             outgoing = buf.getvalue()
         round_store = SealedStore(store, self.keys, f"round/{view.round_id}", self.log)  # rendezvous and votes
         ok, why, heal_blob = torch.ones(1), "", None
@@ -410,7 +404,7 @@ class SiteMember(Schedule):
                 self._drop_group()
             else:
                 carry = commit.unmasked(self.masker, carry) if self.masker is not None and x.error is None else carry.float()
-                self._pg = (group_members(view), x.group) if x.group is not None else None
+                self._pg = (group_key(view, 1), x.group) if x.group is not None else None  # (for the next round)
                 if x.error is not None:
                     ok.zero_()
                     if isinstance(x.error, MembershipRefused) or not isinstance(x.error, ROUND_FAILURES):
@@ -421,8 +415,8 @@ class SiteMember(Schedule):
         if self.site in view.healers:  # complete: the source's state at the start of this round
             heal_blob = commit.share_in_site(heal_blob, self.local, self.G, self.intra, own=self.sharded)
             if heal_blob is not None:
-                self._load_healing(heal_blob, view.source_of(self.site))
-                if what.residual is not None:  # a healed site starts its error feedback afresh
+                self._load_healing(heal_blob, view.source_of(self.site), whole=not late)
+                if what.residual is not None and not late:  # a healed site starts its error feedback afresh
                     what.residual.tensor = None
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
         if ok.item() and self.G > 1 and not self.sharded:  # the site's ranks gather the carried parts
@@ -439,13 +433,14 @@ class SiteMember(Schedule):
             if self.local == 0:
                 self.log(f"round {view.key} rolled back: {reason} (round store {view.meeting})")
             raise RoundFailed(reason)
-        if x is not None and what.residual is not None and self.site not in view.healers:
+        if x is not None and what.residual is not None and (self.site not in view.healers or late):
             what.residual.tensor = x.residual  # the round committed: keep what its encoding left out
         total, count = (float(v) for v in carry[-TRAILER:].tolist())
         if (count < 0.5 or total <= 0) and ring is None:
             raise RoundFailed("no site contributed to the round")  # (tiers: a region of sites that healed or sat out sums 0)
-        self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(total if total > 0 else 1.0)
-        self._current.update(contributors=int(round(count)), weight=total)
+        divisor = self.world_weight or (total if total > 0 else 1.0)  # quorum rounds: a whole world round's weight
+        self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(divisor)
+        self._current.update(contributors=int(round(count)), weight=total, **({"late": late} if late else {}))
         return self._current["contributors"]
 
     def affords(self) -> bool:  # site-level DP: whether the ε budget allows one more noised update
@@ -455,7 +450,7 @@ class SiteMember(Schedule):
         self, view: RoundView, monitor: Monitor, round_store: SealedStore, carry: torch.Tensor, outgoing: bytes | None,
         what: Contribution, ring: list[str] | None,
     ) -> Exchange:  # fmt: skip
-        members = group_members(view)
+        members = group_key(view)
         if self._pg is not None and self._pg[0] != members:
             self._drop_group()  # a new membership gets a new group (a restarted site has a new store address)
         residual = what.residual.tensor if what.residual is not None else None
@@ -470,16 +465,21 @@ class SiteMember(Schedule):
             add=self.masker.add_ if self.masker is not None else None, ping=self.ping, ring=ring,
         )  # fmt: skip
 
-    def _load_healing(self, blob: bytes, source: str) -> None:
+    def _load_healing(self, blob: bytes, source: str, whole: bool = True) -> None:
         """Main thread: load the state a source sent. From now on this site holds a valid state (the
         source's at the round's start, which a rollback returns to), so it is no longer joining: it
-        can be a heal source for others even if this round fails."""
+        can be a heal source for others even if this round fails. Not ``whole`` (a late site of
+        quorum rounds): only the global part (``hooks.load_global``); its own steps go on."""
         state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-        self.hooks.load(state)
-        self.healed_at_step = int(state["step"])
+        if whole or self.hooks.load_global is None:
+            self.hooks.load(state)
+            self.healed_at_step = int(state["step"])
+        else:
+            self.hooks.load_global(state)
         self.joining = False
         if self.local == 0:
-            self.log(f"healed from {source}: {state['committed']} committed rounds, step {state['step']}")
+            what = "" if whole else " (its global model only: this site's update was late)"
+            self.log(f"healed from {source}: {state['committed']} committed rounds, step {state['step']}{what}")
 
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:
         """Record the round's outcome (after the caller applied or rolled it back): one JSON line."""

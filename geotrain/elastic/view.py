@@ -41,6 +41,7 @@ class Member:
     rest: int = 0  # rounds it still owes after this one once its steps are run (Streaming DiLoCo's last fragments)
     pace: int = 0  # adaptive pace: its measured compute microseconds per inner step (0: none)
     link: str = ""  # sync.adapt: its measurements of its last committed round ("": none)
+    done: bool = False  # it has run its steps: it takes part in the others' rounds without an update
 
 
 @dataclass
@@ -80,6 +81,8 @@ class HealHooks:
     step: Callable[[], int]
     state: Callable[[], dict[str, Any]]
     load: Callable[[dict[str, Any]], None]
+    load_global: Callable[[dict[str, Any]], None] | None = None  # quorum rounds: a late site takes the global part only
+    global_state: Callable[[], dict[str, Any]] | None = None  # quorum rounds: what a source sends sites that are all late
 
 
 def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) -> tuple[list[Member], list[str]]:
@@ -103,6 +106,7 @@ def members_of(quorum: Any, authentic: Callable[[str, dict[str, Any]], bool]) ->
             member = Member(
                 p.replica_id, p.store_address, p.step, str(data.get("hash", "")), data.get("joining") is True, inc, session
             )
+            member.done = data.get("done") is True
         except Exception:  # noqa: BLE001 - whatever a forged participant is made of
             ok = False
         if not ok:
@@ -117,7 +121,7 @@ def member_from_claims(site: str, claims: dict[str, Any]) -> Member:
     c = claims
     return Member(
         site, c["store"], c["committed"], c["hash"], c["joining"], c["incarnation"], c["session"], c["step"], c["part"] - 1,
-        c["rest"], c["pace"], c["link"],
+        c["rest"], c["pace"], c["link"], c["done"],
     )  # fmt: skip
 
 
@@ -180,6 +184,29 @@ def region_healers(
                 healing.append(m.site)
                 sources[m.site] = src
     return sorted(healing), sources
+
+
+def late_by(view: RoundView, site: str) -> int:
+    """Quorum rounds: the committed rounds ``site`` missed while alive (a healer that is not a
+    restarted site, behind its source); its update still counts, discounted. 0: not late."""
+    by = {m.site: m for m in view.members}
+    if site not in view.healers or by[site].joining:
+        return 0
+    return max(0, by[view.source_of(site)].committed - by[site].committed)
+
+
+def all_late(view: RoundView, source: str) -> bool:
+    """Quorum rounds: whether every site that heals from ``source`` this round is late (so it
+    needs only the global part of the state, :func:`late_by`)."""
+    healed = view.healed_by(source)
+    return bool(healed) and all(late_by(view, h) > 0 for h in healed)
+
+
+def nothing_to_do(members: list[Member]) -> bool:
+    """Quorum rounds: whether a round of ``members`` would change nothing: every one has run its
+    steps (none brings an update) and all hold one model (none heals). Sites that have run their
+    steps ask again until a site still training, or one to heal, is among them."""
+    return bool(members) and all(m.done and not m.joining for m in members) and len({(m.committed, m.hash) for m in members}) == 1
 
 
 def tier_ring(view: RoundView, site: str, region_of: dict[str, str] | None) -> list[str] | None:
@@ -283,8 +310,12 @@ class Schedule:
         return list(self.round_links)
 
 
-def group_members(view: RoundView) -> tuple[str, ...]:
-    """Who a round group is made of: each admitted site with its store address (a restarted site
-    has a new one, so its group is new too)."""
+def group_key(view: RoundView, rounds_later: int = 0) -> tuple[str, ...]:
+    """What a round group is for: each admitted site with its store address (a restarted site has
+    a new one, so its group is new too), and the committed rounds the round starts from (the
+    source's; ``rounds_later`` added: the key under which the next round may use it again). In
+    quorum rounds a site that sat rounds out holds an older group of the same sites, which the
+    others have replaced since."""
     stores = {m.site: m.store for m in view.members}
-    return tuple(f"{s}@{stores[s]}" for s in view.admitted)
+    start = next((m.committed for m in view.members if m.site == view.source), 0) + rounds_later
+    return (*(f"{s}@{stores[s]}" for s in view.admitted), f"from {start}")

@@ -112,7 +112,7 @@ def launch_elastic(
         address = ecfg.lighthouse
     else:
         (out / "logs").mkdir(parents=True, exist_ok=True)
-        lighthouse = LighthouseProcess(0, ecfg, out / "logs" / "lighthouse.log")  # it reports the port it bound
+        lighthouse = LighthouseProcess(0, ecfg, out / "logs" / "lighthouse.log", cfg.lighthouse_join_s)  # it reports its port
         lighthouse.start()
         address = lighthouse.address
     sites = [_Site(i, name) for i, name in enumerate(topo.site_names)]

@@ -20,13 +20,14 @@ from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import ElasticConfig
 from geotrain.elastic.commit import Masker, Noise
 from geotrain.elastic.member import SiteMember
+from geotrain.elastic.progress import QuorumMember
 from geotrain.elastic.view import HealHooks
 from geotrain.errors import MembershipRefused
 from geotrain.report.metrics import log
 from geotrain.run.checkpoint import atomic_write
 from geotrain.run.fsdp import local_tree, sharded_like
 from geotrain.run.state import RankObjects
-from geotrain.sync import ElasticTiers, OuterSync
+from geotrain.sync import ElasticQuorum, ElasticTiers, OuterSync
 
 
 def fault_file(folder: Path, site: str, step: int) -> Path:
@@ -118,7 +119,15 @@ def join_elastic(
         state=lambda: local_tree({**objs.training_state(sync.local_steps), "committed": committed()}),
         load=load,
     )
-    member = SiteMember(
+    if isinstance(sync, ElasticQuorum):  # quorum rounds: a late site heals the global part only
+        hooks.load_global = lambda state: sync.load_global_state(state["sync"])
+        hooks.global_state = lambda: local_tree({"step": sync.local_steps, "committed": committed(), "sync": sync.global_state()})
+    quorum = (
+        {"staleness_power": sync.staleness_power, "world_weight": sync.world(list(topology.workers))}
+        if isinstance(sync, ElasticQuorum)
+        else {}
+    )
+    member = (QuorumMember if quorum else SiteMember)(
         cfg,
         topology,
         where.site,
@@ -135,6 +144,7 @@ def join_elastic(
         identity=_identity(cfg, where.site, keys),
         sharded=sharded,
         tiers=tiers,
+        **quorum,
     )
     if plan is not None:
         member.faults = plan

@@ -99,7 +99,7 @@ class Placement:
     @classmethod
     def from_env(cls, cfg: Config) -> Placement:
         full = Topology.from_config(cfg.topology)
-        rejoined = cfg.sync.quorum is not None and os.environ.get("GEOTRAIN_REJOIN") == "1"
+        rejoined = cfg.sync.quorum is not None and not cfg.elastic.enabled and os.environ.get("GEOTRAIN_REJOIN") == "1"
         if not cfg.elastic.enabled and not rejoined:
             return cls(full, full, False)
         site, incarnation = elastic_env(full)
@@ -261,7 +261,7 @@ def _train(
                 scheduler.step()
         log(where, start, f"incarnation {place.incarnation}: rejoined the asynchronous rounds at version {sync.version}")
     done = int(os.environ.get("GEOTRAIN_KILLS_DONE", "0")) if place.rejoined else 0
-    inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None else None
+    inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None and not place.elastic else None
     member = None
     if place.elastic:
         launcher = ("kill", "hang")  # carried out by the launcher (tamper, split: by the member, from the plan)

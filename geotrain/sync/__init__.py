@@ -29,6 +29,7 @@ from geotrain.sync.diloco import DiLoCo
 from geotrain.sync.guard import UpdateGuard
 from geotrain.sync.outer import OuterSync
 from geotrain.sync.quorum import AsyncDiLoCo, Rejoin
+from geotrain.sync.quorum_elastic import ElasticQuorum
 from geotrain.sync.quorum_streaming import AsyncStreaming
 from geotrain.sync.reducer import SiteReducer
 from geotrain.sync.streaming import StreamingDiLoCo, fragment_count
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncDiLoCo",
     "DDP",
     "DiLoCo",
+    "ElasticQuorum",
     "ElasticTiers",
     "OuterSync",
     "Rejoin",
@@ -102,6 +104,8 @@ def build_sync(
                 outer = PacedStreaming(model, optimizer, comm, grad_clip, cfg, adaptive=cfg.pace == "adaptive")
             else:
                 outer = StreamingDiLoCo(model, optimizer, comm, grad_clip, cfg)
+        elif cfg.quorum is not None and elastic:  # quorum rounds as elastic rounds: no syncer
+            outer = ElasticQuorum(model, optimizer, comm, grad_clip, cfg)
         elif cfg.quorum is not None:  # (in two tiers too: a syncer per region, world rounds among them)
             outer = AsyncDiLoCo(model, optimizer, comm, grad_clip, cfg, rejoin)
         elif cfg.region_every:  # (elastic: both tiers' rounds are elastic rounds)
@@ -111,7 +115,7 @@ def build_sync(
                 outer = TieredDiLoCo(model, optimizer, comm, grad_clip, cfg)
         else:
             outer = DiLoCo(model, optimizer, comm, grad_clip, cfg)
-        if cfg.quorum is not None:  # the guard's outlier test is collective; the syncer leaves non-finite updates out
+        if cfg.quorum is not None and not elastic:  # the guard's outlier test is collective; the syncer leaves non-finite out
             guard = None
         outer.private, outer.guard = private, guard
         if faults is not None:

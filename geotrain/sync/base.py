@@ -77,6 +77,7 @@ class RoundMembership(Protocol):
     measured: tuple[float, float]
     average: torch.Tensor | None  # the last round's average
     split: bool  # the last round that reached its vote committed on some sites only (the next one heals them)
+    done: bool  # this site has run its steps and takes part in the others' rounds only (it says so in its claims)
 
     @property
     def retry_seconds(self) -> float:

@@ -177,7 +177,7 @@ class DiLoCo(OuterSync):
             self._next_round()
             return
         # 4. outer optimizer step with Δ as the gradient
-        outer_step_(self.outer_optimizer, self.global_params, delta)
+        self._outer(delta)
         # 5. local ← global
         for g, p in zip(self.global_params, self.local_params(), strict=True):
             p.copy_(g)
@@ -193,6 +193,10 @@ class DiLoCo(OuterSync):
         self.rounds += 1
         self._note("committed", "")
         self._next_round()
+
+    def _outer(self, delta: torch.Tensor) -> None:
+        """Step 4: the outer optimizer steps the global parameters with the round's average."""
+        outer_step_(self.outer_optimizer, self.global_params, delta)
 
     def _adapted(self, steps: int | list[int]) -> bool:
         """sync.adapt, after a committed round: measure, agree, choose (elastic mode: from the claims

@@ -153,7 +153,7 @@ class OuterSync(SyncAlgorithm):
         and all end on one model. Bounded: without other sites its rounds are its own, and a quorum
         that never forms ends in ElasticTimeout after elastic.wait_timeout_s."""
         assert self.elastic is not None
-        self.idle = True
+        self.idle = self.elastic.done = True
         target = self.local_steps  # where this site stopped: the run's steps (or the privacy budget's, the same everywhere)
         healing = 0  # rounds held after every site finished, to heal a split
         while not (finished := self.elastic.all_finished(target) and self._settled()) or self.elastic.split:
