@@ -15,7 +15,7 @@ import pytest
 from geotrain.config import CODEC_BITS, load_config
 from geotrain.plan.strategies import choose_round
 from tests.helpers import REPO, read_summary, train_cli
-from tests.test_elastic import records
+from tests.test_elastic import records, told
 
 # the 16 settings of issue 41, each loading alone on three sites of two workers
 SITES3 = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]"
@@ -174,12 +174,14 @@ def test_elastic_fsdp_int8_a_site_killed_heals_from_live_shards(tmp_path: Path) 
     one model."""
     three = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]\n"
     out = tmp_path / "run"
-    overrides = [*ELASTIC, "sync.within_site=fsdp", "sync.codec=int8", "train.steps=60", 'fault.kill=["B@30"]']
+    # B is killed 40 steps before the end: its new incarnation (two ranks, FSDP) has four rounds to come
+    # back before A and C finish on a loaded machine (at 30 of 60 it once came back too late in CI)
+    overrides = [*ELASTIC, "sync.within_site=fsdp", "sync.codec=int8", "train.steps=60", 'fault.kill=["B@20"]']
     proc = train_cli(out, [*overrides, "fault.restart_after=0.5"], three)
     s = read_summary(out)
-    assert s["survivors"] == ["A", "B", "C"] and s["consistent"] and s["hashes_agree_within_sites"]
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"] and s["hashes_agree_within_sites"], told(out)
     assert len(set(s["global_param_hash"].values())) == 1
-    assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 30
+    assert s["rounds_rolled_back"] >= 1 and s["per_site"]["B"]["started_at_step"] > 20
     healed = [r for r in records(out, "B") if "B" in r["healers"]]
     assert healed and healed[-1]["outcome"] == "committed"
     assert proc.stdout.count("healed from") >= 1

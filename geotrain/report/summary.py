@@ -37,6 +37,7 @@ def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_h
         "comm_wait_seconds": stats.comm_seconds,
         "wan_wait_seconds": stats.wan_wait_seconds,
         "eval_seconds": result["eval_seconds"],
+        "eval_seconds_before": result["eval_seconds_before"],
         "wall_seconds": result["wall_seconds"],
         "global_param_hash": global_hash,
     }
@@ -110,6 +111,7 @@ def run_summary(
         "comm_wait_seconds": sum(r["comm_wait_seconds"] for r in ranks) / n,
         "wan_wait_seconds": sum(r["wan_wait_seconds"] for r in ranks) / n,
         "eval_seconds": sum(r["eval_seconds"] for r in ranks) / n,
+        "eval_seconds_before": sum(r.get("eval_seconds_before", 0.0) for r in ranks) / n,
         "global_param_hash": hashes,
         "hashes_agree_within_sites": agree,
         **privacy,

@@ -274,6 +274,7 @@ def train_loop(
         "final_eval_loss": final,
         "compute_seconds": compute,
         "eval_seconds": evaluator.seconds,
+        "eval_seconds_before": eval_at_start,  # the evaluation before the first step (not in wall_seconds)
         "wall_seconds": time.perf_counter() - t_start,
         "peak_inter_site_bytes_per_step": clock.peak_inter,
         "final_sync_inter_site_bytes": final_sync_inter,
