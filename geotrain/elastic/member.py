@@ -169,13 +169,17 @@ class SiteMember(Schedule):
         self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # (sharded: a collective)
         if self.local == 0:
             try:
-                ask, meet_once = lambda: self._quorum(can_postpone=False), lambda: self._decide(can_postpone=False)
-                present = self.hints.rendezvous(ask, meet_once, sites, timeout, self.cfg.heartbeat_s)
+                present = self._present(sites, timeout)
             except (MembershipRefused, ElasticTimeout) as exc:
                 view = _fatal(exc)
             else:
                 self._last_members = view.admitted = present
         return self._broadcast(view).admitted
+
+    def _present(self, sites: int, timeout: float) -> list[str]:  # local rank 0: the sites present (hints.rendezvous)
+        return self.hints.rendezvous(
+            lambda: self._quorum(False), lambda: self._decide(False), sites, timeout, self.cfg.heartbeat_s
+        )
 
     def _claims(self) -> dict[str, Any]:
         """What this site holds now (local rank 0): in its quorum request, and again inside the round."""
@@ -186,15 +190,13 @@ class SiteMember(Schedule):
             "part": self._part + 1, "rest": self._rest, "pace": self._pace, "link": self._link, "done": self.done,
         }  # fmt: skip
 
-    def _idle(self, hints: list[views.Member]) -> bool:
-        """Whether the round these quorum entries name is not worth holding (local rank 0; quorum rounds)."""
+    def _idle(self, hints: list[views.Member]) -> bool:  # (local rank 0) quorum rounds: the round is not worth holding
         return False
 
-    def _quorum(self, can_postpone: bool) -> Any:
-        assert self.coordinator is not None  # local rank 0
+    def _quorum(self, can_postpone: bool, once: bool = False) -> Any:  # local rank 0 (once: Coordinator.quorum's)
+        assert self.coordinator is not None
         claims = self._claims()
         claims["tag"] = self.keys.member_tag(self.site, claims)
-        once = self.done and self.stale_power is not None  # quorum rounds: a finished site looks again whether it must stay
         return self.coordinator.quorum(can_postpone, committed=claims["committed"], joining=self.joining, data=claims, once=once)
 
     def _decide(self, can_postpone: bool) -> RoundView:

@@ -24,7 +24,7 @@ from geotrain.elastic.auth import RunKeys, SealedStore
 from geotrain.elastic.member import SiteMember, _fatal
 from geotrain.elastic.roundstore import Stores
 from geotrain.elastic.view import Member, RoundView, nothing_to_do, same_initial_model
-from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused
+from geotrain.errors import ROUND_FAILURES, ElasticTimeout
 
 
 class Progress:
@@ -129,39 +129,31 @@ class QuorumMember(SiteMember):
             own = self.coordinator.store_address
             self.progress = Progress(self.keys, self._stores, self.site, self.names, own, self.cfg.wait_timeout_s, self.log)
 
-    def rendezvous(self, sites: int, timeout: float) -> list[str]:
+    def _present(self, sites: int, timeout: float) -> list[str]:
         """Before the first step: ask for quorums until every one of the ``sites`` sites has been in
         one (a quorum holds only the first sites to ask, so rarely all), or ``timeout`` passes. Each
         site's initial model is read from its own store (its first claims, sealed with the run's
         key): another one is refused before any step, as :func:`same_initial_model` refuses it. A
         site that has committed rounds already is not compared (this site heals from it)."""
-        view = RoundView()
-        self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # (sharded: a collective)
-        if self.local == 0:
-            assert self.progress is not None
-            deadline, seen = time.monotonic() + timeout, {self.site}
-            try:
-                while len(seen) < sites and time.monotonic() < deadline:
-                    hints = self.hints.usable(self._quorum(can_postpone=False))
-                    self.progress.saw(hints)
-                    seen |= {m.site for m in hints}
-                    initial = {s: self.progress.initial(s) for s in sorted(seen - {self.site})}
-                    same_initial_model(self.site, self._hash, [Member(s, "", 0, h) for s, h in initial.items() if h is not None])
-                    time.sleep(self.cfg.heartbeat_s)
-            except (MembershipRefused, ElasticTimeout) as exc:
-                view = _fatal(exc)
-            else:
-                self._last_members = view.admitted = sorted(seen)
-                self.log(f"rendezvous: {len(seen)} of {sites} sites present ({', '.join(sorted(seen))})")
-        return self._broadcast(view).admitted
+        assert self.progress is not None
+        deadline, seen = time.monotonic() + timeout, {self.site}
+        while len(seen) < sites and time.monotonic() < deadline:
+            hints = self.hints.usable(self._quorum(can_postpone=False))
+            self.progress.saw(hints)
+            seen |= {m.site for m in hints}
+            initial = {s: self.progress.initial(s) for s in sorted(seen - {self.site})}
+            same_initial_model(self.site, self._hash, [Member(s, "", 0, h) for s, h in initial.items() if h is not None])
+            time.sleep(self.cfg.heartbeat_s)
+        self.log(f"rendezvous: {len(seen)} of {sites} sites present ({', '.join(sorted(seen))})")
+        return sorted(seen)
 
-    def _quorum(self, can_postpone: bool) -> Any:
+    def _quorum(self, can_postpone: bool, once: bool = False) -> Any:
         """A finished site's request gives up when it finds too few sites; the site then asks again
         at once unless every live site is done (a request given up stays at the Lighthouse until
         the next one replaces it, and a quorum formed with it would wait for a site that is not
         coming)."""
         while True:
-            q = super()._quorum(can_postpone)
+            q = super()._quorum(can_postpone, once=self.done)
             if q is not None or not self.done or self.progress is None or self.coordinator is None or self.coordinator.down:
                 return q
             if self.progress.all_done(self.hooks.committed(), self._hash):

@@ -119,14 +119,11 @@ def join_elastic(
         state=lambda: local_tree({**objs.training_state(sync.local_steps), "committed": committed()}),
         load=load,
     )
+    quorum: dict[str, float] = {}
     if isinstance(sync, ElasticQuorum):  # quorum rounds: a late site heals the global part only
         hooks.load_global = lambda state: sync.load_global_state(state["sync"])
         hooks.global_state = lambda: local_tree({"step": sync.local_steps, "committed": committed(), "sync": sync.global_state()})
-    quorum = (
-        {"staleness_power": sync.staleness_power, "world_weight": sync.world(list(topology.workers))}
-        if isinstance(sync, ElasticQuorum)
-        else {}
-    )
+        quorum = {"staleness_power": sync.staleness_power, "world_weight": sync.world(list(topology.workers))}
     member = (QuorumMember if quorum else SiteMember)(
         cfg,
         topology,

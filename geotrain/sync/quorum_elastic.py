@@ -44,8 +44,6 @@ from geotrain.sync.merge import DelayedNesterov
 class ElasticQuorum(DiLoCo):
     """DiLoCo whose elastic rounds are quorum rounds (see the module docstring)."""
 
-    name = "diloco"
-
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float, cfg: SyncConfig
     ) -> None:
