@@ -44,6 +44,10 @@ TINY = [
     "train.eval_batches=4",
     "train.log_every=1000",
     "optim.warmup_steps=0",
+    # no loss.png and no report.html (matplotlib's 3 s of CPU a run): tests/test_report.py and
+    # tests/test_cli_train.py turn them on
+    "report.plot=false",
+    "report.html=false",
 ]
 
 

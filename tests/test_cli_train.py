@@ -19,7 +19,7 @@ from tests.test_training import TINY
 @pytest.mark.timeout(240)
 def test_train_with_baseline_writes_table_summary_and_plot(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "geotrain", "train", "--out", str(tmp_path), "--set", "train.steps=8", "--set", "sync.H=4"]
-    args += [a for o in TINY for a in ("--set", o)]
+    args += [a for o in [*TINY, "report.plot=true"] for a in ("--set", o)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "runs side by side" in proc.stdout and "fewer inter-site bytes" in proc.stdout

@@ -156,11 +156,12 @@ def test_the_report_of_a_run_and_of_a_comparison_holds_their_own_numbers(tmp_pat
 
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["train.steps=8", "sync.H=2", "train.log_every=1", TWO]
-    pa = train_cli(a, [*common, 'fault.nan=["B@2"]', "checkpoint.every=4"])
+    pa = train_cli(a, [*common, 'fault.nan=["B@2"]', "checkpoint.every=4", "report.html=true"])
     assert f"report: {a / 'report.html'}" in " ".join(pa.stdout.split())
     three = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]"
     private = ["privacy.secure_aggregation=true", "privacy.dp.unit=site", "privacy.dp.noise_multiplier=0.01"]
     train_cli(b, [*common, three, *private])  # secure aggregation needs 3 sites
+    assert not (b / "report.html").exists() and not (b / "loss.png").exists()  # report.html and report.plot off
     page = tmp_path / "both.html"
     proc = subprocess.run(
         [sys.executable, "-m", "geotrain", "report", str(a), str(b), "--out", str(page)], capture_output=True, text=True
@@ -194,7 +195,11 @@ def test_the_report_of_a_run_and_of_a_comparison_holds_their_own_numbers(tmp_pat
 @pytest.mark.slow
 def test_the_report_of_a_1000_step_run_stays_small(tmp_path: Path) -> None:
     out = tmp_path / "long"
-    train_cli(out, ["train.steps=1000", "sync.H=50", "train.log_every=1000", "topology.links.emulate=off", TWO], timeout=280)
+    train_cli(
+        out,
+        ["train.steps=1000", "sync.H=50", "train.log_every=1000", "topology.links.emulate=off", TWO, "report.html=true"],
+        timeout=280,
+    )
     size = (out / "report.html").stat().st_size
     assert size < 3_000_000, size  # (a few hundred KB: every step's record is charted, as SVG)
     assert _read(out / "report.html").cells[("diloco", "steps")] == 1000

@@ -190,6 +190,11 @@ class ReportConfig(Section):
     html: bool = Field(
         default=True, description="Write OUT/report.html at the end of geotrain train (geotrain report makes one for any runs)."
     )
+    plot: bool = Field(
+        default=True,
+        description="Write OUT/loss.png at the end of geotrain train (off: no matplotlib work, for scripted runs that read "
+        "summary.json only).",
+    )
     tracker: Literal["none", "mlflow", "wandb"] = Field(
         default="none",
         description="Log per-step metrics, the config and the final summary from each site's first rank to an experiment "

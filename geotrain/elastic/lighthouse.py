@@ -11,6 +11,8 @@ production: systemd or Kubernetes with restart=always, on a machine of its own).
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import os
 import signal
 import subprocess
@@ -18,15 +20,36 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from geotrain.comm.procs import die_with_parent
-from geotrain.config import ElasticConfig
+
+if TYPE_CHECKING:
+    from geotrain.config import ElasticConfig
+
+
+def _lighthouse_server() -> Any:
+    """torchft's ``LighthouseServer`` from its compiled extension alone. ``torchft/__init__.py``
+    imports torch, 1.5 s of CPU at each start of a process that never uses it (the Rust server
+    does not); where the extension is not where torchft's own package keeps it, the public import."""
+    spec = importlib.util.find_spec("torchft")  # finds the package without running its __init__
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = Path(folder) / f"_torchft{suffix}"
+            if path.exists():
+                ext = importlib.util.spec_from_file_location("torchft._torchft", path)
+                if ext is not None and ext.loader is not None:
+                    module = importlib.util.module_from_spec(ext)
+                    ext.loader.exec_module(module)
+                    return module.LighthouseServer
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer
 
 
 def lighthouse_main(argv: list[str] | None = None) -> int:
     """``python -m geotrain.elastic.lighthouse --bind 127.0.0.1:PORT ...``: run a Lighthouse until SIGTERM."""
-    from torchft.coordination import LighthouseServer
-
+    LighthouseServer = _lighthouse_server()  # noqa: N806 (a class)
     ap = argparse.ArgumentParser(prog="geotrain lighthouse", description="geotrain's membership coordinator (torchft Lighthouse)")
     ap.add_argument("--bind", required=True, help="HOST:PORT (use a loopback or private address)")
     ap.add_argument("--min-sites", type=int, default=1)
