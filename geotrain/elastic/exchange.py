@@ -65,7 +65,7 @@ class Exchange:
         outgoing: the source's serialised state for the healers (the source only).
         heals: this rank takes part in healing (local rank 0: the state crosses once per site).
         add: how the ring adds a received chunk (secure aggregation: int32 mod 2^32; default fp32).
-        ping: first time two one-float hops around the ring (``sync.adapt``'s round trip; :attr:`ping_s`).
+        ping: first time a round trip to the next site of the ring (``sync.adapt``'s; :attr:`ping_s`).
         codec: encode what crosses sites (None: fp32); with ``error_feedback``, ``residual`` (this
             rank's, or None) is added before encoding and the new one is left in
             :attr:`residual` for the main thread to keep if the round commits.
@@ -299,13 +299,17 @@ class Exchange:
             self._send_recv(chunks[(i - s) % n], nxt, chunks[(i - s - 1) % n], prv)
 
     def _ping(self) -> None:
-        """sync.adapt: two one-float hops around the ring, back to back, timed (the second cannot
-        leave before the first arrived: at least one round trip for the site that started last)."""
+        """sync.adapt: a round trip to the next site of the ring, timed. A one-float ping goes to
+        the next site, then each site echoes the ping it got back to the site it came from; the echo
+        leaves only once the ping has arrived, so every site's time holds at least one round trip
+        on its link to the next site (plus, for a site that started early, its wait for the others).
+        Two hops the same way round did not: with three sites or more, the second message from the
+        site before could leave before the one that started last had sent anything."""
         i = self.ring.index(self.site)
-        one, got = torch.zeros(1), torch.zeros(1)
+        one, got, echo = torch.zeros(1), torch.zeros(1), torch.zeros(1)
         t = time.perf_counter()
-        for _ in range(2):
-            self._send_recv(one, self._rank(i + 1), got, self._rank(i - 1))
+        self._send_recv(one, self._rank(i + 1), got, self._rank(i - 1))  # ping forward
+        self._send_recv(got, self._rank(i - 1), echo, self._rank(i + 1))  # echo back
         self.ping_s = time.perf_counter() - t
 
     def _heal(self) -> None:
