@@ -56,10 +56,12 @@ class Coordinator:
         self._start_heartbeat()
 
     def _connect(self) -> Any:
-        from torchft.coordination import LighthouseClient
+        from geotrain.elastic.lighthouse import torchft_native
 
         try:
-            return LighthouseClient(self.lighthouse, connect_timeout=timedelta(seconds=self.cfg.heartbeat_timeout_s))
+            return torchft_native().LighthouseClient(
+                self.lighthouse, connect_timeout=timedelta(seconds=self.cfg.heartbeat_timeout_s)
+            )
         except Exception as exc:
             raise CoordinatorDown(str(exc).splitlines()[0]) from None
 

@@ -28,28 +28,32 @@ if TYPE_CHECKING:
     from geotrain.config import ElasticConfig
 
 
-def _lighthouse_server() -> Any:
-    """torchft's ``LighthouseServer`` from its compiled extension alone. ``torchft/__init__.py``
-    imports torch, 1.5 s of CPU at each start of a process that never uses it (the Rust server
-    does not); where the extension is not where torchft's own package keeps it, the public import."""
+def torchft_native() -> Any:
+    """torchft's compiled extension (``LighthouseServer``, ``LighthouseClient``), loaded alone.
+    ``torchft/__init__.py`` imports torch and torchft's Python modules: 1.5 s of CPU in a Lighthouse
+    process that never uses them, 0.4 s in each rank (its torch is loaded already). Where the
+    extension is not where torchft's own package keeps it: the public import. Loaded once per
+    process (it is then ``sys.modules["torchft._torchft"]``, which torchft's own import reuses)."""
+    if "torchft._torchft" in sys.modules:
+        return sys.modules["torchft._torchft"]
     spec = importlib.util.find_spec("torchft")  # finds the package without running its __init__
     for folder in (spec.submodule_search_locations or []) if spec else []:
         for suffix in importlib.machinery.EXTENSION_SUFFIXES:
             path = Path(folder) / f"_torchft{suffix}"
-            if path.exists():
-                ext = importlib.util.spec_from_file_location("torchft._torchft", path)
-                if ext is not None and ext.loader is not None:
-                    module = importlib.util.module_from_spec(ext)
-                    ext.loader.exec_module(module)
-                    return module.LighthouseServer
-    from torchft.coordination import LighthouseServer
+            ext = importlib.util.spec_from_file_location("torchft._torchft", path) if path.exists() else None
+            if ext is not None and ext.loader is not None:
+                module = importlib.util.module_from_spec(ext)
+                ext.loader.exec_module(module)
+                sys.modules["torchft._torchft"] = module
+                return module
+    import torchft.coordination
 
-    return LighthouseServer
+    return torchft.coordination
 
 
 def lighthouse_main(argv: list[str] | None = None) -> int:
     """``python -m geotrain.elastic.lighthouse --bind 127.0.0.1:PORT ...``: run a Lighthouse until SIGTERM."""
-    LighthouseServer = _lighthouse_server()  # noqa: N806 (a class)
+    LighthouseServer = torchft_native().LighthouseServer  # noqa: N806 (a class)
     ap = argparse.ArgumentParser(prog="geotrain lighthouse", description="geotrain's membership coordinator (torchft Lighthouse)")
     ap.add_argument("--bind", required=True, help="HOST:PORT (use a loopback or private address)")
     ap.add_argument("--min-sites", type=int, default=1)
