@@ -12,9 +12,13 @@ The statistic is the median over repetitions of the launch's wall time, from ``l
 call to its return (start, rendezvous, 4 steps, evaluation, summary).
 
 The same run through the command line, ``python -m geotrain train`` from the interpreter's start
-to its exit (outputs and plot included), in two ways, also rotating:
+to its exit (outputs and plot included), in three ways, also rotating, with the CPU seconds of
+the whole process tree (the launcher's children's, each process reaped by its parent):
 
-- ``cli``: the launcher starts the zygote before its own checks, so their imports overlap;
+- ``cli``: the launcher imports torch and forks itself into the zygote before its own checks,
+  which then overlap the zygote's import of the worker (since 2026-11-27);
+- ``cli, fresh zygote``: ``GEOTRAIN_ZYGOTE_FORK=0``, the zygote is a fresh interpreter started
+  before the checks, so it imports torch a second time (2026-11-26 to 27);
 - ``cli, zygote after checks``: ``GEOTRAIN_ZYGOTE_EARLY=0``, the zygote starts with the first rank
   (as before 2026-11-26).
 
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -54,7 +59,12 @@ RUN = [
     "run.baseline=none",
 ]
 MODES = ("fresh", "forked, zygote starting", "forked")
-CLI_MODES = ("cli", "cli, zygote after checks")
+CLI_MODES = ("cli", "cli, fresh zygote", "cli, zygote after checks")
+CLI_ENV = {
+    "cli": {"GEOTRAIN_ZYGOTE_EARLY": "1", "GEOTRAIN_ZYGOTE_FORK": "1"},
+    "cli, fresh zygote": {"GEOTRAIN_ZYGOTE_EARLY": "1", "GEOTRAIN_ZYGOTE_FORK": "0"},
+    "cli, zygote after checks": {"GEOTRAIN_ZYGOTE_EARLY": "0", "GEOTRAIN_ZYGOTE_FORK": "1"},
+}
 
 
 def launch(mode: str, out: Path) -> float:
@@ -68,14 +78,17 @@ def launch(mode: str, out: Path) -> float:
     return elapsed
 
 
-def launch_cli(mode: str, out: Path) -> float:
+def launch_cli(mode: str, out: Path) -> tuple[float, float]:
+    """The wall and CPU seconds (user + system, the whole process tree) of one ``geotrain train``."""
     cmd = [sys.executable, "-m", "geotrain", "train", "--out", str(out), *(x for o in RUN for x in ("--set", o))]
-    env = {**os.environ, "GEOTRAIN_ZYGOTE_EARLY": "0" if mode == "cli, zygote after checks" else "1"}
+    env = {**os.environ, **CLI_ENV[mode]}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     elapsed = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert json.loads((out / "summary.json").read_text())["runs"][0]["steps"] == 4
-    return elapsed
+    return elapsed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def table(times: dict[str, list[float]], base: str) -> dict[str, float]:
@@ -100,13 +113,18 @@ def main() -> None:
                 times[mode].append(launch(mode, Path(tmp) / f"{rep}-{i}"))
         spawn.stop_zygote()
         cli: dict[str, list[float]] = {m: [] for m in CLI_MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in CLI_MODES}
         for rep in range(args.reps):
             for i in range(len(CLI_MODES)):
                 mode = CLI_MODES[(rep + i) % len(CLI_MODES)]
-                cli[mode].append(launch_cli(mode, Path(tmp) / f"cli-{rep}-{i}"))
+                wall, used = launch_cli(mode, Path(tmp) / f"cli-{rep}-{i}")
+                cli[mode].append(wall)
+                cpu[mode].append(used)
     median = table(times, "fresh")
     print()
     cli_median = table(cli, "cli, zygote after checks")
+    print("\nCPU seconds of the process tree")
+    cpu_median = table(cpu, "cli, zygote after checks")
     if args.json:
         result = {
             "run": RUN,
@@ -119,6 +137,8 @@ def main() -> None:
             "cli_seconds": cli,
             "cli_median_s": cli_median,
             "cli_ratio": cli_median["cli"] / cli_median["cli, zygote after checks"],
+            "cli_cpu_seconds": cpu,
+            "cli_cpu_median_s": cpu_median,
         }
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -305,10 +305,10 @@ def test_a_run_measures_the_link_and_follows_a_10x_slowdown_with_the_planners_ch
     choice is the planner formula's answer for the link measured in that round, the measurement is
     the configured link, and the slowdown is followed within 2 rounds."""
     after_s, lo, hi, target = 6.0, 2, 400, 0.5
-    cfg, s, log = _slowdown_run(
+    cfg, s, log = _slowdown_run(  # 2,000 steps: here about 5 rounds before the slowdown and 5 after
         tmp_path,
         after_s,
-        3000,
+        2000,
         [
             "topology.links.inter.bandwidth_bps=1e6",
             "topology.links.inter.latency_s=0.02",

@@ -36,7 +36,8 @@ def test_overhead_and_launch_start_scripts_run(tmp_path: Path) -> None:
     r = _run("launch_start.py", ["--reps", "1"], tmp_path / "launch.json")
     assert set(r["median_s"]) == {"fresh", "forked, zygote starting", "forked"}
     assert all(len(v) == 1 and r["median_s"][k] == v[0] > 0 for k, v in r["seconds"].items())  # one rep: its median
-    assert set(r["cli_median_s"]) == {"cli", "cli, zygote after checks"}
+    assert set(r["cli_median_s"]) == set(r["cli_cpu_median_s"]) == {"cli", "cli, fresh zygote", "cli, zygote after checks"}
+    assert all(r["cli_cpu_median_s"][k] > 0 for k in r["cli_cpu_median_s"])  # the tree's CPU: launcher, zygote, ranks
     assert r["cli_ratio"] == pytest.approx(r["cli_median_s"]["cli"] / r["cli_median_s"]["cli, zygote after checks"])
 
 

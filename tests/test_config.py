@@ -200,13 +200,17 @@ def _ticks() -> float:
 
 def _zygotes_since(t0: float, tag: str) -> list[int]:
     """Live (not zombie) zygote processes started at or after ``t0`` (:func:`_ticks`) whose
-    environment holds ``tag`` (``NAME=value``)."""
+    environment holds ``tag`` (``NAME=value``): a fresh interpreter by its command line, one
+    forked from the launcher by its name."""
     found = []
     for d in Path("/proc").iterdir():
         try:
             if (
                 d.name.isdigit()
-                and b"geotrain.launch.zygote" in (d / "cmdline").read_bytes()
+                and (
+                    b"geotrain.launch.zygote" in (d / "cmdline").read_bytes()
+                    or (d / "comm").read_text().strip() == "geotrain-zygote"
+                )
                 and tag.encode() in (d / "environ").read_bytes().split(b"\0")
             ):
                 fields = (d / "stat").read_text().rsplit(") ", 1)[1].split()

@@ -80,6 +80,13 @@ def listening_store(host: str, timeout_s: float) -> Any:
     return store
 
 
+def name_process(name: str) -> None:
+    """Set the name ``ps``, ``top`` and ``/proc/PID/comm`` show for this process (at most 15
+    bytes): a process forked from another keeps that one's command line."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 def die_with_parent() -> None:
     """Called first thing in a worker started by this launcher (GEOTRAIN_PARENT_PID set): ask the
     kernel to SIGKILL this process when the launcher dies, and exit if it already has."""

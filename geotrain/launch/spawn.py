@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -123,21 +124,80 @@ class RankProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class _Zygote:
-    """The launcher's end of its zygote: spawn requests, signals, and a thread that records exits."""
+class _ForkedZygote:
+    """A zygote forked from the launcher itself: the part of :class:`subprocess.Popen` that
+    :class:`_Zygote` uses (its exit is awaited on a pidfd, not polled)."""
 
-    def __init__(self, preload: Sequence[str] = ()) -> None:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                os.close(self._pidfd)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None and not select.select([self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("zygote", timeout or 0.0)
+        code = self.poll()
+        while code is None:  # readable: it has exited, and waitpid returns at once
+            select.select([self._pidfd], [], [], None)
+            code = self.poll()
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork_zygote(theirs: socket.socket, ours: socket.socket, preload: Sequence[str]) -> _ForkedZygote:
+    """Fork this launcher into its zygote: the torch it imported is shared, not imported again
+    (1.5-2 s of CPU a run). Only while the launcher has one thread, so the fork copies a quiet
+    process, as the zygote's own forks do."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            from geotrain.comm.procs import name_process
+            from geotrain.launch import zygote
+
+            name_process("geotrain-zygote")  # its command line is the launcher's
+            ours.close()
+            os.setsid()  # Ctrl-C reaches the launcher, which stops the ranks
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            os.environ.pop("GEOTRAIN_PARENT_PID", None)
+            zygote.become(theirs, preload)
+        finally:
+            os._exit(1)  # become() never returns; an exception before it: the launcher sees the socket close
+    return _ForkedZygote(pid)
+
+
+class _Zygote:
+    """The launcher's end of its zygote: spawn requests, signals, and a thread that records exits.
+    ``fork``: fork this process (torch imported, one thread) instead of starting an interpreter."""
+
+    def __init__(self, preload: Sequence[str] = (), fork: bool = False) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {k: v for k, v in os.environ.items() if k != "GEOTRAIN_PARENT_PID"}
-        env.setdefault("OMP_NUM_THREADS", "1")  # OpenMP reads it once, when torch loads: as each rank had it
+        self.proc: subprocess.Popen[bytes] | _ForkedZygote
         with theirs:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "geotrain.launch.zygote", str(theirs.fileno()), *preload],
-                pass_fds=[theirs.fileno()],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # Ctrl-C reaches the launcher, which stops the ranks
-            )
+            if fork:
+                self.proc = _fork_zygote(theirs, ours, preload)
+            else:
+                env = {k: v for k, v in os.environ.items() if k != "GEOTRAIN_PARENT_PID"}
+                env.setdefault("OMP_NUM_THREADS", "1")  # OpenMP reads it once, when torch loads: as each rank had it
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "geotrain.launch.zygote", str(theirs.fileno()), *preload],
+                    pass_fds=[theirs.fileno()],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # Ctrl-C reaches the launcher, which stops the ranks
+                )
         self.sock = ours
         self._exits: dict[int, int] = {}
         self._replies: list[dict[str, Any]] = []
@@ -203,13 +263,13 @@ _zygote: _Zygote | None = None
 _zygote_lock = threading.Lock()
 
 
-def _the_zygote(preload: Sequence[str] = ()) -> _Zygote:
+def _the_zygote(preload: Sequence[str] = (), fork: bool = False) -> _Zygote:
     """This process's zygote, started on first use and again if it has died (``preload``: modules
-    it imports on top, when this call starts it)."""
+    it imports on top, when this call starts it; ``fork``: by forking this process)."""
     global _zygote
     with _zygote_lock:
         if _zygote is None or not _zygote.alive():
-            _zygote = _Zygote(preload)
+            _zygote = _Zygote(preload, fork)
         return _zygote
 
 
@@ -239,17 +299,37 @@ def zygote_pid() -> int | None:
     return z.proc.pid if z is not None and z.alive() else None
 
 
+def _one_thread() -> bool:
+    """Whether this process has one thread, as Python and the kernel count them (and has pidfds,
+    to await a forked zygote's exit): then forking it copies a quiet process."""
+    try:
+        return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1 and hasattr(os, "pidfd_open")
+    except OSError:  # no /proc
+        return False
+
+
 def prestart_zygote(backend: str, preload: Sequence[str] = ()) -> None:
     """Start the zygote now, when this run's ranks will be forked whatever torch says (Gloo, or
     ``auto`` on a machine with no GPU device node), so that its imports overlap the launcher's own
-    checks, which import torch too (``preload``: modules it imports on top, such as
+    checks (``preload``: modules it imports on top, such as
     :data:`~geotrain.launch.zygote.HF_PRELOAD` for a Hugging Face model). A launcher that then
-    refuses its config calls :func:`stop_zygote` with ``now=True``. ``GEOTRAIN_ZYGOTE_EARLY=0`` in
-    the environment turns this off (``benchmarks/launch_start.py`` measures the difference)."""
+    refuses its config calls :func:`stop_zygote` with ``now=True``.
+
+    A launcher that has one thread so far (the ``geotrain`` command, before its checks) imports
+    torch, which its checks and stores need anyway, and forks itself into the zygote, which then
+    imports only the worker and ``torch._dynamo``; otherwise the zygote is a fresh interpreter.
+    In the environment, ``GEOTRAIN_ZYGOTE_EARLY=0`` turns this off (the zygote starts with the
+    first rank) and ``GEOTRAIN_ZYGOTE_FORK=0`` makes the zygote a fresh interpreter
+    (``benchmarks/launch_start.py`` measures the differences)."""
     if os.environ.get("GEOTRAIN_ZYGOTE_EARLY") == "0":
         return
     if backend == "gloo" or (backend == "auto" and not any(os.path.exists(d) for d in GPU_DEVICE_NODES)):
-        _the_zygote(preload)
+        fork = os.environ.get("GEOTRAIN_ZYGOTE_FORK") != "0" and _one_thread()
+        if fork:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")  # OpenMP reads it once, when torch loads: as each rank had it
+            import torch  # noqa: F401 - shared with the zygote from here on
+
+        _the_zygote(preload, fork)
 
 
 def forks_ranks(backend: str) -> bool:

@@ -37,9 +37,10 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
-from geotrain.comm.procs import enter_netns, leave
+from geotrain.comm.procs import enter_netns, leave, name_process
 
 WORKER = "geotrain.run.worker"
 # imported once for every rank: the worker (torch, torch.distributed, geotrain) and torch._dynamo,
@@ -123,6 +124,7 @@ def run_rank(request: dict[str, Any]) -> int:
     """In the forked child: a session of its own, output to the launcher's pipe, the rank's
     environment, then the worker's ``main`` as ``python -m geotrain.run.worker`` would run it."""
     os.setsid()
+    name_process("geotrain-rank")
     out = request["out_fd"]
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -143,11 +145,19 @@ def run_rank(request: dict[str, Any]) -> int:
 
 
 def main() -> int:
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    become(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
+    return 0  # not reached
+
+
+def become(sock: socket.socket, extra: Sequence[str]) -> None:
+    """Be the zygote on ``sock`` from here on, in a fresh interpreter (:func:`main`) or in a
+    launcher's forked child (:func:`geotrain.launch.spawn.prestart_zygote`); never returns.
+    ``extra``: modules to import on top of :data:`PRELOAD` (a missing one: the rank that needs it
+    says so itself)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops the ranks
     for name in PRELOAD:
         importlib.import_module(name)
-    for name in sys.argv[2:]:  # optional extras (HF_PRELOAD): a rank that needs a missing one says so itself
+    for name in extra:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     request = serve(sock)
@@ -155,7 +165,6 @@ def main() -> int:
         os._exit(0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     leave(run_rank(request))  # success or failure, no teardown: see leave()
-    return 0  # not reached
 
 
 if __name__ == "__main__":
