@@ -8,6 +8,7 @@ Torch is imported only once the config is valid, so bad input is rejected fast.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -357,13 +358,17 @@ def main() -> None:
     processes and threads by then, and tearing down torch's modules costs a launcher 0.6 s of CPU."""
     from geotrain.comm.procs import leave
 
+    code: int | None = 0
     try:
         app()
     except SystemExit as exc:
         if exc.code is not None and not isinstance(exc.code, int):
             raise  # a message to print: the interpreter prints it
-        leave(exc.code or 0)
-    leave(0)
+        code = exc.code
+    spawn = sys.modules.get("geotrain.launch.spawn")
+    if spawn is not None:  # its ranks are done: stop and reap the zygote (it would exit with us anyway)
+        spawn.stop_zygote()
+    leave(code or 0)
 
 
 if __name__ == "__main__":
