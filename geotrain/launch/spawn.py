@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -173,8 +174,10 @@ def _fork_zygote(theirs: socket.socket, ours: socket.socket, preload: Sequence[s
             os.close(null)
             os.environ.pop("GEOTRAIN_PARENT_PID", None)
             zygote.become(theirs, preload)
+        except BaseException:  # noqa: BLE001 - its last word, on the launcher's stderr
+            traceback.print_exc()
         finally:
-            os._exit(1)  # become() never returns; an exception before it: the launcher sees the socket close
+            os._exit(1)  # become() never returns; after an exception the launcher sees the socket close
     return _ForkedZygote(pid)
 
 

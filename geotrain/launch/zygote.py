@@ -7,7 +7,8 @@ at once and shares those pages with its siblings.
 
 Run as ``python -m geotrain.launch.zygote FD [MODULE ...]`` (modules to import on top, such as
 :data:`HF_PRELOAD`) by :mod:`geotrain.launch.spawn`, which holds the
-other end of the Unix ``SOCK_SEQPACKET`` socket ``FD``. One message each way:
+other end of the Unix ``SOCK_SEQPACKET`` socket ``FD``; or, in the ``geotrain`` command, a fork of
+the launcher that has imported torch calls :func:`become`. One message each way:
 
 - launcher -> zygote: ``{"spawn": {"argv", "env", "netns"}}`` with the write end of the rank's
   output pipe attached (SCM_RIGHTS); ``{"signal": [pid, signum]}``.
