@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from geotrain.comm.procs import name_process
 from geotrain.comm.topology import Topology
 from geotrain.errors import LaunchError
 from geotrain.launch.zygote import MAX_MESSAGE, WORKER, send
@@ -143,13 +144,12 @@ class _ForkedZygote:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.poll() is None and not select.select([self._pidfd], [], [], timeout)[0]:
-            raise subprocess.TimeoutExpired("zygote", timeout or 0.0)
-        code = self.poll()
-        while code is None:  # readable: it has exited, and waitpid returns at once
-            select.select([self._pidfd], [], [], None)
-            code = self.poll()
-        return code
+        if self.poll() is None and timeout is not None and not select.select([self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("zygote", timeout)
+        if self.returncode is None:  # it has exited (the pidfd is readable), or no bound was asked for
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            os.close(self._pidfd)
+        return self.returncode
 
     def kill(self) -> None:
         if self.poll() is None:
@@ -163,7 +163,6 @@ def _fork_zygote(theirs: socket.socket, ours: socket.socket, preload: Sequence[s
     pid = os.fork()
     if pid == 0:
         try:
-            from geotrain.comm.procs import name_process
             from geotrain.launch import zygote
 
             name_process("geotrain-zygote")  # its command line is the launcher's
