@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +81,27 @@ def train_args(out: Path, overrides: list[str], topology: str | None = None) -> 
     return args
 
 
+# GEOTRAIN_TEST_SUBPROCESS=1: train_cli runs every ``geotrain train`` as a process of its own
+IN_PROCESS = os.environ.get("GEOTRAIN_TEST_SUBPROCESS") != "1"
+
+
 def train_cli(
     out: Path, overrides: list[str], topology: str | None = None, expect_rc: int = 0, timeout: float = 220
 ) -> subprocess.CompletedProcess[str]:
-    """``geotrain train`` in a subprocess (:func:`train_args`). Asserts the exit code."""
+    """``geotrain train`` with :func:`train_args`' command line; asserts the exit code.
+
+    By default the command runs in this test process (:func:`_in_process`): its ranks, Lighthouse
+    and sites are still processes of their own, forked from this process's zygote, which is
+    started once and kept, as :mod:`geotrain.api` keeps it. That spares each run the launcher's
+    and the zygote's imports (about 4 s of CPU of a 2x2 run's 6 s: ``benchmarks/launch_start.py``).
+    The tests of the command's own process (``tests/test_cli_train.py``, ``test_launch.py``, the
+    killed launcher) start it as a process, and so does every run here with
+    GEOTRAIN_TEST_SUBPROCESS=1."""
     args = train_args(out, overrides, topology)
+    if IN_PROCESS:
+        proc = _in_process(args, timeout)
+        assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         try:
             stdout, stderr = p.communicate(timeout=timeout)
@@ -94,6 +113,44 @@ def train_cli(
     proc = subprocess.CompletedProcess(args, p.returncode, stdout, stderr)
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _in_process(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` (``python -m geotrain ...``) as the ``geotrain`` command would, in this process:
+    its output captured, its exit code returned, and this process's environment restored after
+    (an elastic launcher puts the run's secret there for its sites). Past ``timeout`` the run is
+    interrupted as by Ctrl-C: the launcher stops every process it started and exits 130."""
+    from typer.main import get_command
+
+    from geotrain.cli import app
+
+    env = dict(os.environ)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    fired = threading.Event()
+
+    def interrupt() -> None:
+        fired.set()
+        _thread.interrupt_main()
+
+    timer = threading.Timer(timeout, interrupt)
+    timer.start()
+    code: Any = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = get_command(app).main(args=args[3:], prog_name="geotrain", standalone_mode=False)
+            except SystemExit as exc:
+                code = exc.code
+    except KeyboardInterrupt:
+        if not fired.is_set():
+            raise
+    finally:
+        timer.cancel()
+        os.environ.clear()
+        os.environ.update(env)
+    if fired.is_set():
+        raise AssertionError(f"timed out after {timeout}s:\n{stdout.getvalue()[-4000:]}{stderr.getvalue()[-2000:]}")
+    return subprocess.CompletedProcess(args, code or 0, stdout.getvalue(), stderr.getvalue())
 
 
 def _kill_run(out: Path, launcher: subprocess.Popen[str]) -> None:

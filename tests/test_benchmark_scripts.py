@@ -29,10 +29,15 @@ def _run(script: str, args: list[str], out: Path, timeout: float = 240) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_overhead_and_launch_start_scripts_run(tmp_path: Path) -> None:
+def test_overhead_script_runs(tmp_path: Path) -> None:
     r = _run("overhead.py", ["--steps", "3", "--reps", "1"], tmp_path / "overhead.json")
     assert r["geotrain_median"] > 0 and r["plain_median"] > 0  # (positive: the script times something)
     assert r["overhead"] == pytest.approx(r["geotrain_median"] / r["plain_median"] - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launch_start_script_runs(tmp_path: Path) -> None:
     r = _run("launch_start.py", ["--reps", "1"], tmp_path / "launch.json")
     assert set(r["median_s"]) == {"fresh", "forked, zygote starting", "forked"}
     assert all(len(v) == 1 and r["median_s"][k] == v[0] > 0 for k, v in r["seconds"].items())  # one rep: its median
