@@ -93,7 +93,8 @@ def train_cli(
     By default the command runs in this test process (:func:`_in_process`): its ranks, Lighthouse
     and sites are still processes of their own, forked from this process's zygote, which is
     started once and kept, as :mod:`geotrain.api` keeps it. That spares each run the launcher's
-    and the zygote's imports (about 4 s of CPU of a 2x2 run's 6 s: ``benchmarks/launch_start.py``).
+    import of torch and the zygote's of the worker and ``torch._dynamo``, about 4 s of CPU of the
+    6.75 s that a tiny 2x2 run of the command costs (``benchmarks/results/launch_start.json``).
     The tests of the command's own process (``tests/test_cli_train.py``, ``test_launch.py``, the
     killed launcher) start it as a process, and so does every run here with
     GEOTRAIN_TEST_SUBPROCESS=1."""
