@@ -15,9 +15,10 @@ from geotrain.errors import LaunchError
 from geotrain.launch.local import launch_local
 from tests.helpers import PLAIN_SGD, TINY, run_ranks
 
-# timing-sensitive runs (relative speeds, time limits, measured links): the test command runs them
-# after the others, one at a time, with no other test loading the machine
-pytestmark = pytest.mark.timing
+# timing-sensitive runs (relative speeds, time limits, measured links) are marked `timing`: the test
+# command runs them after the others, one at a time, with no other test loading the machine; the
+# equalities (H=1 DiLoCo == DDP, H2=H1 tiers == flat, collectives == torch) run with the others
+TIMING = pytest.mark.timing
 
 UNEQUAL = "topology.sites=[{name: A, workers: 3}, {name: B, workers: 2}, {name: C, workers: 1}]"
 ONE_SITE = "topology.sites=[{name: A, workers: 6}]"
@@ -122,6 +123,7 @@ def test_unequal_sites_diloco_h1_plain_sgd_equals_ddp(tmp_path: Path) -> None:
     assert any(not torch.allclose(eq_w[k], one_w[k], rtol=1e-5, atol=1e-6) for k in one_w)
 
 
+@TIMING
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Path) -> None:
@@ -156,6 +158,7 @@ def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Pa
     assert ad["final_eval_loss"] < ad["eval_curve"][0]["eval_loss"]
 
 
+@TIMING
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_adaptive_rounds_checkpoint_at_round_boundaries_and_resume_on_the_measured_pace(tmp_path: Path) -> None:
@@ -187,6 +190,7 @@ def test_adaptive_rounds_checkpoint_at_round_boundaries_and_resume_on_the_measur
     assert len(set(resumed["global_param_hash"].values())) == 1 and resumed["hashes_agree_within_sites"]
 
 
+@TIMING
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_streaming_with_adaptive_pace_ends_each_slot_with_one_fragment_and_resumes_on_the_measured_pace(
@@ -218,6 +222,7 @@ def test_streaming_with_adaptive_pace_ends_each_slot_with_one_fragment_and_resum
     assert len(set(resumed["global_param_hash"].values())) == 1 and resumed["hashes_agree_within_sites"]
 
 
+@TIMING
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> None:
@@ -292,6 +297,7 @@ def test_tiers_with_h2_equal_to_h1_are_flat_diloco_and_cut_slow_tier_bytes(tmp_p
     assert len(set(losses.values())) == 3, losses  # three different arrangements
 
 
+@TIMING
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiers_with_adaptive_pace_weigh_each_site_by_its_own_steps(tmp_path: Path) -> None:
@@ -311,6 +317,7 @@ def test_tiers_with_adaptive_pace_weigh_each_site_by_its_own_steps(tmp_path: Pat
     assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
 
 
+@TIMING
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiers_with_network_adaptation_choose_the_world_tiers_period_and_codec(tmp_path: Path) -> None:
@@ -340,6 +347,7 @@ def test_tiers_with_network_adaptation_choose_the_world_tiers_period_and_codec(t
     assert len(set(s["global_param_hash"].values())) == 1
 
 
+@TIMING
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_time_limit_ends_a_tiered_run_at_a_world_round(tmp_path: Path) -> None:
