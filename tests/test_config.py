@@ -21,7 +21,7 @@ def test_defaults_are_the_documented_main_job() -> None:
     assert all(s.workers == 2 for s in cfg.topology.sites)
     assert cfg.sync.algorithm == "diloco" and cfg.run.baseline == "ddp"
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas) == (4e-4, 0.1, [0.9, 0.95])
-    assert (cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.nesterov) == (0.7, 0.9, True)
+    assert cfg.sync.outer_sgd == (0.7, 0.9, True)
 
 
 def test_overrides_and_yaml(tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ def _eager_by_hand() -> torch.Tensor:
     models = []
     for s in range(sites):
         g = start.clone().requires_grad_(True)
-        outer = torch.optim.SGD([g], lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+        outer = torch.optim.SGD([g], lr=cfg.outer_sgd[0], momentum=cfg.outer_sgd[1], nesterov=True)
         applied = {
             r: deltas[s, r] / sites if torch.isfinite(deltas[s, r]).all() else torch.zeros(5, 3)
             for r in range(1, _EAGER_ROUNDS + 1)

@@ -79,7 +79,7 @@ def test_delayed_nesterov_over_a_world_round_is_one_outer_step_on_its_mean(neste
     grads = [torch.randn(50, generator=gen) for _ in range(12)]
 
     def sgd(theta: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(theta, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+        return torch.optim.SGD(theta, lr=cfg.outer_sgd[0], momentum=cfg.outer_sgd[1], nesterov=cfg.outer_sgd[2])
 
     delayed = [t.clone() for t in start]
     dn = DelayedNesterov(delayed, sgd(delayed), cfg, sites=4)

@@ -50,14 +50,25 @@ def bench_codec_quality_cmd(
     out: OutOpt = Path("runs/codec-quality"),
     streaming_h: Annotated[int, typer.Option("--streaming-h", min=1, help="H of the streaming+fp4 point.")] = 100,
     seeds: Annotated[int, typer.Option("--seeds", min=1, max=20, help="Seeds per configuration.")] = 3,
+    regime: Annotated[
+        str,
+        typer.Option(
+            "--regime",
+            help="default: the default model on 2 sites x 2 workers; many: 8 sites x 1 worker, H = 15, --rounds rounds, "
+            "a 2-layer GPT (SparseLoCo's regime).",
+        ),
+    ] = "default",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, max=10_000, help="Rounds of the many-round regime.")] = 100,
     set_: SetOpt = None,
 ) -> None:
     """Eval loss vs inter-site bytes at equal tokens over seeds: ddp, diloco, int8, streaming+fp4, sparseloco, muloco."""
-    from geotrain.bench.quality import codec_quality, plot_quality, print_quality
+    from geotrain.bench.quality import REGIMES, codec_quality, many_rounds, plot_quality, print_quality
 
-    load(None, set_)  # bad overrides fail here, before any run starts
+    if regime not in REGIMES:
+        fail(f"--regime: choose from {', '.join(REGIMES)} (got {regime!r})")
+    load(None, [*(many_rounds(rounds) if regime == "many" else []), *(set_ or [])])  # bad overrides fail here
     try:
-        result = codec_quality(out, set_, streaming_h, seeds, progress=progress_line)
+        result = codec_quality(out, set_, streaming_h, seeds, progress=progress_line, regime=regime, rounds=rounds)
     except LaunchError as exc:
         fail(f"a run failed: {exc}", 1)
     print_quality(result, wide(140))

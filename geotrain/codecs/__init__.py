@@ -20,94 +20,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import ClassVar, Literal
 
-import numpy as np
 import torch
 
+from geotrain.codecs.base import CODEC_NAMES as CODEC_NAMES
+from geotrain.codecs.base import FP16_MAX as FP16_MAX
+from geotrain.codecs.base import Codec as Codec
+from geotrain.codecs.base import _kernels, _np, _refuse_non_finite
+from geotrain.codecs.sparseloco import TiledSparseLoCo as TiledSparseLoCo
 from geotrain.errors import CorruptPayload, NonFiniteError
-
-CODEC_NAMES = ("none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd")
-FP16_MAX = 65504.0
-
-
-def _kernels() -> ModuleType:
-    """The compiled kernels, imported on first use: numba's import costs every rank a third of a
-    second at start (measured), and a run without codecs never needs it."""
-    from geotrain.codecs import kernels
-
-    return kernels
-
-
-def _refuse_non_finite(name: str, x: torch.Tensor) -> None:
-    bad = int((~torch.isfinite(x)).sum())
-    raise NonFiniteError(f"{name} codec: refusing to encode {bad} non-finite value(s) out of {x.numel():,}")
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
-
-
-class Codec:
-    """Base class. Subclasses implement :meth:`encoded_nbytes`, :meth:`encode`, :meth:`decode`."""
-
-    name: ClassVar[str] = "base"
-    bits: ClassVar[float] = 32.0
-    reduce: ClassVar[Literal["scatter", "gather"]] = "scatter"
-
-    def encoded_nbytes(self, n: int) -> int:
-        raise NotImplementedError
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: 1-D contiguous fp32 on CPU. Returns a uint8 tensor of ``encoded_nbytes(x.numel())``."""
-        raise NotImplementedError
-
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Inverse of :meth:`encode` into ``out`` (fp32, ``n`` values; allocated if None). ``buf``
-        may come from another site: its length and every position it names are checked before
-        a kernel reads it (the compiled kernels do not check bounds).
-
-        Raises:
-            CorruptPayload: ``buf`` is not an encoding of ``n`` values by this codec.
-        """
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != self.encoded_nbytes(n):
-            raise CorruptPayload(
-                f"{self.name} codec: a payload of {buf.numel():,} {buf.dtype} values for {n:,} values "
-                f"(its encoding is {self.encoded_nbytes(n):,} bytes)"
-            )
-        if out is not None and (out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous()):
-            raise ValueError(f"{self.name} codec: decoding {n:,} values into {out.numel():,} {out.dtype} values")
-        return self._decode(buf, n, self._out(out, n))
-
-    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
-        """:meth:`decode` of a payload of the right length into ``out``."""
-        raise NotImplementedError
-
-    def warm(self) -> Codec:
-        """Load this codec's compiled kernels now (numba's first call in a process loads them from
-        its disk cache: 0.4 to 0.6 s for int8, int4, fp4 and SparseLoCo, measured), so that no
-        exchange pays for it: an adapted run's first round with a newly chosen codec would time
-        the load as network. Codecs hold no state, so this changes no result."""
-        x = torch.linspace(-1.0, 1.0, 8192)
-        self.decode(self.encode(x), x.numel())
-        return self
-
-    def ratio(self, n: int) -> float:
-        """fp32 bytes ÷ wire bytes for ``n`` values."""
-        return 4 * n / max(1, self.encoded_nbytes(n))
-
-    @staticmethod
-    def _out(out: torch.Tensor | None, n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.float32) if out is None else out
-
-    @staticmethod
-    def _check(x: torch.Tensor) -> None:
-        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError("codecs encode 1-D contiguous fp32 CPU tensors")
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
 
 class NoneCodec(Codec):
@@ -358,9 +280,15 @@ class SparseLoCo(Codec):
 
 @dataclass
 class Residual:
-    """Error-feedback state: what this rank's encoding left out last time, added to its next input."""
+    """Error-feedback state: what this rank's encoding left out last time, added to its next input,
+    kept times ``decay`` (SparseLoCo's β: e ← β·e + Δ, then e ← e − what was sent)."""
 
     tensor: torch.Tensor | None = None
+    decay: float = 1.0
+
+    def keep(self, left_out: torch.Tensor | None) -> None:
+        """Keep what an encoding left out (decayed) for the next round's input (None: nothing)."""
+        self.tensor = left_out.mul_(self.decay) if left_out is not None and self.decay != 1.0 else left_out
 
     def add_to(self, x: torch.Tensor) -> None:
         if self.tensor is not None:
@@ -377,8 +305,13 @@ def build_codec(
     topk_fraction: float = 0.01,
     sparse_fraction: float = 0.01,
     sparse_chunk: int = 4096,
+    sparse_variant: str = "published",
+    sparse_tile: int = 64,
+    sparse_spread: float = 6.0,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> Codec:
-    """The byte codec called ``name`` (``powersgd`` is not a byte codec: see :mod:`.powersgd`)."""
+    """The byte codec called ``name`` (``powersgd`` is not a byte codec: see :mod:`.powersgd`);
+    ``shapes``: the tensors its input concatenates (SparseLoCo's tiles)."""
     if name == "none":
         return NoneCodec()
     if name == "bf16":
@@ -393,6 +326,8 @@ def build_codec(
         return FP4(block_size)
     if name == "topk":
         return TopK(topk_fraction)
+    if name == "sparseloco" and sparse_variant == "published":
+        return TiledSparseLoCo(sparse_fraction, sparse_tile, sparse_spread, list(shapes or []))
     if name == "sparseloco":
         return SparseLoCo(sparse_fraction, sparse_chunk)
     raise ValueError(f"unknown byte codec {name!r} (one of {', '.join(n for n in CODEC_NAMES if n != 'powersgd')})")

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from geotrain.codecs import Codec, Residual
+from geotrain.codecs.sparseloco import GatherSum as GatherSum  # (also the elastic exchange's)
+from geotrain.comm.coded import coded_sum
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import Lane, ProcessGroups
 from geotrain.comm.threads import DaemonPool
@@ -265,54 +267,25 @@ class Collectives:
         self._p2p([(dst, buf, raw) for dst, (buf, raw) in sends.items()], list(recvs.items()), group)
 
     def _coded_all_reduce(
-        self, x: torch.Tensor, codec: Codec, ranks: list[int], group: dist.ProcessGroup, ef: Residual | None
+        self,
+        x: torch.Tensor,
+        codec: Codec,
+        ranks: list[int],
+        group: dist.ProcessGroup,
+        ef: Residual | None,
+        shares: Sequence[float] | None = None,
     ) -> None:
-        """Sum ``x`` over ``ranks`` sending only ``codec``-encoded bytes; fp32 accumulation (see geotrain.codecs)."""
-        n, i, _, _ = self._ring(ranks)
-        if n == 1 or x.numel() == 0:
-            return
-        if ef is not None:
-            ef.add_to(x)
-        peers = [r for r in ranks if r != self.groups.me.rank]
-        if codec.reduce == "gather":
-            enc = codec.encode(x)
-            own = codec.decode(enc, x.numel())
-            if ef is not None:
-                ef.tensor = x - own
-            got = {r: torch.empty_like(enc) for r in peers}
-            self._peer_exchange({r: (enc, 4 * x.numel()) for r in peers}, got, group)
-            tmp = torch.empty_like(x)
-            x.zero_()
-            for r in ranks:  # same order on every rank: bit-identical sums
-                x.add_(own if r == self.groups.me.rank else codec.decode(got[r], x.numel(), tmp))
-            return
-        chunks = x.tensor_split(n)
-        mine = chunks[i]
-        # reduce-scatter: encode the chunks others own, receive everyone's encoding of mine
-        # empty chunks (fewer values than ranks) are not sent at all
-        others = [j for j in range(n) if j != i and chunks[j].numel()]
-        encoded = {ranks[j]: codec.encode(chunks[j]) for j in others}
-        if ef is not None:
-            res = torch.zeros_like(x)
-            for j in others:
-                torch.sub(chunks[j], codec.decode(encoded[ranks[j]], chunks[j].numel()), out=res.tensor_split(n)[j])
-            ef.tensor = res
-        senders = peers if mine.numel() else []
-        got = {r: torch.empty(codec.encoded_nbytes(mine.numel()), dtype=torch.uint8) for r in senders}
-        self._peer_exchange({ranks[j]: (encoded[ranks[j]], 4 * chunks[j].numel()) for j in others}, got, group)
-        tmp = torch.empty_like(mine)
-        for r in senders:
-            mine.add_(codec.decode(got[r], mine.numel(), tmp))
-        # all-gather the encoded sums; the owner keeps the decoded one too, so all ranks agree
-        sends: dict[int, tuple[torch.Tensor, int]] = {}
-        if mine.numel():
-            summed = codec.encode(mine)
-            codec.decode(summed, mine.numel(), mine)
-            sends = {r: (summed, 4 * mine.numel()) for r in peers}
-        back = {ranks[j]: torch.empty(codec.encoded_nbytes(chunks[j].numel()), dtype=torch.uint8) for j in others}
-        self._peer_exchange(sends, back, group)
-        for j in others:
-            codec.decode(back[ranks[j]], chunks[j].numel(), chunks[j])
+        """Sum ``x`` over ``ranks`` sending only ``codec``-encoded bytes (:func:`geotrain.comm.coded.coded_sum`)."""
+        coded_sum(
+            x,
+            codec,
+            ranks,
+            self.groups.me.rank,
+            lambda sends, recvs: self._peer_exchange(sends, recvs, group),
+            ef,
+            shares,
+            self.groups.topology.site_of,
+        )
 
     # ------------------------------------------------------------------ public collectives
 
@@ -353,17 +326,31 @@ class Collectives:
 
         self._timed(self._laned, x, lambda c, lane: self._ring_sum(c, ranks, lane.world))
 
-    def _across(self, shard: torch.Tensor, lane: Lane, codec: Codec | None, ef: Residual | None, region: bool = False) -> None:
+    def _across(
+        self,
+        shard: torch.Tensor,
+        lane: Lane,
+        codec: Codec | None,
+        ef: Residual | None,
+        region: bool = False,
+        shares: Sequence[float] | None = None,
+    ) -> None:
         g = self.groups
         ranks, group = (g.region_inter_ranks, lane.region) if region else (g.inter_ranks, lane.inter)
         assert group is not None, "a rank that carries nothing across sites was given a shard"
         if codec is None:
             self._ring_sum(shard, ranks, group)
         else:
-            self._coded_all_reduce(shard, codec, ranks, group, ef)
+            self._coded_all_reduce(shard, codec, ranks, group, ef, shares)
 
     def _site_pipeline(
-        self, x: torch.Tensor, codec: Codec | None, ef: Residual | None, reduce_in_site: bool, region: bool = False
+        self,
+        x: torch.Tensor,
+        codec: Codec | None,
+        ef: Residual | None,
+        reduce_in_site: bool,
+        region: bool = False,
+        shares: Sequence[float] | None = None,
     ) -> None:
         """[Reduce-scatter in site] -> all-reduce of this rank's shard across sites -> all-gather in
         site; fp32 chunked over the lanes, a codec on the whole tensor (its scales and error
@@ -376,7 +363,7 @@ class Collectives:
             if reduce_in_site:
                 self._ring_reduce_scatter(c, g.intra_ranks, lane.intra, sizes)
             if sizes[me]:  # local ranks beyond the smallest site's size carry nothing across sites
-                self._across(c.split(sizes)[me], lane, codec, ef, region)
+                self._across(c.split(sizes)[me], lane, codec, ef, region, shares)
             self._ring_all_gather(c, g.intra_ranks, lane.intra, sizes)
 
         if codec is None:
@@ -413,6 +400,7 @@ class Collectives:
         *,
         sharded: bool = False,
         region: bool = False,
+        shares: Sequence[float] | None = None,
     ) -> None:
         """Sum over sites (``region``: over the sites of this rank's region) of a tensor that is
         already identical on every rank of a site.
@@ -427,15 +415,22 @@ class Collectives:
         """
         self._check(x)
         if sharded:
-            self._timed(self._shard_across, x, codec, ef, region)
+            self._timed(self._shard_across, x, codec, ef, region, shares)
         else:
-            self._timed(self._site_pipeline, x, codec, ef, False, region)
+            self._timed(self._site_pipeline, x, codec, ef, False, region, shares)
 
-    def _shard_across(self, x: torch.Tensor, codec: Codec | None, ef: Residual | None, region: bool = False) -> None:
+    def _shard_across(
+        self,
+        x: torch.Tensor,
+        codec: Codec | None,
+        ef: Residual | None,
+        region: bool = False,
+        shares: Sequence[float] | None = None,
+    ) -> None:
         if codec is None:
             self._laned(x, lambda c, lane: self._across(c, lane, None, None, region))
         else:
-            self._across(x, self.lanes[0], codec, ef, region)
+            self._across(x, self.lanes[0], codec, ef, region, shares)
 
     def site_values(self, value: float, region: bool = False) -> list[float]:
         """Every site's ``value`` (one float per site, the same on every rank of a site), in site

@@ -141,9 +141,19 @@ class SyncConfig(Section):
         description="How a site holds the model: 'replicate' (every worker a whole copy, gradients all-reduced in the site) or 'fsdp' (FSDP2 fully_shard per block and root on the site's mesh: parameters, gradients, inner and outer optimizer state sharded over the site's workers; HSDP).",
     )
     H: int = Field(default=50, ge=1, le=1_000_000, description="DiLoCo inner steps per outer round.")
-    outer_lr: float = Field(default=0.7, gt=0, le=10, description="Outer SGD learning rate (DiLoCo paper: 0.7).")
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum (DiLoCo paper: 0.9).")
-    nesterov: bool = Field(default=True, description="Nesterov outer momentum (DiLoCo paper: true).")
+    outer_lr: float | None = Field(
+        default=None,
+        gt=0,
+        le=10,
+        description="Outer SGD learning rate; default 0.7 (DiLoCo paper), or 1.0 with sync.codec=sparseloco's published "
+        "variant (SparseLoCo's outer step: plain SGD, error feedback in momentum's place).",
+    )
+    outer_momentum: float | None = Field(
+        default=None, ge=0, lt=1, description="Outer SGD momentum; default 0.9 (DiLoCo paper), 0 for SparseLoCo."
+    )
+    nesterov: bool | None = Field(
+        default=None, description="Nesterov outer momentum; default true (DiLoCo paper), false for SparseLoCo."
+    )
     weight_by_tokens: bool = Field(
         default=True,
         description="Weight each site's pseudo-gradient by the tokens it processed in the round (its workers times its inner "
@@ -213,7 +223,34 @@ class SyncConfig(Section):
         default=0.01, ge=0.005, le=0.05, description="sparseloco: fraction of each chunk's entries sent (0.5-5%)."
     )
     sparse_chunk: int = Field(
-        default=4096, ge=64, le=1 << 20, description="sparseloco: values per chunk (top-k, offsets and 2-bit scales per chunk)."
+        default=4096,
+        ge=64,
+        le=1 << 20,
+        description="sparseloco, chunks variant: values per chunk (top-k, offsets and 2-bit scales per chunk).",
+    )
+    sparse_variant: Literal["published", "chunks"] = Field(
+        default="published",
+        description="sparseloco: 'published' (arXiv 2508.15706 and its code: top-k in tiles of each matrix of up to "
+        "sparse_tile x sparse_tile, vectors in runs of sparse_tile^2, 2-bit bins per tensor decoded to the bins' means, "
+        "each coordinate averaged over the sites that sent it, error feedback decayed by ef_decay=0.95, outer SGD lr 1 "
+        "without momentum) or 'chunks' (geotrain's first variant: contiguous runs of sparse_chunk values, sign and two "
+        "levels per chunk, the sum divided by every site; DiLoCo's outer step; docs/CODECS.md).",
+    )
+    sparse_tile: int = Field(
+        default=64, ge=8, le=1024, description="sparseloco, published variant: the side of a matrix's tiles (64: 64 x 64)."
+    )
+    sparse_spread: float = Field(
+        default=6.0,
+        gt=0,
+        le=64,
+        description="sparseloco, published variant: the 4 bins of the kept values span sparse_spread standard deviations.",
+    )
+    ef_decay: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Error feedback: the residual is multiplied by this before the next round adds it (SparseLoCo's beta); "
+        "default 0.95 for sparseloco's published variant, else 1 (no decay).",
     )
     rank: int = Field(default=4, ge=1, le=4096, description="powersgd: approximation rank.")
     chunk_bytes: int = Field(
@@ -242,7 +279,7 @@ class SyncConfig(Section):
 
     @model_validator(mode="after")
     def _cross_field(self) -> SyncConfig:
-        if self.nesterov and self.outer_momentum == 0:
+        if self.outer_sgd[2] and self.outer_sgd[1] == 0:
             raise ValueError("nesterov needs outer_momentum > 0 (set sync.nesterov=false for plain SGD)")
         if self.bits is not None:
             width = CODEC_BITS.get(self.codec)
@@ -290,6 +327,30 @@ class SyncConfig(Section):
         """Asynchronous quorum rounds whose sites run steps by their measured rates: quorum.local_steps=dynamic,
         or pace=adaptive (what adaptive pace means when no site waits for another)."""
         return self.quorum is not None and (self.quorum.local_steps == "dynamic" or self.pace == "adaptive")
+
+    @property
+    def published_sparseloco(self) -> bool:
+        return self.codec == "sparseloco" and self.sparse_variant == "published"
+
+    @property
+    def outer_sgd(self) -> tuple[float, float, bool]:
+        """(lr, momentum, nesterov) of the outer SGD, unset ones from the defaults: DiLoCo's 0.7, 0.9,
+        Nesterov, or SparseLoCo's 1, 0, plain (with its published variant)."""
+        lr, momentum, nesterov = (1.0, 0.0, False) if self.published_sparseloco else (0.7, 0.9, True)
+        if self.outer_momentum == 0 and self.nesterov is None:
+            nesterov = False
+        return (
+            lr if self.outer_lr is None else self.outer_lr,
+            momentum if self.outer_momentum is None else self.outer_momentum,
+            nesterov if self.nesterov is None else self.nesterov,
+        )
+
+    @property
+    def error_decay(self) -> float:
+        """:attr:`ef_decay` resolved: what each round's residual is multiplied by."""
+        if self.ef_decay is not None:
+            return self.ef_decay
+        return 0.95 if self.published_sparseloco else 1.0
 
     @property
     def uses_error_feedback(self) -> bool:

@@ -44,6 +44,11 @@ class Encoder(Protocol):
         """'scatter' (the owner of a chunk re-encodes its sum) or 'gather' (every site sends its own)."""
         ...
 
+    @property
+    def sender_mean(self) -> bool:
+        """Whether a round averages each coordinate over the sites that sent it (SparseLoCo)."""
+        ...
+
     def encoded_nbytes(self, n: int) -> int: ...
 
     def encode(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -55,6 +60,9 @@ class Feedback(Protocol):
     """A rank's error-feedback state (:class:`geotrain.codecs.Residual`)."""
 
     tensor: torch.Tensor | None
+
+    def keep(self, left_out: torch.Tensor | None) -> None:
+        """Keep what a round's encoding left out for the next (decayed; None: nothing)."""
 
 
 class Masker(Protocol):

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from geotrain.comm.collectives import GatherSum  # (codecs.sparseloco, as the lock-step sum uses it)
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import round_group
 from geotrain.config import ElasticConfig
@@ -388,12 +389,15 @@ class Exchange:
                 self.raw_bytes += 4 * x.numel()
                 if d == 1 and self.on_mid_round is not None:  # some peers have this site's update, others not
                     self.on_mid_round()
-            total, tmp = torch.zeros(TRAILER), torch.empty_like(x)
-            x.zero_()
+            total = torch.zeros(TRAILER)
+            # a sender-mean codec (SparseLoCo): each coordinate over the weights of the sites that sent
+            # it, times the round's total weight, which divides it later
+            acc = GatherSum(codec, x, mean=True)
             for j in range(n):  # the same order on every site: bit-identical sums
                 codes_j, w = unpack(got[j])
-                x.add_(codec.decode(codes_j, x.numel(), tmp))
+                acc.add(codes_j, share=float(w[0]))
                 total += w
+            acc.finish(scale=float(total[0]))
         else:
             chunks, spent = x.tensor_split(n), sent.tensor_split(n)
             mine, total = chunks[i], weight.clone()

@@ -436,7 +436,7 @@ class SiteMember(Schedule):
                 self.log(f"round {view.key} rolled back: {reason} (round store {view.meeting})")
             raise RoundFailed(reason)
         if x is not None and what.residual is not None and (self.site not in view.healers or late):
-            what.residual.tensor = x.residual  # the round committed: keep what its encoding left out
+            what.residual.keep(x.residual)  # the round committed: keep what its encoding left out
         total, count = (float(v) for v in carry[-TRAILER:].tolist())
         if (count < 0.5 or total <= 0) and ring is None:
             raise RoundFailed("no site contributed to the round")  # (tiers: a region of sites that healed or sat out sums 0)

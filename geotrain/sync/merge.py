@@ -53,7 +53,7 @@ class DelayedNesterov:
 
     def __init__(self, theta: list[torch.Tensor], optimizer: torch.optim.Optimizer, cfg: SyncConfig, sites: int) -> None:
         self.theta, self.optimizer, self.sites = theta, optimizer, sites
-        self.lr, self.beta, self.nesterov = cfg.outer_lr, cfg.outer_momentum, cfg.nesterov
+        self.lr, self.beta, self.nesterov = cfg.outer_sgd
         self.pending = [torch.zeros_like(t) for t in theta]
         self.pending_updates = 0
 

@@ -85,8 +85,8 @@ class OuterSync(SyncAlgorithm):
         return SiteReducer(cfg, self.comm, shapes, seed=seed, sharded=self.sharded)
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        c = self.cfg
-        return torch.optim.SGD(params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov)
+        lr, momentum, nesterov = self.cfg.outer_sgd
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
 
     def sync_gradients(self) -> None:
         if self.sharded:  # FSDP's reduce-scatter has averaged them over the site
@@ -202,6 +202,9 @@ class OuterSync(SyncAlgorithm):
     def _weighted_average(self, delta: torch.Tensor, reducer: SiteReducer, weights: Sequence[float]) -> None:
         """Replace this site's ``delta`` by the average over sites with ``weights`` (one per site, in
         site order; 0 for a site left out, or outside the sites ``reducer`` sums over)."""
+        if reducer.sender_mean:  # SparseLoCo: each coordinate's weighted mean over the sites that sent it
+            reducer(delta, shares=weights)
+            return
         nonzero = [w for w in weights if w]
         if len(set(nonzero)) == 1:  # equal weights: sum, then divide (the same bits whether weighted or not)
             reducer(delta)

@@ -4,8 +4,8 @@ After Decoupled DiLoCo (DeepMind 2026, arXiv:2604.21428: learners merge when a q
 arrived within a grace window, token-weighted) and HALoS (arXiv:2506.04531: a global
 parameter server that sites push to and pull from). A **syncer** (:mod:`geotrain.sync.syncer`)
 holds the global model and the outer optimizer; it runs as a thread beside the first site's
-local rank 0 (site 0 talks to it in memory; the others by messages,
-:mod:`geotrain.comm.mailbox`). This module is a site's side. Each site:
+local rank 0 (site 0 talks to it in memory; the others by messages, :mod:`geotrain.comm.mailbox`).
+This module is a site's side. Each site:
 
 1. runs H inner steps from the global model of version ``base``, then sends its
    pseudo-gradient Δ = θ_base − θ_local with ``base``, its steps and workers;
@@ -29,7 +29,7 @@ is left and sends every site the same model.
 A site that dies (any but the first, which holds the syncer) is **late forever**: the syncer
 learns it from the closed connection, keeps the updates already in, and counts a world round over
 the live sites. Every answer names the sites ever lost, so the end of the run avoids the world
-group, which holds the dead ranks (:meth:`AsyncDiLoCo.gather_records`).
+group (it holds the dead ranks: :meth:`AsyncDiLoCo.gather_records`).
 
 A lost site **comes back** when the launcher starts it again (``fault.restart_after``). Its new
 ranks form a torch.distributed world of their own (:class:`Rejoin`), since the run's world cannot
@@ -128,17 +128,17 @@ class AsyncDiLoCo(DiLoCo):
         if rejoin is None:
             group = leaders_group(g.topology)  # collective: every rank
             self.mailbox = Mailbox(comm, group, FIELDS) if self.leader else None
-        # sync.codec: the update is sent encoded (with error feedback where the codec uses it), and
-        # the syncer's answers as encoded changes from the model the site holds; with sync.adapt, in
-        # whichever of sync.adapt.codecs the syncer chose last (fixed-width: no error feedback)
+        # sync.codec: the update is sent encoded (with error feedback where the codec uses it), the syncer's answers as
+        # encoded changes from the site's model; with sync.adapt, in the sync.adapt.codecs the syncer chose last
         names = list(cfg.adapt.codecs) if cfg.adapt is not None else [cfg.codec]
-        self.coders = Codecs(cfg, names).build_all() if self.leader else Codecs(cfg, names)  # (only leaders encode)
+        coders = Codecs(cfg, names, [p.shape for p in self.local_params()])  # (SparseLoCo's tiles)
+        self.coders = coders.build_all() if self.leader else coders  # (only leaders encode)
         self.codec_name: str = cfg.codec
         if any(Codecs.encodes(n) for n in names) and g.device.type != "cpu":
             raise ValueError(
                 f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {g.backend} backend use sync.codec=none"
             )
-        self.residual = Residual() if Codecs.encodes(cfg.codec) and cfg.uses_error_feedback and cfg.adapt is None else None
+        self.residual = Residual(decay=cfg.error_decay) if Codecs.feeds_back(cfg) else None
         self.adapter = None  # (sync.adapt: the syncer chooses, from the links the sites measure: quorum_adapt)
         self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
         self.syncer: QuorumSyncer | None = None
@@ -431,7 +431,7 @@ class AsyncDiLoCo(DiLoCo):
             self.residual.add_to(delta)
         buf = codec.encode(delta)
         if self.residual is not None:
-            self.residual.tensor = delta - codec.decode(buf, delta.numel())
+            self.residual.keep(delta - codec.decode(buf, delta.numel()))
         return buf, 4 * delta.numel(), float(self.coders.index(self.codec_name))
 
     def _model_from(self, msg: Message) -> tuple[list[float], torch.Tensor]:

@@ -68,7 +68,7 @@ class AsyncStreaming(AsyncDiLoCo):
         self.offsets = [(f * self.H) // self.F for f in range(self.F)]
         self.last_sync = [0] * self.F  # each fragment's last sync step
         self.pending: dict[int, tuple[int, Future[Answer | None]]] = {}  # fragment -> (taken at step, its delivery)
-        self._residuals = [Residual() for _ in range(self.F)] if self.residual is not None else []
+        self._residuals = [Residual(decay=self.residual.decay) for _ in range(self.F)] if self.residual is not None else []
         self._network = DaemonPool(1, "quorum-exchange")  # daemon: a failed rank exits mid-delivery
         self._asking = 0  # the fragment whose answer is awaited
 

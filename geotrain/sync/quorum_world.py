@@ -107,7 +107,7 @@ class WorldTier:
         names = list(codecs)
         self.codec = codecs.get(cfg.codec)
         self.encoded = float(1 + names.index(cfg.codec)) if cfg.codec in names else 0.0
-        self.residual = Residual() if self.codec is not None and cfg.uses_error_feedback else None
+        self.residual = Residual(decay=cfg.error_decay) if self.codec is not None and cfg.uses_error_feedback else None
         self.round = 0
         self.since, self.tokens = 0, 0.0  # this region's merges and tokens since its last world round
         self.ended: set[int] = set()  # regions that sent their final contribution
@@ -146,7 +146,7 @@ class WorldTier:
         buf = self.codec.encode(delta)
         seen = self.codec.decode(buf, delta.numel())
         if self.residual is not None:
-            self.residual.tensor = delta - seen
+            self.residual.keep(delta - seen)
         return seen, buf, 4 * delta.numel(), self.encoded
 
     def contribute(self, theta: list[torch.Tensor], final: bool, steps: int, lost: int, ever_lost: int) -> None:

@@ -20,9 +20,10 @@ from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 
 
-def make_codec(cfg: SyncConfig) -> Codec | None:
+def make_codec(cfg: SyncConfig, shapes: Sequence[torch.Size] | None = None) -> Codec | None:
     """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec), its
-    kernels loaded (:meth:`Codec.warm`: no round times their load as network)."""
+    kernels loaded (:meth:`Codec.warm`: no round times their load as network); ``shapes``: the
+    tensors a reduced vector concatenates (SparseLoCo's tiles)."""
     if cfg.codec in ("none", "powersgd"):
         return None
     return build_codec(
@@ -32,6 +33,10 @@ def make_codec(cfg: SyncConfig) -> Codec | None:
         topk_fraction=cfg.topk_fraction,
         sparse_fraction=cfg.sparse_fraction,
         sparse_chunk=cfg.sparse_chunk,
+        sparse_variant=cfg.sparse_variant,
+        sparse_tile=cfg.sparse_tile,
+        sparse_spread=cfg.sparse_spread,
+        shapes=[tuple(s) for s in shapes or []],
     ).warm()
 
 
@@ -41,16 +46,21 @@ class Codecs(Mapping[str, "Codec | None"]):
     first time it is asked for, or by :meth:`build_all` on the ranks that encode: warming a numba
     codec takes about 0.5 s, which a rank that never encodes need not spend."""
 
-    def __init__(self, cfg: SyncConfig, names: Sequence[str]) -> None:
-        self.cfg, self.names = cfg, list(names)
+    def __init__(self, cfg: SyncConfig, names: Sequence[str], shapes: Sequence[torch.Size] | None = None) -> None:
+        self.cfg, self.names, self.shapes = cfg, list(names), shapes
         self._built: dict[str, Codec | None] = {}
 
     def __getitem__(self, name: str) -> Codec | None:
         if name not in self.names:
             raise KeyError(name)
         if name not in self._built:
-            self._built[name] = make_codec(self.cfg.model_copy(update={"codec": name}))
+            self._built[name] = make_codec(self.cfg.model_copy(update={"codec": name}), self.shapes)
         return self._built[name]
+
+    @staticmethod
+    def feeds_back(cfg: SyncConfig) -> bool:
+        """Whether ``cfg``'s codec keeps error feedback (never with sync.adapt, whose codecs change)."""
+        return Codecs.encodes(cfg.codec) and cfg.uses_error_feedback and cfg.adapt is None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -114,8 +124,8 @@ class SiteReducer:
             )
         self.comm = comm
         self.region = region  # sum over the sites of this rank's region only (multi-tier sync)
-        self.codec = make_codec(cfg)
-        self.residual = Residual() if (self.codec is not None and cfg.uses_error_feedback) else None
+        self.codec = make_codec(cfg, shapes)
+        self.residual = Residual(decay=cfg.error_decay) if (self.codec is not None and cfg.uses_error_feedback) else None
         self.shapes = list(shapes)
         self.sharded = sharded  # each rank holds its own FSDP shard (``shapes``: its shards' shapes)
         self.powersgd: PowerSGD | None = None
@@ -134,10 +144,19 @@ class SiteReducer:
             if sharded:  # every rank factors its own shards (local rank i holds the same ones in every site)
                 self.mine = [i for i, n in enumerate(numels) if n]
 
-    def __call__(self, flat: torch.Tensor) -> None:
-        """Replace ``flat`` by its sum over sites (every rank of every site ends with the same values)."""
+    @property
+    def sender_mean(self) -> bool:
+        """Whether a round averages each coordinate over the sites that sent it (SparseLoCo as published)."""
+        return self.codec is not None and self.codec.sender_mean
+
+    def __call__(self, flat: torch.Tensor, shares: Sequence[float] | None = None) -> None:
+        """Replace ``flat`` by its sum over sites (every rank of every site ends with the same values);
+        with ``shares`` (one per site, in site order) and a :attr:`sender_mean` codec, by the
+        share-weighted mean over the sites that sent each coordinate."""
         if self.powersgd is None:
-            self.comm.all_reduce_across_sites(flat, self.codec, self.residual, sharded=self.sharded, region=self.region)
+            self.comm.all_reduce_across_sites(
+                flat, self.codec, self.residual, sharded=self.sharded, region=self.region, shares=shares
+            )
             return
         g = self.comm.groups
         stats = self.comm.stats

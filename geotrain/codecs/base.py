@@ -1,0 +1,99 @@
+"""The codec interface (:class:`Codec`) and what every codec shares; the codecs are in
+:mod:`geotrain.codecs` (fixed formats, with numba kernels) and :mod:`geotrain.codecs.sparseloco`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+
+from geotrain.errors import CorruptPayload, NonFiniteError
+
+CODEC_NAMES = ("none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd")
+FP16_MAX = 65504.0
+
+
+def _kernels() -> ModuleType:
+    """The compiled kernels, imported on first use: numba's import costs every rank a third of a
+    second at start (measured), and a run without codecs never needs it."""
+    from geotrain.codecs import kernels
+
+    return kernels
+
+
+def _refuse_non_finite(name: str, x: torch.Tensor) -> None:
+    bad = int((~torch.isfinite(x)).sum())
+    raise NonFiniteError(f"{name} codec: refusing to encode {bad} non-finite value(s) out of {x.numel():,}")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+class Codec:
+    """Base class. Subclasses implement :meth:`encoded_nbytes`, :meth:`encode`, :meth:`decode`."""
+
+    name: ClassVar[str] = "base"
+    bits: ClassVar[float] = 32.0
+    reduce: ClassVar[Literal["scatter", "gather"]] = "scatter"
+    # gather codecs whose rounds average each coordinate over the sites that sent it (codecs.sparseloco)
+    sender_mean: ClassVar[bool] = False
+
+    def encoded_nbytes(self, n: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: 1-D contiguous fp32 on CPU. Returns a uint8 tensor of ``encoded_nbytes(x.numel())``."""
+        raise NotImplementedError
+
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse of :meth:`encode` into ``out`` (fp32, ``n`` values; allocated if None). ``buf``
+        may come from another site: its length and every position it names are checked before
+        a kernel reads it (the compiled kernels do not check bounds).
+
+        Raises:
+            CorruptPayload: ``buf`` is not an encoding of ``n`` values by this codec.
+        """
+        return self._decode(buf, n, self._validate(buf, n, out))
+
+    def _validate(self, buf: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``out`` (allocated if None) once ``buf`` is known to be ``encoded_nbytes(n)`` bytes."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != self.encoded_nbytes(n):
+            raise CorruptPayload(
+                f"{self.name} codec: a payload of {buf.numel():,} {buf.dtype} values for {n:,} values "
+                f"(its encoding is {self.encoded_nbytes(n):,} bytes)"
+            )
+        if out is not None and (out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous()):
+            raise ValueError(f"{self.name} codec: decoding {n:,} values into {out.numel():,} {out.dtype} values")
+        return self._out(out, n)
+
+    def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` of a payload of the right length into ``out``."""
+        raise NotImplementedError
+
+    def warm(self) -> Codec:
+        """Load this codec's compiled kernels now (numba's first call in a process loads them from
+        its disk cache: 0.4 to 0.6 s for int8, int4, fp4 and SparseLoCo, measured), so that no
+        exchange pays for it: an adapted run's first round with a newly chosen codec would time
+        the load as network. Codecs hold no state, so this changes no result."""
+        x = torch.linspace(-1.0, 1.0, 8192)
+        self.decode(self.encode(x), x.numel())
+        return self
+
+    def ratio(self, n: int) -> float:
+        """fp32 bytes ÷ wire bytes for ``n`` values."""
+        return 4 * n / max(1, self.encoded_nbytes(n))
+
+    @staticmethod
+    def _out(out: torch.Tensor | None, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.float32) if out is None else out
+
+    @staticmethod
+    def _check(x: torch.Tensor) -> None:
+        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("codecs encode 1-D contiguous fp32 CPU tensors")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
