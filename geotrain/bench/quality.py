@@ -57,18 +57,22 @@ def quality_runs(
         runs += [(f"sparseloco k={x:g}", [diloco, "sync.codec=sparseloco", f"sync.sparse_fraction={x}"]) for x in k]
         chunks = ["sync.codec=sparseloco", "sync.sparse_variant=chunks", f"sync.sparse_fraction={k[0]}"]
         runs.append((f"sparseloco(chunks) k={k[0]:g}", [diloco, *chunks]))
-        # MuLoCo (arXiv 2505.23725): Muon inside, the compressed exchange, DiLoCo's Nesterov outer step
-        muloco = ["optim.name=muon", "sync.codec=sparseloco", f"sync.sparse_fraction={k[0]}", "sync.outer_lr=0.7"]
-        runs.append((f"muloco k={k[0]:g}", [diloco, *muloco, "sync.outer_momentum=0.9", "sync.nesterov=true"]))
+        runs.append((f"muloco k={k[0]:g}", [diloco, *_muloco(k[0])]))
         return runs
     runs.append(("diloco+int8", [diloco, "sync.codec=int8"]))
     runs.append((f"streaming+fp4 H={streaming_H}", ["sync.algorithm=streaming", "sync.codec=fp4", f"sync.H={streaming_H}"]))
     runs += [(f"diloco+sparseloco k={k:g}", [diloco, "sync.codec=sparseloco", f"sync.sparse_fraction={k}"]) for k in sparse_k]
     chunks = ["sync.codec=sparseloco", "sync.sparse_variant=chunks", f"sync.sparse_fraction={sparse_k[0]}"]
     runs.append((f"diloco+sparseloco(chunks) k={sparse_k[0]:g}", [diloco, *chunks]))
-    sparse = ["sync.codec=sparseloco", f"sync.sparse_fraction={sparse_k[0]}"]
-    runs.append((f"muloco k={sparse_k[0]:g}", [diloco, "optim.name=muon", *sparse]))
+    runs.append((f"muloco k={sparse_k[0]:g}", [diloco, *_muloco(sparse_k[0])]))
     return runs
+
+
+def _muloco(fraction: float) -> list[str]:
+    """MuLoCo (arXiv 2505.23725): Muon inside sites, the compressed exchange (SparseLoCo's), and
+    DiLoCo's Nesterov outer step, as that paper runs it."""
+    sparse = ["sync.codec=sparseloco", f"sync.sparse_fraction={fraction}"]
+    return ["optim.name=muon", *sparse, "sync.outer_lr=0.7", "sync.outer_momentum=0.9", "sync.nesterov=true"]
 
 
 def codec_quality(
