@@ -153,3 +153,111 @@ def test_sparseloco_rounds_equal_a_plain_pytorch_reference_of_the_published_algo
     assert all(s == got[0] for s in got)
     start = torch.cat([p.detach().reshape(-1) for p in Tensors().ps])
     assert float((torch.cat([torch.tensor(x) for x in got[0]]) - start).abs().max()) > 1e-3
+
+
+# ---------------------------------------------------------------- the codec and its parts, one process
+
+
+def test_tiles_follow_the_published_rule_and_vectors_run_in_4096s() -> None:
+    from geotrain.codecs.sparseloco import tile_layout
+
+    lay = tile_layout([(128, 128), (96, 40), (5000,), (64, 8, 8)], 0.01)
+    got = [(g.rows, g.size, g.k, g.tensor) for g in lay.groups]
+    # 4 tiles of 64 x 64; 96 x 40 in 2 tiles of 48 x 40; 5,000 values in 4,096 + 904; 64 x 64 (8 x 8 read as 64) in 1
+    assert got == [(4, 4096, 41, 0), (2, 1920, 20, 1), (1, 4096, 41, 2), (1, 904, 10, 2), (1, 4096, 41, 3)]
+    assert lay.perm is not None and sorted(lay.perm.tolist()) == list(range(lay.n))  # a reordering, nothing lost
+
+
+def test_the_codec_keeps_each_tiles_top_k_at_four_levels_per_tensor_and_refuses_a_bad_offset() -> None:
+    from geotrain.codecs.sparseloco import TiledSparseLoCo
+    from geotrain.errors import CorruptPayload
+
+    codec = TiledSparseLoCo(FRACTION, shapes=[(128, 128), (300,)])
+    x = torch.randn(128 * 128 + 300, generator=torch.Generator().manual_seed(0))
+    buf = codec.encode(x)
+    assert buf.numel() == codec.encoded_nbytes(x.numel()) == 2 * 20 + (4 * 128 * 14 + 10 * 11 + 7) // 8
+    sent = torch.zeros(x.numel(), dtype=torch.bool)
+    y = codec.decode(buf, x.numel(), sent=sent)
+    w, d = x[: 128 * 128].view(128, 128), sent[: 128 * 128].view(128, 128)
+    for r in (0, 64):
+        for c in (0, 64):
+            tile, kept = w[r : r + 64, c : c + 64].abs(), d[r : r + 64, c : c + 64]
+            assert int(kept.sum()) == 128 and bool(tile[kept].min() >= tile[~kept].max())
+    assert bool((y[~sent] == 0).all()) and len(set(y[: 128 * 128][sent[: 128 * 128]].tolist())) <= 4
+    assert int(sent[128 * 128 :].sum()) == 10  # the vector: ceil(300 / 32)
+    bad = buf.clone()
+    bad[40:] = 255  # every offset field all ones: 4,095 fits a tile, 511 does not fit the 300-value run
+    with pytest.raises(CorruptPayload, match="offset"):
+        codec.decode(bad, x.numel())
+    with pytest.raises(CorruptPayload):
+        codec.decode(buf[:-1], x.numel())
+
+
+def test_the_per_sender_mean_counts_only_the_sites_that_sent_a_coordinate() -> None:
+    from geotrain.codecs.sparseloco import GatherSum, TiledSparseLoCo
+
+    codec = TiledSparseLoCo(1 / 64, shapes=[(64,)])
+    a, b = torch.zeros(64), torch.zeros(64)
+    a[3], b[3], b[9] = 2.0, 4.0, -8.0  # one entry each (k = 1): a sends 3, b sends 9
+    x = torch.empty(64)
+    acc = GatherSum(codec, x, mean=True)
+    for v in (a, b):
+        acc.add(codec.encode(v))
+    acc.finish()
+    assert x[3] == pytest.approx(2.0) and x[9] == pytest.approx(-8.0) and int((x != 0).sum()) == 2
+    # weighted: shares 1 and 3, values pre-weighted: (1*2) / 1 where only a sent; b alone at 9
+    acc = GatherSum(codec, x, mean=True)
+    acc.add(codec.encode(a), share=0.25, weight=0.25)
+    acc.add(codec.encode(b), share=0.75, weight=0.75)
+    acc.finish()
+    assert x[3] == pytest.approx(2.0) and x[9] == pytest.approx(-8.0)
+    # a plain sum (DDP's gradients, the chunks variant)
+    acc = GatherSum(codec, x, mean=False)
+    acc.add(codec.encode(b))
+    acc.add(codec.encode(b))
+    assert acc.finish()[9] == pytest.approx(-16.0)
+
+
+def test_error_feedback_decays_the_residual_it_keeps() -> None:
+    from geotrain.codecs import Residual
+
+    r = Residual(decay=0.95)
+    r.keep(torch.full((4,), 2.0))
+    assert r.tensor is not None and torch.equal(r.tensor, torch.full((4,), 1.9))
+    r.keep(None)
+    assert r.tensor is None
+
+
+def test_sparseloco_defaults_and_the_outer_step_a_user_sets() -> None:
+    from geotrain.config import load_config
+
+    def sync(*o: str):  # type: ignore[no-untyped-def]
+        return load_config(None, list(o)).sync
+
+    assert (sync().outer_sgd, sync().error_decay) == ((0.7, 0.9, True), 1.0)
+    s = sync("sync.codec=sparseloco")
+    assert (s.outer_sgd, s.error_decay, s.sparse_variant) == ((1.0, 0.0, False), 0.95, "published")
+    assert sync("sync.codec=sparseloco", "sync.outer_lr=0.5").outer_sgd == (0.5, 0.0, False)
+    assert sync("sync.codec=sparseloco", "sync.sparse_variant=chunks").outer_sgd == (0.7, 0.9, True)
+    assert sync("sync.codec=sparseloco", "sync.ef_decay=1.0").error_decay == 1.0
+    assert sync("sync.outer_momentum=0").outer_sgd == (0.7, 0.0, False)
+
+
+def test_the_many_round_regime_and_its_coverage_column() -> None:
+    from geotrain.bench.quality import _coverage, many_rounds, quality_runs
+    from geotrain.config import load_config
+
+    runs = dict(quality_runs(regime="many"))
+    assert list(runs) == [
+        "ddp",
+        "diloco",
+        "sparseloco k=0.03125",
+        "sparseloco k=0.01",
+        "sparseloco(chunks) k=0.03125",
+        "muloco k=0.03125",
+    ]
+    cfg = load_config(None, [*many_rounds(100), *runs["sparseloco k=0.03125"]])
+    assert len(cfg.topology.sites) == 8 and cfg.train.steps == 1500 and cfg.sync.H == 15
+    assert _coverage(cfg) == {"rounds": 100, "density": 0.03125, "workers": 8, "rounds_x_density_x_workers": 25.0}
+    ddp = load_config(None, [*many_rounds(100), *runs["ddp"]])
+    assert _coverage(ddp)["rounds_x_density_x_workers"] == 1500 * 8
