@@ -30,12 +30,13 @@ REGIMES = ("default", "many")
 MANY_SITES, MANY_H = 8, 15
 
 
-def many_rounds(rounds: int = 100) -> list[str]:
-    """The many-round regime, near the paper's sweep on this machine: 8 sites of 1 worker, H = 15,
-    ``rounds`` rounds, a 2-layer GPT of width 64, links not emulated (bytes are counted all the same)."""
-    sites = ", ".join(f"{{name: s{i}, workers: 1}}" for i in range(MANY_SITES))
+def many_rounds(rounds: int = 100, sites: int = MANY_SITES) -> list[str]:
+    """The many-round regime, near the paper's sweep on this machine: ``sites`` sites (8) of 1
+    worker, H = 15, ``rounds`` rounds, a 2-layer GPT of width 64, links not emulated (bytes are
+    counted all the same)."""
+    names = ", ".join(f"{{name: s{i}, workers: 1}}" for i in range(sites))
     return [
-        f"topology.sites=[{sites}]",
+        f"topology.sites=[{names}]",
         "topology.links.emulate=off",
         "model.n_layer=2",
         "model.n_embd=64",
@@ -83,6 +84,7 @@ def codec_quality(
     progress: Callable[[str], None] | None = None,
     regime: str = "default",
     rounds: int = 100,
+    sites: int = MANY_SITES,
 ) -> dict[str, Any]:
     """Train every configuration of :func:`quality_runs` with ``seeds`` seeds (the default seed and the
     next ones) through the real launcher; eval loss vs inter-site bytes, and its spread over seeds.
@@ -91,7 +93,7 @@ def codec_quality(
     from geotrain.launch.local import launch_local
 
     say = progress or (lambda _msg: None)
-    first = many_rounds(rounds) if regime == "many" else []
+    first = many_rounds(rounds, sites) if regime == "many" else []
     base = load_config(None, [*first, *(extra or [])]).train.seed
     points = []
     for label, overrides in quality_runs(streaming_H, regime=regime):
@@ -222,7 +224,8 @@ def summarise(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_quality(result: dict[str, Any], console: Any) -> None:
     many = result.get("regime") == "many"
-    where = f"8 sites x 1 worker, H = {MANY_H}, a 2-layer GPT" if many else "default model, 2 sites x 2 workers"
+    n = result["summary"][0].get("workers", MANY_SITES)
+    where = f"{n} sites x 1 worker, H = {MANY_H}, a 2-layer GPT" if many else "default model, 2 sites x 2 workers"
     t = table(
         f"geotrain bench codec-quality: equal tokens, {where}, {result['seeds']} seed(s) each",
         ["run", "rounds x density x workers", "eval loss (mean ± std)", "gap to ddp (mean ± std)", "inter-site MB"]
@@ -284,7 +287,8 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("total inter-site bytes (log)")
     ax.set_ylabel(f"final eval loss (mean ± std over {result['seeds']} seeds)")
-    where = "8 sites x 1 worker, H = 15" if result.get("regime") == "many" else "2 sites x 2 workers"
+    n = result["summary"][0].get("workers", MANY_SITES)
+    where = f"{n} sites x 1 worker, H = {MANY_H}" if result.get("regime") == "many" else "2 sites x 2 workers"
     ax.set_title(f"Eval loss vs bytes across sites, equal tokens ({where})")
     ax.grid(True, alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ def bench_codec_quality_cmd(
         ),
     ] = "default",
     rounds: Annotated[int, typer.Option("--rounds", min=1, max=10_000, help="Rounds of the many-round regime.")] = 100,
+    sites: Annotated[int, typer.Option("--sites", min=2, max=16, help="Sites (1 worker each) of the many-round regime.")] = 8,
     set_: SetOpt = None,
 ) -> None:
     """Eval loss vs inter-site bytes at equal tokens over seeds: ddp, diloco, int8, streaming+fp4, sparseloco, muloco."""
@@ -66,9 +67,9 @@ def bench_codec_quality_cmd(
 
     if regime not in REGIMES:
         fail(f"--regime: choose from {', '.join(REGIMES)} (got {regime!r})")
-    load(None, [*(many_rounds(rounds) if regime == "many" else []), *(set_ or [])])  # bad overrides fail here
+    load(None, [*(many_rounds(rounds, sites) if regime == "many" else []), *(set_ or [])])  # bad overrides fail here
     try:
-        result = codec_quality(out, set_, streaming_h, seeds, progress=progress_line, regime=regime, rounds=rounds)
+        result = codec_quality(out, set_, streaming_h, seeds, progress=progress_line, regime=regime, rounds=rounds, sites=sites)
     except LaunchError as exc:
         fail(f"a run failed: {exc}", 1)
     print_quality(result, wide(140))
