@@ -8,7 +8,7 @@
    DiLoCo with int8 (2 fragments, tau 2), and elastic rounds under secure aggregation.
 3. **Layouts.** The same run replicated and under FSDP (3 sites of 2 workers): asynchronous
    quorum rounds with SparseLoCo (bytes), and secure aggregation with site-level DP's clip
-   biting (final loss, which must be equal).
+   biting (final loss, which must be equal). Items 2 and 3 alone: ``--only codecs``.
 4. **Example-level DP inside sites** (``--only example-dp`` runs this part alone): DP-SGD with
    its clip biting and no noise, replicated (Opacus's per-example gradients) and under FSDP
    (ghost norms, two passes a step), beside FSDP without DP: final loss (equal in both layouts)
@@ -32,7 +32,7 @@
 
 Prints a table, writes JSON.
 
-    python benchmarks/compose.py [--steps 60] [--only pairs|example-dp|quorum-tiers|quorum-streaming|elastic-tiers|elastic-quorum]
+    python benchmarks/compose.py [--steps 60] [--only pairs|codecs|example-dp|quorum-tiers|quorum-streaming|elastic-tiers|elastic-quorum]
         [--json benchmarks/results/compose.json]
 """
 
@@ -198,16 +198,51 @@ def elastic_quorum(tmp: Path) -> dict[str, Any]:
     return runs
 
 
+def codec_runs(tmp: Path, base: list[str]) -> dict[str, Any]:
+    """Lock-step against elastic rounds per codec (unequal sites), and the quorum + SparseLoCo and
+    secure-aggregation runs in both layouts: the sections ``elastic_vs_lockstep`` and ``layouts``."""
+    runs: dict[str, dict[str, Any]] = {}
+    for codec in ("none", "int8", "sparseloco"):
+        for mode in ("lockstep", "elastic"):
+            name = f"{codec}-{mode}"
+            extra = [f"sync.codec={codec}", f"elastic.enabled={mode == 'elastic'}"]
+            runs[name] = row(train(tmp / name, [UNEQUAL, *base, *extra]))
+    streaming = ["sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2", "sync.codec=int8"]
+    for mode in ("lockstep", "elastic"):  # each fragment's sync one elastic round, merged tau steps later
+        name = f"streaming-int8-{mode}"
+        runs[name] = row(train(tmp / name, [UNEQUAL, *base, *streaming, f"elastic.enabled={mode == 'elastic'}"]))
+    # masked in the int32 ring, each site's part weighted by its share of the largest site's tokens
+    masked = ["elastic.enabled=true", "privacy.secure_aggregation=true"]
+    runs["secagg-elastic"] = row(train(tmp / "secagg-elastic", [UNEQUAL, *base, *masked]))
+    layouts: dict[str, dict[str, Any]] = {}
+    for layout in ("replicate", "fsdp"):
+        within = f"sync.within_site={layout}"
+        q = train(tmp / f"quorum-{layout}", [EVEN, *base, within, "sync.quorum={sites: 2}", "sync.codec=sparseloco"])
+        layouts[f"quorum_sparseloco_{layout}"] = row(q)
+        private = [
+            "privacy.secure_aggregation=true",
+            "privacy.dp.unit=site",
+            "privacy.dp.noise_multiplier=0",
+            "privacy.dp.clip_norm=0.05",
+        ]
+        p = train(tmp / f"secagg-{layout}", [EVEN, *base, within, *private])
+        layouts[f"secagg_site_dp_clip_{layout}"] = row(p)
+    return {"elastic_vs_lockstep": runs, "layouts": layouts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    parts = ["pairs", "example-dp", "quorum-tiers", "quorum-streaming", "elastic-tiers", "elastic-quorum"]
+    parts = ["pairs", "codecs", "example-dp", "quorum-tiers", "quorum-streaming", "elastic-tiers", "elastic-quorum"]
     ap.add_argument("--only", choices=parts, default=None)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
     a = ap.parse_args()
     result: dict[str, Any] = {"pairs": pairs(), "steps": a.steps}
     print(f"pairs: {result['pairs']['refused']} of {result['pairs']['tried']} refused")
     base = [f"train.steps={a.steps}", "sync.H=10", "train.eval_every=0", "run.baseline=none"]
+    if a.only == "codecs":
+        with tempfile.TemporaryDirectory() as tmp:
+            result.update(codec_runs(Path(tmp), base))
     if a.only == "example-dp":
         with tempfile.TemporaryDirectory() as tmp:
             result["example_dp"] = example_dp(Path(tmp), base)
@@ -225,36 +260,7 @@ def main() -> None:
             result["elastic_quorum"] = elastic_quorum(Path(tmp))
     if a.only is None:
         with tempfile.TemporaryDirectory() as tmp:
-            runs: dict[str, dict[str, Any]] = {}
-            for codec in ("none", "int8", "sparseloco"):
-                for mode in ("lockstep", "elastic"):
-                    name = f"{codec}-{mode}"
-                    extra = [f"sync.codec={codec}", f"elastic.enabled={mode == 'elastic'}"]
-                    runs[name] = row(train(Path(tmp) / name, [UNEQUAL, *base, *extra]))
-            streaming = ["sync.algorithm=streaming", "sync.fragments=2", "sync.tau=2", "sync.codec=int8"]
-            for mode in ("lockstep", "elastic"):  # each fragment's sync one elastic round, merged tau steps later
-                name = f"streaming-int8-{mode}"
-                runs[name] = row(train(Path(tmp) / name, [UNEQUAL, *base, *streaming, f"elastic.enabled={mode == 'elastic'}"]))
-            # masked in the int32 ring, each site's part weighted by its share of the largest site's tokens
-            masked = ["elastic.enabled=true", "privacy.secure_aggregation=true"]
-            runs["secagg-elastic"] = row(train(Path(tmp) / "secagg-elastic", [UNEQUAL, *base, *masked]))
-            result["elastic_vs_lockstep"] = runs
-            layouts: dict[str, dict[str, Any]] = {}
-            for layout in ("replicate", "fsdp"):
-                within = f"sync.within_site={layout}"
-                q = train(
-                    Path(tmp) / f"quorum-{layout}", [EVEN, *base, within, "sync.quorum={sites: 2}", "sync.codec=sparseloco"]
-                )
-                layouts[f"quorum_sparseloco_{layout}"] = row(q)
-                private = [
-                    "privacy.secure_aggregation=true",
-                    "privacy.dp.unit=site",
-                    "privacy.dp.noise_multiplier=0",
-                    "privacy.dp.clip_norm=0.05",
-                ]
-                p = train(Path(tmp) / f"secagg-{layout}", [EVEN, *base, within, *private])
-                layouts[f"secagg_site_dp_clip_{layout}"] = row(p)
-            result["layouts"] = layouts
+            result.update(codec_runs(Path(tmp), base))
             # Streaming DiLoCo at lock-step and under adaptive pace, one site at 0.35 speed: each slot of
             # H/F steps is a round of the pace clock, ending with one fragment's sync
             paced: dict[str, dict[str, Any]] = {}
