@@ -111,15 +111,15 @@ def tile_layout(shapes: list[tuple[int, ...]], fraction: float, tile: int = 64) 
 def _pack(values: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     """Concatenate each value's low ``width`` bits (least significant first) into bytes."""
     top = int(widths.max()) if widths.numel() else 0
-    shifts = torch.arange(top)
+    shifts = torch.arange(top, device=values.device)
     bits = ((values.unsqueeze(1) >> shifts) & 1).to(torch.uint8)
     bits = bits[shifts.unsqueeze(0) < widths.unsqueeze(1)]  # row by row: each value's own width
     bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))
-    return (bits.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+    return (bits.view(-1, 8) << torch.arange(8, dtype=torch.uint8, device=bits.device)).sum(1, dtype=torch.uint8)
 
 
 def _bits(payload: torch.Tensor) -> torch.Tensor:
-    return ((payload.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)
+    return ((payload.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=payload.device)) & 1).reshape(-1)
 
 
 def quantize(vals: torch.Tensor, spread: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +131,8 @@ def quantize(vals: torch.Tensor, spread: float) -> tuple[torch.Tensor, torch.Ten
     if not bool(torch.isfinite(scale)) or float(scale) == 0.0:
         scale = vals.new_ones(())
     codes = (centred / scale + BINS // 2).round().clamp(0, BINS - 1).to(torch.int64)
-    sums = torch.zeros(BINS, dtype=vals.dtype).scatter_add_(0, codes, centred)
-    counts = torch.zeros(BINS, dtype=vals.dtype).scatter_add_(0, codes, torch.ones_like(centred))
+    sums = vals.new_zeros(BINS).scatter_add_(0, codes, centred)
+    counts = vals.new_zeros(BINS).scatter_add_(0, codes, torch.ones_like(centred))
     means = torch.where(counts > 0, sums / counts.clamp_min(1), torch.zeros_like(sums))
     return codes, torch.cat([shift.reshape(1), means])
 
@@ -194,8 +194,8 @@ class TiledSparseLoCo(Codec):
                 at += v.numel()
                 fields.append((idx << 2 | c).reshape(-1))
                 widths.append(torch.full((idx.numel(),), g.bits, dtype=torch.int64, device=x.device))
-        stream = _pack(torch.cat(fields), torch.cat(widths)) if fields else torch.zeros(0, dtype=torch.uint8)
-        return torch.cat([tables.reshape(-1).view(torch.uint8), stream.to(x.device)])
+        stream = _pack(torch.cat(fields), torch.cat(widths)) if fields else x.new_zeros(0, dtype=torch.uint8)
+        return torch.cat([tables.reshape(-1).view(torch.uint8), stream])
 
     def decode(
         self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None, sent: torch.Tensor | None = None
@@ -210,17 +210,18 @@ class TiledSparseLoCo(Codec):
         lay = self.layout(n)
         tables = buf[: TABLE * lay.tensors].view(torch.float32).view(lay.tensors, 1 + BINS)
         bits = _bits(buf[TABLE * lay.tensors :])
+        dev = bits.device
         dense = torch.zeros(n, dtype=torch.float32, device=out.device)
         mask = torch.zeros(n, dtype=torch.bool, device=out.device) if sent is not None else None
         at = 0
         for g in lay.groups:
             m = g.rows * g.k
-            fields = (bits[at : at + m * g.bits].view(m, g.bits).to(torch.int64) << torch.arange(g.bits)).sum(1)
+            fields = (bits[at : at + m * g.bits].view(m, g.bits).to(torch.int64) << torch.arange(g.bits, device=dev)).sum(1)
             at += m * g.bits
             offsets, codes = (fields >> 2).view(g.rows, g.k), fields & 3
             if m and int(offsets.max()) >= g.size:
                 raise CorruptPayload(f"{self.name} codec: a payload names an offset past its {g.size}-value chunk")
-            pos = (offsets + g.start + torch.arange(g.rows).unsqueeze(1) * g.size).reshape(-1)
+            pos = (offsets + g.start + torch.arange(g.rows, device=dev).unsqueeze(1) * g.size).reshape(-1)
             dense[pos] = tables[g.tensor, 1 + codes] + tables[g.tensor, 0]
             if mask is not None:
                 mask[pos] = True
