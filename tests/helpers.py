@@ -99,21 +99,23 @@ def train_cli(
     killed launcher) start it as a process, and so does every run here with
     GEOTRAIN_TEST_SUBPROCESS=1."""
     args = train_args(out, overrides, topology)
-    if IN_PROCESS:
-        proc = _in_process(args, timeout)
-        assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return proc
+    proc = _in_process(args, timeout) if IN_PROCESS else _subprocess(args, out, timeout)
+    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _subprocess(args: list[str], out: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` as a process of its own; past ``timeout`` stop every process it started and show
+    where it stood."""
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         try:
             stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:  # stop every process it started, then show where it stood
+        except subprocess.TimeoutExpired:
             _kill_run(out, p)
             stdout, stderr = p.communicate()
             logs = "".join(f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in sorted((out / "logs").glob("*.log")))
             raise AssertionError(f"timed out after {timeout}s:\n{stdout[-4000:]}{stderr[-2000:]}{logs}") from None
-    proc = subprocess.CompletedProcess(args, p.returncode, stdout, stderr)
-    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return subprocess.CompletedProcess(args, p.returncode, stdout, stderr)
 
 
 def _in_process(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

@@ -135,20 +135,24 @@ class _ForkedZygote:
         self.returncode: int | None = None
         self._pidfd = os.pidfd_open(pid)
 
+    def _reaped(self, status: int) -> int:
+        """Its exit code from the wait status, its pidfd closed."""
+        self.returncode = os.waitstatus_to_exitcode(status)
+        os.close(self._pidfd)
+        return self.returncode
+
     def poll(self) -> int | None:
         if self.returncode is None:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                os.close(self._pidfd)
+                self._reaped(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.poll() is None and timeout is not None and not select.select([self._pidfd], [], [], timeout)[0]:
             raise subprocess.TimeoutExpired("zygote", timeout)
         if self.returncode is None:  # it has exited (the pidfd is readable), or no bound was asked for
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-            os.close(self._pidfd)
+            return self._reaped(os.waitpid(self.pid, 0)[1])
         return self.returncode
 
     def kill(self) -> None:
