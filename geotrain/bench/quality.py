@@ -222,10 +222,16 @@ def summarise(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _layout(result: dict[str, Any]) -> str:
+    """The sweep's sites (and the many-round regime's H), for its table and plot titles."""
+    if result.get("regime") != "many":
+        return "2 sites x 2 workers"
+    return f"{result['summary'][0].get('workers', MANY_SITES)} sites x 1 worker, H = {MANY_H}"
+
+
 def print_quality(result: dict[str, Any], console: Any) -> None:
     many = result.get("regime") == "many"
-    n = result["summary"][0].get("workers", MANY_SITES)
-    where = f"{n} sites x 1 worker, H = {MANY_H}, a 2-layer GPT" if many else "default model, 2 sites x 2 workers"
+    where = f"{_layout(result)}, a 2-layer GPT" if many else f"default model, {_layout(result)}"
     t = table(
         f"geotrain bench codec-quality: equal tokens, {where}, {result['seeds']} seed(s) each",
         ["run", "rounds x density x workers", "eval loss (mean ± std)", "gap to ddp (mean ± std)", "inter-site MB"]
@@ -287,9 +293,7 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("total inter-site bytes (log)")
     ax.set_ylabel(f"final eval loss (mean ± std over {result['seeds']} seeds)")
-    n = result["summary"][0].get("workers", MANY_SITES)
-    where = f"{n} sites x 1 worker, H = {MANY_H}" if result.get("regime") == "many" else "2 sites x 2 workers"
-    ax.set_title(f"Eval loss vs bytes across sites, equal tokens ({where})")
+    ax.set_title(f"Eval loss vs bytes across sites, equal tokens ({_layout(result)})")
     ax.grid(True, alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
