@@ -194,7 +194,8 @@ def test_the_codec_keeps_each_tiles_top_k_at_four_levels_per_tensor_and_refuses_
 
 
 def test_the_per_sender_mean_counts_only_the_sites_that_sent_a_coordinate() -> None:
-    from geotrain.codecs.sparseloco import GatherSum, TiledSparseLoCo
+    from geotrain.codecs.sparseloco import TiledSparseLoCo
+    from geotrain.comm.coded import GatherSum
 
     codec = TiledSparseLoCo(1 / 64, shapes=[(64,)])
     a, b = torch.zeros(64), torch.zeros(64)

@@ -13,7 +13,7 @@ where its chunks fall and how the receivers combine it:
 * **2-bit values.** Per tensor, the kept values are centred on their mean and put into 4 uniform
   bins of width ``spread · σ / 4`` (σ their unbiased standard deviation) around code 2; each
   code decodes to its bin's mean (a table of 4 fp32 values and the shift, 20 bytes per tensor).
-* **Per-sender mean** (:class:`GatherSum`): each coordinate of the aggregate is the mean over the
+* **Per-sender mean** (:class:`geotrain.comm.coded.GatherSum`): each coordinate of the aggregate is the mean over the
   sites whose payload names it, not the sum divided by every site: a coordinate one site sent
   moves by that site's value, as its error feedback dropped all of it.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal
 
 import torch
 
@@ -234,45 +234,3 @@ class TiledSparseLoCo(Codec):
         if mask is not None and sent is not None:
             sent.copy_(mask)
         return out
-
-
-class Decoder(Protocol):
-    """What :class:`GatherSum` asks of a codec (a :class:`~geotrain.codecs.Codec`)."""
-
-    @property
-    def sender_mean(self) -> bool: ...
-
-    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-class GatherSum:
-    """Adds the decoded payloads of a gather codec in a fixed order into ``x`` (fp32, zeroed
-    first). ``mean``: the codec's per-sender mean, where each coordinate is divided by the total
-    share of the senders that named it (:class:`TiledSparseLoCo`); else a plain sum.
-    """
-
-    def __init__(self, codec: Decoder, x: torch.Tensor, mean: bool) -> None:
-        self.codec, self.x = codec, x.zero_()
-        self.mean = mean and codec.sender_mean
-        self.tmp = torch.empty_like(x)
-        self.den = torch.zeros_like(x) if self.mean else None
-        self.sent = torch.empty(x.numel(), dtype=torch.bool, device=x.device) if self.mean else None
-
-    def add(self, buf: torch.Tensor, share: float = 1.0, weight: float = 1.0) -> None:
-        """Add ``weight`` × one sender's decoded payload; its ``share`` counts where it sent."""
-        n = self.x.numel()
-        if self.mean:
-            assert isinstance(self.codec, TiledSparseLoCo) and self.den is not None and self.sent is not None
-            self.codec.decode(buf, n, self.tmp, sent=self.sent)
-            self.den.add_(self.sent.to(self.den.dtype), alpha=share)
-        else:
-            self.codec.decode(buf, n, self.tmp)
-        self.x.add_(self.tmp, alpha=weight) if weight != 1.0 else self.x.add_(self.tmp)
-
-    def finish(self, scale: float = 1.0) -> torch.Tensor:
-        """The sum, or (``mean``) the per-coordinate mean times ``scale``; 0 where nobody sent."""
-        if self.den is not None:
-            torch.where(self.den > 0, self.x / self.den, torch.zeros_like(self.x), out=self.x)
-            if scale != 1.0:
-                self.x.mul_(scale)
-        return self.x

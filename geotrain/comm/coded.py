@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from geotrain.codecs import Codec, Residual
-from geotrain.codecs.sparseloco import GatherSum
+from geotrain.codecs.sparseloco import TiledSparseLoCo
 
 Exchange = Callable[[dict[int, tuple[torch.Tensor, int]], dict[int, torch.Tensor]], None]
 
@@ -51,7 +52,7 @@ def coded_sum(
             share = 1.0 if shares is None else shares[site_of(r)]
             if equal:  # unweighted: sum then divide by the count, bit for bit the reference's mean
                 share = 1.0 if share else 0.0
-            acc.add(got[r], share, weight=share if shares is not None else 1.0)
+            acc.add(got[r], share, weight=share if shares is not None else 1.0, decoded=own if r == me else None)
         acc.finish()
         return
     chunks = x.tensor_split(n)
@@ -81,3 +82,46 @@ def coded_sum(
     exchange(sends, back)
     for j in others:
         codec.decode(back[ranks[j]], chunks[j].numel(), chunks[j])
+
+
+class Decoder(Protocol):
+    """What :class:`GatherSum` asks of a codec (a :class:`~geotrain.codecs.Codec`)."""
+
+    @property
+    def sender_mean(self) -> bool: ...
+
+    def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class GatherSum:
+    """Adds the decoded payloads of a gather codec in a fixed order into ``x`` (fp32, zeroed
+    first). ``mean``: the codec's per-sender mean, where each coordinate is divided by the total
+    share of the senders that named it (:class:`TiledSparseLoCo`); else a plain sum.
+    """
+
+    def __init__(self, codec: Decoder, x: torch.Tensor, mean: bool) -> None:
+        self.codec, self.x = codec, x.zero_()
+        self.mean = mean and codec.sender_mean
+        self.tmp = torch.empty_like(x)
+        self.den = torch.zeros_like(x) if self.mean else None
+        self.sent = torch.empty(x.numel(), dtype=torch.bool, device=x.device) if self.mean else None
+
+    def add(self, buf: torch.Tensor, share: float = 1.0, weight: float = 1.0, decoded: torch.Tensor | None = None) -> None:
+        """Add ``weight`` × one sender's decoded payload; its ``share`` counts where it sent.
+        ``decoded``: the payload's decoding where the caller has it (a plain sum then decodes nothing)."""
+        n = self.x.numel()
+        if self.mean:
+            assert isinstance(self.codec, TiledSparseLoCo) and self.den is not None and self.sent is not None
+            decoded = self.codec.decode(buf, n, self.tmp, sent=self.sent)
+            self.den.add_(self.sent.to(self.den.dtype), alpha=share)
+        elif decoded is None:
+            decoded = self.codec.decode(buf, n, self.tmp)
+        self.x.add_(decoded, alpha=weight)
+
+    def finish(self, scale: float = 1.0) -> torch.Tensor:
+        """The sum, or (``mean``) the per-coordinate mean times ``scale``; 0 where nobody sent."""
+        if self.den is not None:
+            torch.where(self.den > 0, self.x / self.den, torch.zeros_like(self.x), out=self.x)
+            if scale != 1.0:
+                self.x.mul_(scale)
+        return self.x

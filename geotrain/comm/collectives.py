@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from geotrain.codecs import Codec, Residual
-from geotrain.codecs.sparseloco import GatherSum as GatherSum  # (also the elastic exchange's)
 from geotrain.comm.coded import coded_sum
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import Lane, ProcessGroups

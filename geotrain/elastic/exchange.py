@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from geotrain.comm.collectives import GatherSum  # (codecs.sparseloco, as the lock-step sum uses it)
+from geotrain.comm.coded import GatherSum
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import round_group
 from geotrain.config import ElasticConfig
