@@ -191,6 +191,10 @@ def test_the_codec_keeps_each_tiles_top_k_at_four_levels_per_tensor_and_refuses_
         codec.decode(bad, x.numel())
     with pytest.raises(CorruptPayload):
         codec.decode(buf[:-1], x.numel())
+    nan = buf.clone()
+    nan[:4].view(torch.float32).fill_(float("nan"))  # the first tensor's shift
+    with pytest.raises(CorruptPayload, match="not finite"):
+        codec.decode(nan, x.numel())
 
 
 def test_the_per_sender_mean_counts_only_the_sites_that_sent_a_coordinate() -> None:

@@ -209,6 +209,8 @@ class TiledSparseLoCo(Codec):
     def _decode_into(self, buf: torch.Tensor, n: int, out: torch.Tensor, sent: torch.Tensor | None) -> torch.Tensor:
         lay = self.layout(n)
         tables = buf[: TABLE * lay.tensors].view(torch.float32).view(lay.tensors, 1 + BINS)
+        if not bool(torch.isfinite(tables).all()):  # another site's table: a NaN would reach every coordinate it names
+            raise CorruptPayload(f"{self.name} codec: a payload's value table is not finite")
         bits = _bits(buf[TABLE * lay.tensors :])
         dev = bits.device
         dense = torch.zeros(n, dtype=torch.float32, device=out.device)
