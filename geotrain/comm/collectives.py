@@ -39,6 +39,7 @@ from geotrain.codecs import Codec, Residual
 from geotrain.comm.coded import coded_sum
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import Lane, ProcessGroups
+from geotrain.comm.shapes import hub_sum, tree_sum
 from geotrain.comm.threads import DaemonPool
 
 _HEADER_TAG = 1  # arrival-time headers of the link emulation travel on their own tag
@@ -74,6 +75,7 @@ class CommStats:
     inter_raw_bytes: int = 0  # what the same inter-site sends would have taken in fp32
     network_seconds: float = 0.0
     wan_wait_seconds: float = 0.0
+    link_bytes: dict[int, int] = field(default_factory=dict)  # inter_bytes by the receiving site's index
     # (start, end) monotonic seconds of every exchange that crossed sites, when recording
     intervals: list[tuple[float, float]] | None = field(default=None, repr=False)
 
@@ -124,12 +126,15 @@ class Collectives:
             with self._lock:
                 self.stats.intra_bytes += nbytes
         else:
-            self.count_far(nbytes, raw, other_region=not topo.same_region(dst_site, self._my_site))
+            self.count_far(nbytes, raw, other_region=not topo.same_region(dst_site, self._my_site), to=dst_site)
 
-    def count_far(self, nbytes: int, raw: int | None = None, other_region: bool = False) -> None:
-        """Count ``nbytes`` sent to another site (``raw``: the fp32 bytes they stand for) across
-        regions or not; for sends outside this rank's groups (a site that came back: the run's store)."""
+    def count_far(self, nbytes: int, raw: int | None = None, other_region: bool = False, to: int | None = None) -> None:
+        """Count ``nbytes`` sent to another site (``raw``: the fp32 bytes they stand for; ``to``: its
+        index, for bytes per link) across regions or not; also for sends outside this rank's groups
+        (a site that came back: the run's store)."""
         with self._lock:
+            if to is not None:
+                self.stats.link_bytes[to] = self.stats.link_bytes.get(to, 0) + nbytes
             self.stats.inter_bytes += nbytes
             self.stats.inter_raw_bytes += nbytes if raw is None else raw
             if other_region:
@@ -303,6 +308,17 @@ class Collectives:
         self._ring_reduce_scatter(x, ranks, group)
         self._ring_all_gather(x, ranks, group)
 
+    def _wide_sum(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup, region: bool = False) -> None:
+        """fp32 sum over ``ranks`` (one per site) in the exchange's order and shape (``topology.exchange``;
+        ``region``: a region's sum of two tiers) (untimed building block)."""
+        topo = self.groups.topology
+        ranks = topo.ordered(ranks)
+        shape = topo.region_shape if region else topo.shape
+        if shape == "ring":
+            self._ring_sum(x, ranks, group)
+        else:
+            (tree_sum if shape == "tree" else hub_sum)(x, ranks, self.groups.me.rank, lambda s, r: self._p2p(s, r, group))
+
     def ring_all_reduce(self, x: torch.Tensor, ranks: list[int], group: dist.ProcessGroup, wide: bool = True) -> None:
         """Sum ``x`` over ``ranks`` (global ranks, ring order) in place (``wide``: the ring crosses sites)."""
         self._check(x)
@@ -338,7 +354,7 @@ class Collectives:
         ranks, group = (g.region_inter_ranks, lane.region) if region else (g.inter_ranks, lane.inter)
         assert group is not None, "a rank that carries nothing across sites was given a shard"
         if codec is None:
-            self._ring_sum(shard, ranks, group)
+            self._wide_sum(shard, ranks, group, region)
         else:
             self._coded_all_reduce(shard, codec, ranks, group, ef, shares)
 
@@ -470,7 +486,8 @@ class Collectives:
         """Sum over this rank's cross-site group (its local rank in every site), fp32, lane 0."""
         group = self.lanes[0].inter
         assert group is not None, "a rank that carries nothing across sites has no cross-site group"
-        self.coded_all_reduce(x, None, self.groups.inter_ranks, group)
+        self._check(x)
+        self._timed(self._wide_sum, x, self.groups.inter_ranks, group)
 
     def all_reduce(self, x: torch.Tensor, how: str, codec: Codec | None = None, ef: Residual | None = None) -> None:
         """Sum over all ranks, ``how`` = 'hierarchical' or 'flat'."""

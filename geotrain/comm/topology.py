@@ -50,9 +50,13 @@ class Topology:
     region_names: tuple[str, ...] = ()
     region_links: tuple[LinkConfig | None, ...] = ()  # each region's link between its sites (None: inter)
     changes: tuple[LinkChangeConfig, ...] = ()  # scheduled changes of emulated links
+    order: tuple[int, ...] = ()  # site indices in exchange order (topology.exchange.order; empty: config order)
+    shape: str = "ring"  # the shape of a sum across all sites (topology.exchange.shape)
+    region_shape: str = "ring"  # the shape of a region's sum (two tiers)
 
     @classmethod
     def from_config(cls, cfg: TopologyConfig) -> Topology:
+        names = [s.name for s in cfg.sites]
         return cls(
             site_names=tuple(s.name for s in cfg.sites),
             workers=tuple(s.workers for s in cfg.sites),
@@ -68,7 +72,20 @@ class Topology:
             region_names=tuple(r.name for r in cfg.regions),
             region_links=tuple(r.link for r in cfg.regions),
             changes=tuple(cfg.links.changes),
+            order=tuple(names.index(n) for n in cfg.order),
+            shape=cfg.exchange.shape,
+            region_shape=cfg.exchange.region_shape,
         )
+
+    @property
+    def ring_names(self) -> list[str]:
+        """The site names in exchange order."""
+        return [self.site_names[s] for s in self.order] if self.order else list(self.site_names)
+
+    def ordered(self, ranks: list[int]) -> list[int]:
+        """``ranks`` (at most one per site) sorted by their sites' places in the exchange order."""
+        place = {s: i for i, s in enumerate(self.order)} if self.order else None
+        return sorted(ranks, key=lambda r: place[self.site_of(r)] if place else self.site_of(r))
 
     def link(self, a: int, b: int) -> LinkConfig:
         """The link between sites ``a`` and ``b`` (indices): a 'between' entry if one names them, else their region's link when they share a region that has one, else 'inter'."""

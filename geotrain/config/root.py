@@ -112,7 +112,37 @@ class Config(Section):
         self._tiers_fit()
         self._adapt_fits()
         self._quorum_fits(len(names))
+        self._exchange_fits()
         return self
+
+    def _exchange_fits(self) -> None:
+        """topology.exchange: a tree or a hub sums fp32 over a fixed set of sites (docs/PLACE.md)."""
+        x, s = self.topology.exchange, self.sync
+        if "ring" == x.shape == x.region_shape:
+            return
+        refused = [
+            (
+                self.elastic.enabled,
+                "elastic.enabled",
+                "an elastic round's sites change round by round, and a tree's root or a "
+                "hub is one site whose loss fails every round; elastic rounds run a ring in exchange.order (use shape ring)",
+            ),
+            (
+                s.codec != "none",
+                "sync.codec",
+                "an encoded sum already goes one hop (each site's payload to every other); a "
+                "tree or hub would decode and re-encode at every hop, adding its error again (use shape ring)",
+            ),
+            (
+                s.adapt is not None,
+                "sync.adapt",
+                "adaptation inverts the ring's time formula on the measured link (use shape ring)",
+            ),
+            (s.allreduce == "flat", "sync.allreduce", "the flat all-reduce is one ring over every rank (use hierarchical)"),
+        ]
+        for bad, field, why in refused:
+            if bad:
+                raise ValueError(f"{field}: not with topology.exchange.shape={x.shape}, region_shape={x.region_shape}: {why}")
 
     def _tiers_fit(self) -> None:
         """sync.region_every: multi-tier DiLoCo, with what it is not combined with yet."""

@@ -126,6 +126,30 @@ class RegionConfig(Section):
     )
 
 
+Shape = Literal["ring", "tree", "hub"]
+
+
+class ExchangeConfig(Section):
+    """How an fp32 sum crosses sites: the sites' order and the shape of the exchange (what
+    ``geotrain place`` chooses from the link matrix; docs/PLACE.md)."""
+
+    order: list[str] = Field(
+        default_factory=list,
+        description="The sites in the order the exchange visits them (a ring's neighbours, a tree's heap order, a hub "
+        "first); empty: topology.sites' order. Every site exactly once.",
+    )
+    shape: Shape = Field(
+        default="ring",
+        description="The shape of the sum across all sites (one tier, or the world tier of two): 'ring' (reduce-scatter + "
+        "all-gather, 2(n-1)/n of the vector per link, 2(n-1) latencies), 'tree' (binary tree over the order, rooted at its "
+        "first site: the vector up and down each edge, 2 ceil(log2(n+1))-2 latencies) or 'hub' (every site sends the vector "
+        "to the first site of the order and gets the sum back: 2 latencies).",
+    )
+    region_shape: Shape = Field(
+        default="ring", description="The shape of a region's sum in two tiers (its sites in the order's order)."
+    )
+
+
 class TopologyConfig(Section):
     sites: list[SiteConfig] = Field(
         default_factory=lambda: [SiteConfig(name="A", workers=2), SiteConfig(name="B", workers=2)],
@@ -136,6 +160,10 @@ class TopologyConfig(Section):
         default_factory=list,
         description="Optional groups of sites (site -> region -> world) for multi-tier sync (sync.region_every) and per-tier "
         "links and byte counts; empty: one tier. When given, every site is in exactly one region (docs/HETERO.md).",
+    )
+
+    exchange: ExchangeConfig = Field(
+        default_factory=ExchangeConfig, description="The order and shape of fp32 sums across sites (docs/PLACE.md)."
     )
 
     @field_validator("sites")
@@ -166,7 +194,15 @@ class TopologyConfig(Section):
                 if name not in names:
                     raise ValueError(f"links.changes[{i}].sites: unknown site {name!r} (sites: {', '.join(names)})")
         self._regions_ok(names)
+        order = self.exchange.order
+        if order and sorted(order) != sorted(names):
+            raise ValueError(f"exchange.order: must name every site once ({', '.join(names)}; got {', '.join(order)})")
         return self
+
+    @property
+    def order(self) -> list[str]:
+        """The sites in exchange order (``exchange.order``, else config order)."""
+        return list(self.exchange.order) or [s.name for s in self.sites]
 
     def _regions_ok(self, names: list[str]) -> None:
         if not self.regions:

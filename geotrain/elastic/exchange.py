@@ -73,7 +73,7 @@ class Exchange:
         backstop: the timeout of one wait of ``nbytes`` among ``n`` sites.
         count: adds bytes sent across sites to the member's counter (under its lock), with the
             site they went to.
-        ring: the sites whose shards are summed, in ``view.admitted``'s order (two tiers: a region
+        ring: the sites whose shards are summed, in exchange order (``topology.exchange.order``; two tiers: a region
             round sums over the region's admitted sites; default: every admitted site). Healing
             state crosses between any two admitted sites.
         on_mid_round: called between the reduce-scatter and the all-gather (failure injection).

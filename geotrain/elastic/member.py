@@ -102,7 +102,7 @@ class SiteMember(Schedule):
         self.cfg = cfg
         self.stats = stats if stats is not None else CommStats()
         self.site, self.site_index, self.local, self.G = site, site_index, local_rank, workers
-        self.names = list(topology.site_names)
+        self.names, self.order = list(topology.site_names), topology.ring_names
         links = [topology.link(a, b) for a in range(topology.num_sites) for b in range(a + 1, topology.num_sites)]
         # the slowest inter-site link (bandwidth, latency): sizes the exchange's backstop timeouts
         self.slowest_link = (min((x.bandwidth_bps for x in links), default=1e9), max((x.latency_s for x in links), default=0.0))
@@ -374,13 +374,13 @@ class SiteMember(Schedule):
         contributes = finite and (self.site not in view.healers or late > 0)
         what.weight *= (1.0 + late) ** -(self.stale_power or 0.0) if contributes else 1.0
         lo, hi = (0, delta.numel()) if self.sharded else commit.span(delta.numel(), self.local, self.carriers)
-        ring = views.tier_ring(view, self.site, self.region_of)  # two tiers: a region round's sites (None: every site)
+        ring = views.tier_ring(view, self.site, self.region_of, self.order)  # the round's sites in exchange order
         carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
         dp = commit.site_dp(self.noise, delta, contributes and what.weight > 0, self.sharded, self.intra)  # every rank
         if self.carries:  # secure: a masked part's weight is its share of the largest site's tokens (at most 1)
             factor = 1.0 if what.weight == 1.0 else self.workers[self.site_index] / max(self.workers)
             part = dp(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
-            where = (lo, self.site, view, self.local, ring or view.admitted)  # masks cancel over the sites summed
+            where = (lo, self.site, view, self.local, ring)  # masks cancel over the sites summed
             carry = commit.carried(part, what.weight, contributes, self.masker, factor, where)
         outgoing = None
         if view.healed_by(self.site) and (self.local == 0 or self.sharded):
@@ -438,7 +438,7 @@ class SiteMember(Schedule):
         if x is not None and what.residual is not None and (self.site not in view.healers or late):
             what.residual.keep(x.residual)  # the round committed: keep what its encoding left out
         total, count = (float(v) for v in carry[-TRAILER:].tolist())
-        if (count < 0.5 or total <= 0) and ring is None:
+        if (count < 0.5 or total <= 0) and not views.region_round(view, self.region_of):
             raise RoundFailed("no site contributed to the round")  # (tiers: a region of sites that healed or sat out sums 0)
         divisor = self.world_weight or (total if total > 0 else 1.0)  # quorum rounds: a whole world round's weight
         self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(divisor)

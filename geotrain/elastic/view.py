@@ -209,12 +209,17 @@ def nothing_to_do(members: list[Member]) -> bool:
     return bool(members) and all(m.done and not m.joining for m in members) and len({(m.committed, m.hash) for m in members}) == 1
 
 
-def tier_ring(view: RoundView, site: str, region_of: dict[str, str] | None) -> list[str] | None:
-    """The sites a round sums over: in a region round of two tiers, ``site``'s region's admitted
-    sites; else every admitted site (None)."""
-    if region_of is None or view.part != REGION:
-        return None
-    return [s for s in view.admitted if region_of[s] == region_of[site]]
+def tier_ring(view: RoundView, site: str, region_of: dict[str, str] | None, order: list[str]) -> list[str]:
+    """The sites a round sums over, in exchange ``order`` (``topology.exchange.order``): in a region
+    round of two tiers, ``site``'s region's admitted sites; else every admitted site."""
+    mine = region_round(view, region_of)
+    ring = [s for s in view.admitted if not mine or region_of[s] == region_of[site]]  # type: ignore[index]
+    return sorted(ring, key=order.index)
+
+
+def region_round(view: RoundView, region_of: dict[str, str] | None) -> bool:
+    """Whether ``view`` is a region round of two tiers."""
+    return region_of is not None and view.part == REGION
 
 
 def too_few_to_mask(view: RoundView, region_of: dict[str, str] | None) -> str:

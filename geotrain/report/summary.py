@@ -26,6 +26,7 @@ def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_h
         "inter_site_bytes": stats.inter_bytes,
         "inter_region_bytes": stats.inter_region_bytes,
         "inter_site_raw_bytes": stats.inter_raw_bytes,
+        "link_bytes": {str(dst): n for dst, n in sorted(stats.link_bytes.items())},  # by the receiving site's index
         "intra_site_bytes": stats.intra_bytes,
         "peak_inter_site_bytes_per_step": result["peak_inter_site_bytes_per_step"],
         "final_sync_inter_site_bytes": result["final_sync_inter_site_bytes"],
@@ -41,6 +42,16 @@ def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_h
         "wall_seconds": result["wall_seconds"],
         "global_param_hash": global_hash,
     }
+
+
+def link_bytes(ranks: list[dict[str, Any]], topo: Topology) -> dict[str, int]:
+    """Bytes each directed site-to-site link carried ("A->B"), summed over the ranks' records."""
+    out: dict[str, int] = {}
+    for r in ranks:
+        for dst, n in r.get("link_bytes", {}).items():
+            key = f"{r['site']}->{topo.site_names[int(dst)]}"
+            out[key] = out.get(key, 0) + n
+    return dict(sorted(out.items()))
 
 
 def run_summary(
@@ -85,6 +96,7 @@ def run_summary(
         "final_eval_loss": result["final_eval_loss"],
         "inter_site_bytes": inter,
         "inter_region_bytes": sum(r["inter_region_bytes"] for r in ranks),  # over the slow tier (0 without regions)
+        "link_bytes": link_bytes(ranks, topo),
         "compression_ratio": raw / inter if inter else 1.0,
         "utilization": min(r["utilization"] for r in ranks),
         # each site's measured pace: steps run, compute seconds per step (network waits excluded), busy fraction
