@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "report": {"comm", "config", "errors"},
     "run": _BELOW_RUN,
     "launch": {"comm", "config", "data", "elastic", "errors", "models", "report", "run"},  # report: preflight checks the tracker
-    "bench": _BELOW_RUN | {"launch", "run"},
+    "bench": _BELOW_RUN | {"launch", "plan", "run"},  # plan: bench place runs what geotrain place predicts
     "api": {"comm", "config", "errors", "sync"},
     "cli": _BELOW_RUN | {"api", "bench", "launch", "netsim", "plan", "run"},
     "__main__": {"cli"},

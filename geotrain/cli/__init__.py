@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from geotrain.cli.bench import bench_app
 from geotrain.cli.common import ConfigOpt, OutOpt, SetOpt, console, fail, ints, load, scenario_step, wide, write_json
 from geotrain.cli.data import data_app
-from geotrain.config import Config
+from geotrain.config import Config, load_config
 from geotrain.errors import CheckpointError, ConfigError, LaunchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train one model across several datacenters.")
@@ -200,6 +200,43 @@ def plan(
             console.print(f"wrote {path}")
     if netsim is not None:
         console.print(f"wrote {scenario_step(write_netsim, sc, out, netsim)}: run it with geotrain netsim {netsim}")
+
+
+@app.command()
+def place(
+    pool_file: Annotated[Path, typer.Argument(metavar="POOL", help="Pool YAML: sites, data, links, job (docs/PLACE.md).")],
+    set_: SetOpt = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Write the chosen placement's geotrain config here.")] = Path(
+        "placed.yaml"
+    ),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the placement and its runner-ups as JSON here.")] = None,
+) -> None:
+    """Choose the sites, workers, tiers, ring order and exchange shape of a job from a pool; write its config."""
+    from geotrain.plan.place_report import print_place, run_place
+    from geotrain.plan.pool import load_pool
+
+    pool = scenario_step(load_pool, pool_file, set_)
+    base_path = pool.job.config
+    if base_path is not None and not Path(base_path).is_absolute():
+        base_path = str(pool_file.parent / base_path)
+    try:
+        base = load_config(base_path, pool.job.set)
+    except ConfigError as exc:
+        fail(f"scenario error: job.config: {exc}")
+    params, tps = pool.job.params, pool.job.tokens_per_step
+    if params is None:
+        from geotrain.models.factory import build_model, count_params
+
+        params = count_params(build_model(base.model))
+    if tps is None:
+        tps = base.train.batch_size * base.train.grad_accum * base.model.block_size
+    result, config = scenario_step(run_place, pool, params, tps, base)
+    print_place(result, wide(140))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
+    console.print(f"wrote {out}: run it with geotrain train --config {out}")
+    if json_out is not None:
+        write_json(result, json_out)
 
 
 @app.command()

@@ -288,6 +288,25 @@ def bench_tiers_cmd(
         console.print(f"wrote {plot_adapt(result['adaptive'], plot / name)}")
 
 
+@bench_app.command("place")
+def bench_place_cmd(
+    json_out: JsonOpt = None,
+    out: OutOpt = Path("runs/bench-place"),
+    pools: Annotated[str, typer.Option(help="Pools, comma-separated: slow-pair, unequal.")] = "slow-pair,unequal",
+) -> None:
+    """geotrain place's predictions (utilisation, bytes per link) against runs of the configs it writes; chosen vs naive."""
+    from geotrain.bench.place import POOLS, bench_place, print_place_bench
+
+    names = tuple(p.strip() for p in pools.split(",") if p.strip())
+    bad = [n for n in names if n not in POOLS]
+    if bad or not names:
+        fail(f"--pools: {', '.join(bad) or 'none given'} (allowed: {', '.join(POOLS)})")
+    result = bench_place(out, out / "corpus.txt", names, progress=progress_line)
+    print_place_bench(result, wide(150))
+    if json_out is not None:
+        write_json(result, json_out)
+
+
 @bench_app.command("scale")
 def bench_scale_cmd(
     json_out: JsonOpt = None,

@@ -22,6 +22,13 @@ class LinkConfig(Section):
     latency_s: float = Field(ge=0, le=10, description="One-way latency in seconds (0 to 10).")
 
 
+def site_name(v: str) -> str:
+    """A site name: letters, digits, '-' and '_'."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", v):
+        raise ValueError("may contain only letters, digits, '-' and '_'")
+    return v
+
+
 def _two_sites(v: list[str] | None) -> list[str] | None:
     if v is not None and (len(v) != 2 or v[0] == v[1]):
         raise ValueError("must name two different sites")
@@ -108,12 +115,7 @@ class SiteConfig(Section):
 
     _site_corpus_path = field_validator("corpus")(absolute_path)
 
-    @field_validator("name")
-    @classmethod
-    def _name_chars(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", v):
-            raise ValueError("may contain only letters, digits, '-' and '_'")
-        return v
+    _name_chars = field_validator("name")(site_name)
 
 
 class RegionConfig(Section):

@@ -1,0 +1,212 @@
+"""``geotrain bench place``: ``geotrain place``'s predictions against runs of the configs it writes.
+
+For each pool (a slow site pair; unequal sites), on this machine under in-process link emulation:
+
+1. calibrate: the naive config (every site, pool order, one ring) with links off, a few rounds:
+   each site's measured compute seconds per inner step give ``job.step_s`` at speed 1;
+2. place the pool with that step time: the chosen placement, its predictions, its config;
+3. run the chosen config and the naive one (same H and codec) with the links emulated;
+4. compare predicted with measured: each site's utilisation (compute / wall), the bytes each
+   directed link carried per round, tokens per second; and the chosen run against the naive one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from geotrain.bench.common import table
+from geotrain.config import Config, load_config
+from geotrain.plan.place import Placer
+from geotrain.plan.place_report import place_config, run_place
+from geotrain.plan.pool import Pool
+
+MODEL = ["model.n_layer=2", "model.n_embd=128", "model.n_head=2", "train.batch_size=4", "model.block_size=64"]
+SLOWDOWN = 4  # an emulated accelerator of speed 1 is this many times slower than one core here
+RUN = ["guard.enabled=false", "train.save_final=false", "run.baseline=none", "train.eval_every=0", "train.eval_batches=2"]
+POOLS: dict[str, dict[str, Any]] = {
+    "slow-pair": {  # four equal sites; A-B twenty times slower than the rest
+        "sites": [{"name": n, "accelerators": 1} for n in "ABCD"],
+        "links": {
+            "default": {"bandwidth_bps": 1e8, "latency_s": 0.005},
+            "pairs": [{"sites": ["A", "B"], "bandwidth_bps": 5e6, "latency_s": 0.005}],
+        },
+        "job": {"tokens": 256_000, "step_s": 1.0, "H": [10, 25, 50, 100], "codecs": ["none"], "tiers": False},
+    },
+    "unequal": {  # A, B fast; C four times slower, its data may not leave it
+        "sites": [
+            {"name": "A", "accelerators": 1},
+            {"name": "B", "accelerators": 1},
+            {"name": "C", "accelerators": 1, "speed": 0.25, "corpus": "CORPUS", "data_may_leave": False},
+        ],
+        "links": {"default": {"bandwidth_bps": 1e8, "latency_s": 0.01}},
+        "job": {"tokens": 256_000, "step_s": 1.0, "H": [10, 25, 50, 100], "codecs": ["none"], "tiers": False},
+    },
+}
+
+
+def _slowed(cfg: Config) -> Config:
+    """``cfg`` with every site's accelerators :data:`SLOWDOWN` times slower than a core of this
+    machine (``compute_speed``: sleeps, not computes), so the sites' processes do not contend for
+    its cores and each site's step is as steady as a real accelerator's."""
+    data = cfg.model_dump()
+    for site in data["topology"]["sites"]:
+        site["compute_speed"] /= SLOWDOWN
+    return Config.model_validate(data)
+
+
+def base_config(corpus: Path | None) -> Config:
+    return load_config(None, [*MODEL, *RUN, "sync.algorithm=diloco", *([f"data.corpus={corpus}"] if corpus else [])])
+
+
+def _pool(name: str, corpus: Path, step_s: float) -> Pool:
+    data = POOLS[name]
+    sites = [{**s, "corpus": str(corpus)} if s.get("corpus") else s for s in data["sites"]]
+    return Pool.model_validate({**data, "sites": sites, "job": {**data["job"], "step_s": step_s}})
+
+
+def _naive(pool: Pool, base: Config, params: int, tps: int) -> Config:
+    """Every site with all its accelerators, pool order, one ring, lock-step pace; the chosen H and codec."""
+    placer = Placer(pool, params, tps)
+    return place_config(pool, placer.naive(placer.search()[0]), base)
+
+
+def _measured(s: dict[str, Any], rounds: int) -> dict[str, Any]:
+    return {
+        "utilization": {r["site"]: r["utilization"] for r in s["per_site"]},
+        "link_bytes_per_round": {k: v / rounds for k, v in s["link_bytes"].items()},
+        "tokens_per_second": s["tokens"] / s["wall_seconds"],
+        "wall_seconds": s["wall_seconds"],
+        "rounds": rounds,
+        "final_eval_loss": s["final_eval_loss"],
+    }
+
+
+def _compare(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
+    util = {k: meas["utilization"][k] / v - 1 for k, v in pred["utilization"].items()}
+    links = {k: meas["link_bytes_per_round"].get(k, 0.0) / v - 1 for k, v in pred["link_bytes_per_round"].items()}
+    extra = {k: v for k, v in meas["link_bytes_per_round"].items() if k not in pred["link_bytes_per_round"]}
+    return {
+        "utilization_error": util,
+        "max_utilization_error": max(abs(v) for v in util.values()),
+        "link_bytes_error": links,
+        "max_link_bytes_error": max((abs(v) for v in links.values()), default=0.0),
+        "unpredicted_links": extra,
+    }
+
+
+def bench_place(
+    out: Path, corpus: Path, pools: tuple[str, ...] = tuple(POOLS), progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    from geotrain.launch.local import launch_local
+
+    t0 = time.perf_counter()
+    if not corpus.exists():  # the sites' data: a slice of the default corpus (site C's may not leave it)
+        from geotrain.data.corpus import load_corpus
+
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        corpus.write_bytes(load_corpus(base_config(None).data)[:1_000_000])
+    base = base_config(corpus)
+    from geotrain.models.factory import build_model, count_params
+
+    params, tps = count_params(build_model(base.model)), base.train.batch_size * base.model.block_size
+    results = []
+    for name in pools:
+        # 1. calibrate the inner step (every site computing, as in the runs)
+        pool = _pool(name, corpus, 1.0)
+        cal_cfg = _naive(pool, base, params, tps)
+        cal_cfg = _slowed(load_config(None, [*_dotted(cal_cfg), "topology.links.emulate=off", "train.steps=60", "sync.H=20"]))
+        cal = launch_local(cal_cfg, out / name / "calibrate", console_print=None)
+        speed = {s.name: s.speed for s in pool.sites}
+        step_s = statistics.median(r["step_seconds"] * speed[r["site"]] for r in cal["per_site"])
+        # 2. place with the measured step
+        pool = _pool(name, corpus, step_s)
+        placed, chosen_cfg = run_place(pool, params, tps, base)
+        chosen_cfg, naive_cfg = _slowed(chosen_cfg), _slowed(_naive(pool, base, params, tps))
+        row: dict[str, Any] = {"pool": name, "step_s": step_s, "placed": placed}
+        # 3. run both
+        for kind, cfg, pred in (("chosen", chosen_cfg, placed["chosen"]), ("naive", naive_cfg, placed["naive"])):
+            s = launch_local(cfg, out / name / kind, console_print=None)
+            rounds = _exchanges(s)
+            meas = _measured(s, rounds)
+            pred_tps = pred["tokens_per_round"] / pred["round_s"]
+            row[kind] = {
+                "predicted": {
+                    k: pred[k]
+                    for k in ("utilization", "link_bytes_per_round", "round_s", "sync_s", "shape", "order", "pace", "H")
+                },
+                "predicted_tokens_per_second": pred_tps,
+                "measured": meas,
+                **_compare(pred, meas),
+                "tokens_per_second_error": meas["tokens_per_second"] / pred_tps - 1,
+            }
+            progress(
+                f"{name:>10} {kind:>6}: {pred['shape']} over {','.join(pred['order'])}, {pred['pace']}, H={pred['H']}: "
+                f"utilisation {min(meas['utilization'].values()):.1%} measured vs {min(pred['utilization'].values()):.1%} "
+                f"predicted; tokens/s {meas['tokens_per_second']:.0f} vs {pred_tps:.0f}"
+            )
+        row["chosen_over_naive_tokens_per_second"] = (
+            row["chosen"]["measured"]["tokens_per_second"] / row["naive"]["measured"]["tokens_per_second"]
+        )
+        results.append(row)
+    errs = [r[k]["max_utilization_error"] for r in results for k in ("chosen", "naive")]
+    bytes_errs = [r[k]["max_link_bytes_error"] for r in results for k in ("chosen", "naive")]
+    return {
+        "pools": results,
+        "target": 0.15,
+        "max_utilization_error": max(errs),
+        "max_link_bytes_error": max(bytes_errs),
+        "within_target": max(errs) <= 0.15 and max(bytes_errs) <= 0.15,
+        "bench_seconds": time.perf_counter() - t0,
+    }
+
+
+def _dotted(cfg: Config) -> list[str]:
+    import json
+
+    return [f"{k}={json.dumps(v)}" for k, v in cfg.model_dump().items()]
+
+
+def _exchanges(s: dict[str, Any]) -> int:
+    """The sums across sites a run made: its rounds (the last, partial one included)."""
+    return int(s["rounds"])
+
+
+def print_place_bench(result: dict[str, Any], console: Any) -> None:
+    t = table(
+        "geotrain place: predicted vs measured (in-process link emulation)",
+        [
+            "pool",
+            "run",
+            "exchange",
+            "util. pred",
+            "util. meas",
+            "max util. err",
+            "max link-bytes err",
+            "tokens/s pred",
+            "tokens/s meas",
+        ],
+    )
+    for r in result["pools"]:
+        for kind in ("chosen", "naive"):
+            x = r[kind]
+            p = x["predicted"]
+            t.add_row(
+                r["pool"],
+                kind,
+                f"{p['shape']} {','.join(p['order'])} {p['pace']} H={p['H']}",
+                f"{min(p['utilization'].values()):.1%}",
+                f"{min(x['measured']['utilization'].values()):.1%}",
+                f"{x['max_utilization_error']:.1%}",
+                f"{x['max_link_bytes_error']:.1%}",
+                f"{x['predicted_tokens_per_second']:.0f}",
+                f"{x['measured']['tokens_per_second']:.0f}",
+            )
+    console.print(t)
+    for r in result["pools"]:
+        console.print(
+            f"{r['pool']}: chosen / naive tokens per second (measured) = {r['chosen_over_naive_tokens_per_second']:.2f}x"
+        )
