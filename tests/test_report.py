@@ -203,3 +203,11 @@ def test_the_report_of_a_1000_step_run_stays_small(tmp_path: Path) -> None:
     size = (out / "report.html").stat().st_size
     assert size < 3_000_000, size  # (a few hundred KB: every step's record is charted, as SVG)
     assert _read(out / "report.html").cells[("diloco", "steps")] == 1000
+
+
+def test_summary_keys_become_names_every_tracker_accepts() -> None:
+    """A directed link's key ("A->B") once failed MLflow's name check and, with it, the run."""
+    from geotrain.report.trackers import numbers
+
+    got = numbers({"link_bytes": {"A->B": 3, "x|y": 1}, "loss": 2.0, "hash": "abc"}, "final/")
+    assert got == {"final/link_bytes/A to B": 3.0, "final/link_bytes/x_y": 1.0, "final/loss": 2.0}

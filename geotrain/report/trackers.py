@@ -28,6 +28,7 @@ import fcntl
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,14 +70,20 @@ def check_tracker(cfg: ReportConfig) -> None:
             raise ConfigError(f"report.tracker: mlflow's SQLite store needs {' and '.join(missing)}: {how}")
 
 
+def metric_name(key: str) -> str:
+    """``key`` as a name every tracker accepts: letters, digits, '_', '-', '.', ' ', ':', '/'
+    (a link "A->B" is "A to B"; anything else becomes '_')."""
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", key.replace("->", " to "))
+
+
 def numbers(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """The finite numbers of ``record`` (nested dicts flattened with '/'), as a tracker takes them."""
     out: dict[str, float] = {}
     for k, v in record.items():
         if isinstance(v, dict):
-            out.update(numbers(v, f"{prefix}{k}/"))
+            out.update(numbers(v, f"{prefix}{metric_name(str(k))}/"))
         elif isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-            out[f"{prefix}{k}"] = float(v)
+            out[f"{prefix}{metric_name(str(k))}"] = float(v)
     return out
 
 
