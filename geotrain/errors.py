@@ -64,6 +64,14 @@ class ElasticTimeout(RuntimeError):
     unreachable, or fewer than ``elastic.min_sites`` sites answering): it stops."""
 
 
+class SiteDrained(Exception):
+    """Elastic mode: this site was asked to drain (migration) and left the run right after a
+    committed round, before any further step; its ranks exit with :data:`DRAINED_EXIT`."""
+
+
+DRAINED_EXIT = 5  # a rank's exit code when its site drained at a round boundary (not a failure)
+
+
 class CoordinatorDown(RuntimeError):
     """The Lighthouse (membership coordinator) cannot be reached."""
 

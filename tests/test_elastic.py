@@ -146,6 +146,26 @@ def test_sites_of_two_workers_heal_every_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_migrated_site_drains_at_a_round_boundary_heals_and_all_end_on_one_model(tmp_path: Path) -> None:
+    """fault.migrate: C stops right after a committed round (nothing in flight, nothing rolled
+    back), a new incarnation with C's data slice starts at once and heals from a live site."""
+    out = tmp_path / "migrate"
+    proc = train_cli(out, [*ELASTIC, "train.steps=80", 'fault.migrate=["C@35"]'], THREE, timeout=200)
+    s = read_summary(out)
+    assert "drained after committed round" in proc.stdout, proc.stdout[-3000:]
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"], told(out)
+    assert len(set(s["global_param_hash"].values())) == 1
+    assert s["rounds_rolled_back"] == 0, told(out)  # drained between rounds: no round lost
+    assert all(p["steps"] == 80 for p in s["per_site"].values())
+    (m,) = s["failures"]
+    assert m["kind"] == "migrate" and m["site"] == "C" and m["healed_after_seconds"] is not None
+    c = records(out, "C")
+    drained = next(i for i, r in enumerate(c) if r["step"] >= 35 and r["outcome"] == "committed")
+    assert "C" in c[drained + 1]["healers"], told(out)  # the next record of C is its new incarnation's heal
+    assert (out / "logs" / "rank2.1.log").exists()
+
+
+@pytest.mark.slow
 def test_a_site_that_healed_in_a_failed_round_heals_the_others(tmp_path: Path) -> None:
     """The chaos-soak deadlock: B restarts and heals in a round that C's death rolls back; then A,
     the last site never restarted, dies too. B (and C, healed in the next failed round) hold a

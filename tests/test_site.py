@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -172,15 +172,15 @@ def _committed(out: Path, site: str) -> int:
     return sum(json.loads(x)["outcome"] == "committed" for x in path.read_text().splitlines() if x.strip())
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_WHY is not None, reason=f"network namespaces unavailable: {_WHY}")
-def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identical(cfg_file: Path) -> None:
-    """min_sites=2: while B is dead, A pauses (and stays a heal source); B comes back and heals from it."""
+@contextlib.contextmanager
+def _deployment(cfg_file: Path, machines: int) -> Iterator[tuple[Callable[[int, str, int], subprocess.Popen[bytes]], Path]]:
+    """min_sites=2; the Lighthouse on machine 0 and ``site(i, name, incarnation)`` starting a site
+    on machine i; yields that and the run's folder. Every process is killed on the way out."""
     cfg_file.write_text(SITES.replace("min_sites: 1", "min_sites: 2"))
     out = cfg_file.parent / "run"
     out.mkdir()
     procs: list[subprocess.Popen[bytes]] = []
-    with _machines(3) as (spaces, addrs):
+    with _machines(machines) as (spaces, addrs):
         lighthouse = f"{addrs[0]}:29510"
         try:
             procs.append(_start(spaces[0], ["lighthouse", "--bind", lighthouse, "--min-sites", "2"], out / "lh.log"))
@@ -192,28 +192,34 @@ def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identica
                 procs.append(p)
                 return p
 
-            a, b = site(1, "A", 0), site(2, "B", 0)
-            deadline = time.monotonic() + 150
-            while _committed(out, "B") < 2:  # B has taken part in rounds: now kill it
-                assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, (out / "B.0.log").read_text()[
-                    -3000:
-                ]
-                time.sleep(0.1)
-            os.kill(b.pid, signal.SIGKILL)  # its workers die with it (parent-death signal)
-            b.wait()
-            # B comes back only once A has paused: a fixed delay raced A's failed round (which
-            # waits out B's authentication) and B could be back before A asked again
-            while "training paused: fewer than elastic.min_sites=2" not in (out / "A.0.log").read_text():
-                assert time.monotonic() < deadline and a.poll() is None, (out / "A.0.log").read_text()[-3000:]
-                time.sleep(0.1)
-            b2 = site(2, "B", 1)
-            for p, log in ((a, "A.0.log"), (b2, "B.1.log")):
-                assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (out / log).read_text()[-3000:]
+            yield site, out
         finally:
             for p in procs:
                 if p.poll() is None:
                     os.kill(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_WHY is not None, reason=f"network namespaces unavailable: {_WHY}")
+def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identical(cfg_file: Path) -> None:
+    """min_sites=2: while B is dead, A pauses (and stays a heal source); B comes back and heals from it."""
+    with _deployment(cfg_file, 3) as (site, out):
+        a, b = site(1, "A", 0), site(2, "B", 0)
+        deadline = time.monotonic() + 150
+        while _committed(out, "B") < 2:  # B has taken part in rounds: now kill it
+            assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, (out / "B.0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(b.pid, signal.SIGKILL)  # its workers die with it (parent-death signal)
+        b.wait()
+        # B comes back only once A has paused: a fixed delay raced A's failed round (which
+        # waits out B's authentication) and B could be back before A asked again
+        while "training paused: fewer than elastic.min_sites=2" not in (out / "A.0.log").read_text():
+            assert time.monotonic() < deadline and a.poll() is None, (out / "A.0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        b2 = site(2, "B", 1)
+        for p, log in ((a, "A.0.log"), (b2, "B.1.log")):
+            assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (out / log).read_text()[-3000:]
     summaries = {s: json.loads((out / "elastic" / f"summary-{s}.json").read_text()) for s in ("A", "B")}
     hashes = {s: summaries[s]["global_param_hash"][s] for s in ("A", "B")}
     assert hashes["A"] == hashes["B"], hashes
@@ -222,6 +228,31 @@ def test_sites_on_separate_network_stacks_survive_a_killed_site_and_end_identica
     rounds = [json.loads(x) for x in (out / "elastic" / "rounds-A.jsonl").read_text().splitlines() if x.strip()]
     assert all(len(r["admitted"]) >= 2 for r in rounds if r["outcome"] == "committed")  # never below min_sites
     assert summaries["A"]["rounds_committed"] == summaries["B"]["rounds_committed"] >= 6
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_WHY is not None, reason=f"network namespaces unavailable: {_WHY}")
+def test_a_site_migrates_to_another_machine_with_geotrain_site_commands(cfg_file: Path) -> None:
+    """The documented sequence: SIGUSR1 to B's `geotrain site` drains it after a committed round
+    (exit 0); `geotrain site --site B --incarnation 1` on another machine (address) heals from A.
+    min_sites=2: A pauses while B moves (else this tiny run would end before B is back)."""
+    with _deployment(cfg_file, 4) as (site, out):
+        a, b = site(1, "A", 0), site(2, "B", 0)
+        deadline = time.monotonic() + 150
+        while _committed(out, "B") < 2:
+            assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, (out / "B.0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(b.pid, signal.SIGUSR1)
+        assert b.wait(timeout=60) == 0, (out / "B.0.log").read_text()[-3000:]
+        assert "drained after a committed round" in (out / "B.0.log").read_text()
+        b2 = site(3, "B", 1)  # another machine: another address
+        for p, log in ((a, "A.0.log"), (b2, "B.1.log")):
+            assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (out / log).read_text()[-3000:]
+    summaries = {s: json.loads((out / "elastic" / f"summary-{s}.json").read_text()) for s in ("A", "B")}
+    assert summaries["A"]["global_param_hash"]["A"] == summaries["B"]["global_param_hash"]["B"]
+    assert "healed from A" in (out / "logs" / "B-rank0.1.log").read_text()
+    rounds = [json.loads(x) for x in (out / "elastic" / "rounds-A.jsonl").read_text().splitlines() if x.strip()]
+    assert all(r["outcome"] == "committed" for r in rounds), "B left between rounds: none rolled back"
 
 
 def _start_rank(rank: int, seeds: list[int]) -> str:

@@ -12,6 +12,7 @@ For each pool (a slow site pair; unequal sites), on this machine under in-proces
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -99,7 +100,11 @@ def _compare(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_place(
-    out: Path, corpus: Path, pools: tuple[str, ...] = tuple(POOLS), progress: Callable[[str], None] = print
+    out: Path,
+    corpus: Path,
+    pools: tuple[str, ...] = tuple(POOLS),
+    progress: Callable[[str], None] = print,
+    migration: bool = True,
 ) -> dict[str, Any]:
     from geotrain.launch.local import launch_local
 
@@ -152,6 +157,7 @@ def bench_place(
             row["chosen"]["measured"]["tokens_per_second"] / row["naive"]["measured"]["tokens_per_second"]
         )
         results.append(row)
+    moved = bench_migration(out, corpus, progress=progress) if migration else None
     errs = [r[k]["max_utilization_error"] for r in results for k in ("chosen", "naive")]
     bytes_errs = [r[k]["max_link_bytes_error"] for r in results for k in ("chosen", "naive")]
     return {
@@ -160,6 +166,7 @@ def bench_place(
         "max_utilization_error": max(errs),
         "max_link_bytes_error": max(bytes_errs),
         "within_target": max(errs) <= 0.15 and max(bytes_errs) <= 0.15,
+        "migration": moved,
         "bench_seconds": time.perf_counter() - t0,
     }
 
@@ -173,6 +180,90 @@ def _dotted(cfg: Config) -> list[str]:
 def _exchanges(s: dict[str, Any]) -> int:
     """The sums across sites a run made: its rounds (the last, partial one included)."""
     return int(s["rounds"])
+
+
+MIGRATE_AT = 110  # mid-round: C drains after the round that ends at step 125 (H=25)
+
+
+def _elastic_config(corpus: Path, seed: int, migrate: bool) -> Config:
+    sites = "[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]"
+    cfg = load_config(
+        None,
+        [
+            *MODEL,
+            *RUN,
+            f"data.corpus={corpus}",
+            f"topology.sites={sites}",
+            "topology.links.inter={bandwidth_bps: 1.0e+8, latency_s: 0.01}",
+            "elastic.enabled=true",
+            "sync.algorithm=diloco",
+            "sync.H=25",
+            "train.steps=300",
+            f"train.seed={seed}",
+            *([f'fault.migrate=["C@{MIGRATE_AT}"]'] if migrate else []),
+        ],
+    )
+    return _slowed(cfg)
+
+
+def bench_migration(
+    out: Path, corpus: Path, seeds: tuple[int, ...] = (0, 1), progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """An elastic run of three sites with site C's work moved mid-run (``fault.migrate``: it drains
+    after a committed round and a new incarnation heals from a live site) against the same run
+    without: the time one migration loses, per seed."""
+    from geotrain.launch.local import launch_local
+
+    runs = []
+    for seed in seeds:
+        pair = {}
+        for migrate in (False, True):
+            s = launch_local(_elastic_config(corpus, seed, migrate), out / f"migrate-{seed}-{migrate}", console_print=None)
+            pair[migrate] = s
+        stay, moved = pair[False], pair[True]
+        (m,) = moved["failures"]
+        folder = out / f"migrate-{seed}-True" / "elastic"
+        drained = json.loads(next(folder.glob("drained-C.*.json")).read_text())
+        rounds = [json.loads(x) for x in (folder / "rounds-A.jsonl").read_text().splitlines()]
+        quorum = [r["quorum_s"] for r in rounds]
+        after = next(r for r in rounds if r["step"] > drained["step"])  # the survivors' first round after the drain
+        skipped = moved["per_site"]["C"]["started_at_step"] - drained["step"]
+        runs.append(
+            {
+                "seed": seed,
+                "drained_at_step": drained["step"],
+                "healed_at_step": moved["per_site"]["C"]["started_at_step"],
+                "steps_not_trained_by_C": skipped,
+                "site_away_seconds": m["healed_after_seconds"],
+                "survivors_next_quorum_wait_s": after["quorum_s"],
+                "median_quorum_wait_s": statistics.median(quorum),
+                "wall_seconds": stay["wall_seconds"],
+                "wall_seconds_migrated": moved["wall_seconds"],
+                "rounds_rolled_back": moved["rounds_rolled_back"],
+                "consistent": moved["consistent"],
+                "one_model": len(set(moved["global_param_hash"].values())) == 1,
+                "final_eval_loss": {"stay": stay["final_eval_loss"], "migrated": moved["final_eval_loss"]},
+            }
+        )
+        r = runs[-1]
+        progress(
+            f"migration seed {seed}: C drained at step {r['drained_at_step']}, healed at {r['healed_at_step']} "
+            f"({r['site_away_seconds']:.2f} s away, {r['steps_not_trained_by_C']} steps not trained); survivors' next quorum "
+            f"{r['survivors_next_quorum_wait_s']:.3f} s (median {r['median_quorum_wait_s']:.3f} s); wall {r['wall_seconds']:.1f} s "
+            f"without, {r['wall_seconds_migrated']:.1f} s with; {r['rounds_rolled_back']} rolled back; one model: {r['one_model']}"
+        )
+    away = [r["site_away_seconds"] for r in runs]
+    return {
+        "sites": ["A", "B", "C"],
+        "H": 25,
+        "steps": 300,
+        "migrate": f"C@{MIGRATE_AT}",
+        "runs": runs,
+        "site_away_seconds_mean": statistics.mean(away),
+        "site_away_seconds_spread": (max(away) - min(away)) / 2,
+        "steps_not_trained_by_C": [r["steps_not_trained_by_C"] for r in runs],
+        "survivors_extra_wait_s": [r["survivors_next_quorum_wait_s"] - r["median_quorum_wait_s"] for r in runs],
+    }
 
 
 def print_place_bench(result: dict[str, Any], console: Any) -> None:

@@ -289,6 +289,12 @@ def site(
         _refuse(f"checkpoint.resume: refused: {exc}")
     except LaunchError as exc:
         fail(f"site failed: {exc}", 1)
+    if summary is None:
+        console.print(
+            f"site {site_name} drained after a committed round (SIGUSR1); to move it, start it where it goes with "
+            f"geotrain site --site {site_name} --incarnation {incarnation + 1} (it heals from a live site)"
+        )
+        return
     console.print(f"site {site_name} finished; wrote {summary}")
 
 

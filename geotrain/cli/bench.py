@@ -293,6 +293,7 @@ def bench_place_cmd(
     json_out: JsonOpt = None,
     out: OutOpt = Path("runs/bench-place"),
     pools: Annotated[str, typer.Option(help="Pools, comma-separated: slow-pair, unequal.")] = "slow-pair,unequal",
+    migration: Annotated[bool, typer.Option(help="Also time a migration of one site (elastic, 2 seeds).")] = True,
 ) -> None:
     """geotrain place's predictions (utilisation, bytes per link) against runs of the configs it writes; chosen vs naive."""
     from geotrain.bench.place import POOLS, bench_place, print_place_bench
@@ -301,7 +302,7 @@ def bench_place_cmd(
     bad = [n for n in names if n not in POOLS]
     if bad or not names:
         fail(f"--pools: {', '.join(bad) or 'none given'} (allowed: {', '.join(POOLS)})")
-    result = bench_place(out, out / "corpus.txt", names, progress=progress_line)
+    result = bench_place(out, out / "corpus.txt", names, progress=progress_line, migration=migration)
     print_place_bench(result, wide(150))
     if json_out is not None:
         write_json(result, json_out)

@@ -16,7 +16,7 @@ class GuardConfig(Section):
     warmup: int = Field(default=3, ge=1, le=10_000, description="Accepted norms needed before the outlier test applies.")
 
 
-SITE_FAULTS = ("kill", "hang", "tamper", "split")  # failure injection into one site at one inner step
+SITE_FAULTS = ("kill", "hang", "tamper", "split", "migrate")  # failure injection into one site at one inner step
 
 
 class FaultConfig(Section):
@@ -41,6 +41,12 @@ class FaultConfig(Section):
         description="Failure injection (elastic mode): 'SITE@STEP' makes that site, in the round at that step, vote yes and "
         "then miss the others' votes (as if its heartbeat watch had timed out): it rolls back a round the others commit.",
     )
+    migrate: list[str] = Field(
+        default_factory=list,
+        description="Migration (elastic mode, the local launcher): 'SITE@STEP' moves that site's work at that inner step: "
+        "it drains at its next committed round (its processes stop between rounds: no round in flight, none rolled back) "
+        "and a new incarnation starts at once with the same data slice and heals from a live site (docs/PLACE.md).",
+    )
     restart_after: float = Field(
         default=0.0,
         ge=0,
@@ -50,7 +56,7 @@ class FaultConfig(Section):
         "it for silence, from the syncer's model); 0: never.",
     )
 
-    @field_validator("nan", "kill", "hang", "tamper", "split")
+    @field_validator("nan", "kill", "hang", "tamper", "split", "migrate")
     @classmethod
     def _site_at_round(cls, v: list[str]) -> list[str]:
         return check_site_at(v, ())

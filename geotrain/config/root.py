@@ -443,7 +443,7 @@ class Config(Section):
                 data["sync"]["within_site"] = "replicate"
         if algorithm == "ddp" or (algorithm == "streaming" and self.sync.eager):  # no elastic rounds: it runs plain
             data["elastic"]["enabled"] = False
-            data["fault"].update(kill=[], hang=[], tamper=[], split=[])  # (each needs elastic rounds)
+            data["fault"].update(kill=[], hang=[], tamper=[], split=[], migrate=[])  # (each needs elastic rounds)
         if algorithm == "ddp":  # a DDP baseline exchanges gradients: no pseudo-gradient privacy to apply
             data["privacy"]["secure_aggregation"] = False
             if data["privacy"]["dp"]["unit"] == "site":

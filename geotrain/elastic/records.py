@@ -23,6 +23,12 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def drain_file(out: Path, site: str) -> Path:
+    """The request that drains ``site`` right after its next committed round (migration: SIGUSR1 to
+    `geotrain site`, or fault.migrate); its local rank 0 reads it there and removes it."""
+    return out / "elastic" / f"drain-{site}"
+
+
 def read_rounds(out: Path) -> dict[str, list[dict[str, Any]]]:
     """Every site's round records (all incarnations), in order."""
     logs = {}

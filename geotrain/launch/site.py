@@ -39,7 +39,8 @@ from geotrain.comm.procs import host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.elastic.auth import load_secret
-from geotrain.errors import ConfigError, LaunchError, MembershipRefused
+from geotrain.elastic.records import drain_file
+from geotrain.errors import DRAINED_EXIT, ConfigError, LaunchError, MembershipRefused
 from geotrain.launch.preflight import preflight
 from geotrain.launch.spawn import describe_exit, forks_ranks, rank_env, spawn_rank, stop_all, worker_args
 
@@ -95,8 +96,10 @@ def run_site(
     bind: str,
     incarnation: int,
     console_print: Callable[[str], None] | None = print,
-) -> Path:
-    """Run this machine's site until it finishes; the path of its summary.
+) -> Path | None:
+    """Run this machine's site until it finishes; the path of its summary. SIGUSR1 drains it: its
+    ranks stop after the site's next committed round, and None is returned (migration: start
+    the site again elsewhere with the next ``incarnation``; it heals from a live site).
 
     Raises:
         ConfigError: a missing or invalid setting (nothing was started).
@@ -145,11 +148,17 @@ def run_site(
     def on_signal(signum: int, _frame: object) -> None:
         stop["signal"] = signum
 
+    def on_drain(_signum: int, _frame: object) -> None:  # SIGUSR1: leave after the next committed round
+        drain_file(out, site).touch()
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_drain)
     try:
         while True:
             codes = [p.poll() for p, _ in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if all(c == DRAINED_EXIT for c in codes):  # left right after a committed round (SIGUSR1)
+                return None
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, DRAINED_EXIT)]
             if failed:
                 i, code = failed[0]
                 raise LaunchError(f"site {site} rank {i} {describe_exit(int(code))}; log: {procs[i][1]}")

@@ -37,7 +37,7 @@ from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.elastic.lighthouse import LighthouseProcess
 from geotrain.elastic.records import merge_summaries
-from geotrain.errors import LaunchError
+from geotrain.errors import DRAINED_EXIT, LaunchError
 from geotrain.launch.spawn import (
     GRACE_SECONDS,
     Rank,
@@ -172,6 +172,15 @@ def launch_elastic(
             site.restart_at = now + cfg.fault.restart_after
         say(f"[launcher] fault injected: {request['kind']} site {site.name} at step {request['step']}")
 
+    def migrate(site: _Site) -> None:
+        """fault.migrate: every rank of the site left right after a committed round (DRAINED_EXIT);
+        a new incarnation with the same data slice starts at once and heals from a live site."""
+        now = time.monotonic()
+        drained = json.loads((out / "elastic" / f"drained-{site.name}.{site.incarnation}.json").read_text())
+        injected.append({"site": site.name, "kind": "migrate", "injected_at": now, "incarnation": site.incarnation})
+        say(f"[launcher] site {site.name} drained after committed round {drained['committed']}; starting it again")
+        start(site)
+
     for s in sites:
         start(s)
     try:
@@ -198,6 +207,9 @@ def launch_elastic(
                 if s.state != "running":
                     continue
                 codes = [p.poll() for p in s.procs]
+                if all(c == DRAINED_EXIT for c in codes):
+                    migrate(s)
+                    continue
                 if all(c == 0 for c in codes):
                     s.state = "finished"
                 elif any(c not in (None, 0) for c in codes):

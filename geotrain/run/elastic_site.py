@@ -14,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from geotrain.comm.faults import FaultPlan
 from geotrain.comm.identity import Identity, site_key
 from geotrain.comm.topology import RankInfo, Topology
@@ -21,8 +24,9 @@ from geotrain.config import ElasticConfig
 from geotrain.elastic.commit import Masker, Noise
 from geotrain.elastic.member import SiteMember
 from geotrain.elastic.progress import QuorumMember
+from geotrain.elastic.records import drain_file
 from geotrain.elastic.view import HealHooks
-from geotrain.errors import MembershipRefused
+from geotrain.errors import MembershipRefused, SiteDrained
 from geotrain.report.metrics import log
 from geotrain.run.checkpoint import atomic_write
 from geotrain.run.fsdp import local_tree, sharded_like
@@ -39,13 +43,21 @@ def request_fault(folder: Path, where: RankInfo, kind: str, step: int, timeout_s
     """Failure injection at ``step``: the site's local rank 0 asks the launcher to signal every
     process of this site (``kind``: kill or hang) with a request file in ``folder``, and every rank
     of it waits for the signal. Returns only if the launcher declined (a ``.skip`` file: it is the
-    last live site); raises if nothing happened within ``timeout_s`` (no launcher that injects faults)."""
+    last live site); raises if nothing happened within ``timeout_s`` (no launcher that injects faults).
+    ``migrate``: the request only; the site trains on, and the launcher stops it after its next
+    committed round."""
     request = fault_file(folder, where.site, step)
     if where.local_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         # renamed into place: the launcher never reads half a file
         atomic_write(request, json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}).encode())
-        log(where, step, f"fault injection: {kind} this site now")
+        log(
+            where,
+            step,
+            f"fault injection: {kind} this site " + ("after its next committed round" if kind == "migrate" else "now"),
+        )
+    if kind == "migrate":
+        return
     skip = request.with_suffix(".skip")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -73,7 +85,7 @@ def join_elastic(
 
     Args:
         topology: the whole run.
-        faults: {step: 'kill' | 'hang'} the launcher carries out on this site. A restarted incarnation
+        faults: {step: 'kill' | 'hang' | 'migrate'} the launcher carries out on this site. A restarted incarnation
             asks only for those after the step it healed at that no predecessor asked for (those
             happened to its predecessors).
         where: this rank's place in the whole run.
@@ -87,13 +99,45 @@ def join_elastic(
     assert isinstance(sync, OuterSync)  # the config allows elastic mode with DiLoCo and Streaming DiLoCo
     (out / "elastic").mkdir(parents=True, exist_ok=True)
 
-    def inject(step: int) -> None:
+    drain = drain_file(out, where.site)
+    boundary = {"committed": 0}
+
+    def fault(step: int) -> None:
         kind = faults.pop(step, None)
         if kind is None or (incarnation and (member.healed_at_step is None or step <= member.healed_at_step)):
+            pass
+        elif incarnation and fault_file(out / "elastic", where.site, step).exists():
+            pass  # a predecessor asked for it already (with adaptive pace a heal can set this site's step back)
+        elif kind == "migrate":  # fault.migrate: drain at the next committed round (the launcher starts it again)
+            if where.local_rank == 0:
+                drain.touch()
+        else:
+            request_fault(out / "elastic", where, kind, step)
+
+    def inject(step: int) -> None:  # after every step
+        fault(step)
+        drain_at_boundary(step)
+
+    def drain_at_boundary(step: int) -> None:
+        """Right after a committed round (every rank of the site sees it at the same step), leave
+        the run if the site was asked to drain: local rank 0 reads the request and tells the others."""
+        if committed() == boundary["committed"]:
             return
-        if incarnation and fault_file(out / "elastic", where.site, step).exists():
-            return  # a predecessor asked for it already (with adaptive pace a heal can set this site's step back)
-        request_fault(out / "elastic", where, kind, step)
+        boundary["committed"] = committed()
+        flag = torch.tensor([float(where.local_rank == 0 and drain.exists())])
+        dist.broadcast(flag, 0, group=groups.world)  # the site's own world
+        if flag.item():
+            if where.local_rank == 0:
+                drain.unlink(missing_ok=True)
+                record = {
+                    "site": where.site,
+                    "incarnation": incarnation,
+                    "step": step,
+                    "committed": committed(),
+                    "time": time.time(),
+                }
+                atomic_write(out / "elastic" / f"drained-{where.site}.{incarnation}.json", json.dumps(record).encode())
+            raise SiteDrained(f"site {where.site} drained after committed round {committed()} (step {step})")
 
     sharded = sync.sharded  # FSDP: each rank heals its own shards from the same local rank of the source
     tiers = isinstance(sync, ElasticTiers)  # two tiers: region rounds sum over the region's sites
@@ -135,7 +179,7 @@ def join_elastic(
         objs.comm.wan,
         hooks,
         note,
-        on_mid_round=lambda: inject(sync.local_steps),
+        on_mid_round=lambda: fault(sync.local_steps),
         stats=objs.comm.stats,
         incarnation=incarnation,
         identity=_identity(cfg, where.site, keys),

@@ -40,7 +40,16 @@ from geotrain.comm.topology import RankInfo, Topology
 from geotrain.config import Config, load_config
 from geotrain.data import build_rank_data, tokenizer_file, vocab_size
 from geotrain.elastic.auth import optional_secret
-from geotrain.errors import CheckpointError, ConfigError, ElasticTimeout, LaunchError, MembershipRefused, SyncerTimeout
+from geotrain.errors import (
+    DRAINED_EXIT,
+    CheckpointError,
+    ConfigError,
+    ElasticTimeout,
+    LaunchError,
+    MembershipRefused,
+    SiteDrained,
+    SyncerTimeout,
+)
 from geotrain.models import build_model, count_params, export_model
 from geotrain.privacy.build import build_privacy, keys_dir
 from geotrain.privacy.masking import PairMasks
@@ -264,7 +273,7 @@ def _train(
     inject = quorum_kill(cfg, out, where, done) if cfg.sync.quorum is not None and not place.elastic else None
     member = None
     if place.elastic:
-        launcher = ("kill", "hang")  # carried out by the launcher (tamper, split: by the member, from the plan)
+        launcher = ("kill", "hang", "migrate")  # carried out by the launcher (tamper, split: by the member, from the plan)
         faults = {step: k for site, step, k in cfg.fault.site_faults() if site == where.site and k in launcher}
         keys = keys_dir(cfg.privacy)
         masks = PairMasks(cfg.privacy.update_bound, place.full.num_sites) if cfg.privacy.secure_aggregation else None
@@ -415,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"geotrain: {exc}", file=sys.stderr, flush=True)
         return 1
+    except SiteDrained as exc:  # migration: left at a round boundary, not a failure
+        print(f"geotrain: {exc}", file=sys.stderr, flush=True)
+        return DRAINED_EXIT
     return 0
 
 
