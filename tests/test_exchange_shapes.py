@@ -5,6 +5,7 @@ bytes geotrain.plan.exchange predicts (what geotrain place plans with)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from geotrain.comm.procs import run_ranks
 from geotrain.comm.topology import Topology
 from geotrain.config import Config, ConfigError, TopologyConfig, load_config
 from geotrain.plan.exchange import best_order, clusters, coded_link_bytes, link_bytes, sum_seconds, tree_edges
+from tests.helpers import read_summary, train_cli
 
 CASES = [  # (sites, workers, shape, order)
     (4, 1, "ring", ["s2", "s0", "s3", "s1"]),
@@ -124,7 +126,41 @@ def test_exchange_config_refusals() -> None:
         ({"shape": "hub"}, {"elastic": {"enabled": True}}, "elastic.enabled: not with topology.exchange.shape=hub"),
         ({"shape": "tree"}, {"sync": {"codec": "int8"}}, "sync.codec: not with topology.exchange.shape=tree"),
         ({"region_shape": "hub"}, {"sync": {"allreduce": "flat"}}, "sync.allreduce"),
+        ({"shape": "tree"}, {"privacy": {"secure_aggregation": True}}, "privacy.secure_aggregation: not with"),
     ]:
         data = {**base, **fields, "topology": {**base["topology"], "exchange": exchange}}
         with pytest.raises(ConfigError, match=match):
             load_config(None, [f"{k}={json.dumps(v)}" for k, v in data.items()])
+
+
+REGIONS = [
+    "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]",
+    "topology.regions=[{name: eu, sites: [A, B]}, {name: us, sites: [C, D]}]",
+    "topology.links.emulate=off",
+    "sync.algorithm=diloco",
+    "sync.H=5",
+    "sync.region_every=2",
+    "train.steps=20",
+    "guard.enabled=false",
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "extra,links",
+    [
+        # two tiers: regions sum through a tree (two sites: one edge), the world through hub D
+        (["topology.exchange={order: [D, B, A, C], shape: hub, region_shape: tree}"],
+         {"A->B", "B->A", "C->D", "D->C", "D->A", "A->D", "D->B", "B->D"}),
+        # site-level DP's noised sums (no secure aggregation) through a tree over the order
+        (["topology.exchange={order: [C, A, B, D], shape: tree}", "sync.region_every=0", "topology.regions=[]",
+          "privacy.dp.unit=site", "privacy.dp.noise_multiplier=0.1"],
+         {"C->A", "A->C", "C->B", "B->C", "A->D", "D->A"}),
+    ],
+)  # fmt: skip
+def test_runs_follow_the_exchange_in_two_tiers_and_with_site_dp(tmp_path: Path, extra: list[str], links: set[str]) -> None:
+    out = tmp_path / "run"
+    train_cli(out, [*REGIONS, *extra])
+    s = read_summary(out)
+    assert len(set(s["global_param_hash"].values())) == 1 and s["hashes_agree_within_sites"]
+    assert set(s["link_bytes"]) == links, s["link_bytes"]

@@ -233,3 +233,14 @@ def test_the_shipped_pools_place() -> None:
         if out["naive"]["hours"] <= (pool.job.deadline_h or math.inf):
             assert out["chosen"][key] <= out["naive"][key] * (1 + 1e-9), f.name
         assert cfg.topology.exchange.order == out["chosen"]["order"]
+
+
+def test_an_elastic_base_config_gets_a_ring_in_the_order_that_avoids_the_slow_pair() -> None:
+    """Elastic rounds take a ring only (a fixed hub or root would fail every round it is lost in)."""
+    pool = load_pool(ROOT / "scenarios" / "place" / "slow-pair.yaml")
+    plain, _ = run_place(pool, 437_000, 256, load_config(None, pool.job.set))
+    assert plain["chosen"]["shape"] == "hub"  # at 5 ms and 1.75 MB, two hops beat the ring's six
+    out, cfg = run_place(pool, 437_000, 256, load_config(None, [*pool.job.set, "elastic.enabled=true"]))
+    order = out["chosen"]["order"]
+    assert out["chosen"]["shape"] == "ring" and cfg.elastic.enabled
+    assert {frozenset(p) for p in zip(order, [*order[1:], order[0]], strict=True)}.isdisjoint({frozenset("AB")})

@@ -139,6 +139,12 @@ class Config(Section):
                 "adaptation inverts the ring's time formula on the measured link (use shape ring)",
             ),
             (s.allreduce == "flat", "sync.allreduce", "the flat all-reduce is one ring over every rank (use hierarchical)"),
+            (
+                self.privacy.secure_aggregation,
+                "privacy.secure_aggregation",
+                "its protocol sends masked shares between every "
+                "two sites (one hop each, as an encoded sum does); it has no tree or hub (use shape ring)",
+            ),
         ]
         for bad, field, why in refused:
             if bad:

@@ -61,10 +61,11 @@ class Placement:
 
 
 class Placer:
-    """Evaluates placements of one pool (``params``, ``tokens_per_step``: the job's, resolved)."""
+    """Evaluates placements of one pool (``params``, ``tokens_per_step``: the job's, resolved;
+    ``shapes``: the exchange shapes the base config allows, docs/PLACE.md)."""
 
-    def __init__(self, pool: Pool, params: int, tokens_per_step: int) -> None:
-        self.pool, self.job, self.P, self.tps = pool, pool.job, params, tokens_per_step
+    def __init__(self, pool: Pool, params: int, tokens_per_step: int, shapes: tuple[str, ...] = SHAPES) -> None:
+        self.pool, self.job, self.P, self.tps, self.shapes = pool, pool.job, params, tokens_per_step, shapes
         self.bw, self.lat = pool.matrix()
         self._orders: dict[tuple[frozenset[int], str, float], tuple[list[int], float]] = {}
         self.searched = 0
@@ -94,7 +95,9 @@ class Placer:
         """(shape, order, seconds) of the fastest fp32 sum over ``sites``."""
         if len(sites) < 2:
             return "ring", sites, 0.0
-        best = min(((sh, *self.order(sites, sh, nbytes)) for sh in SHAPES), key=lambda r: (round(r[2], 12), SHAPES.index(r[0])))
+        best = min(
+            ((sh, *self.order(sites, sh, nbytes)) for sh in self.shapes), key=lambda r: (round(r[2], 12), SHAPES.index(r[0]))
+        )
         return best[0], list(best[1]), best[2]
 
     def _choose_round(self, p: Placement, round_compute: float, sync: dict[str, float]) -> tuple[str, int, float]:
@@ -124,8 +127,8 @@ class Placer:
             groups = clusters(sites, self.lat)
             if len(groups) < 2 or all(len(g) == 1 for g in groups):
                 return None
-            shapes = {sh: max((self.order(g, sh, S)[1] for g in groups if len(g) > 1), default=0.0) for sh in SHAPES}
-            p.region_shape = min(SHAPES, key=lambda sh: (round(shapes[sh], 12), SHAPES.index(sh)))
+            shapes = {sh: max((self.order(g, sh, S)[1] for g in groups if len(g) > 1), default=0.0) for sh in self.shapes}
+            p.region_shape = min(self.shapes, key=lambda sh: (round(shapes[sh], 12), SHAPES.index(sh)))
             p.regions = tuple(tuple(self.order(g, p.region_shape, S)[0]) if len(g) > 1 else tuple(g) for g in groups)
             p.shape, order, world = self.exchange(sites, S)
             p.order = tuple(order)

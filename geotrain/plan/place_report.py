@@ -12,6 +12,7 @@ from rich.table import Table
 
 from geotrain.config import Config, format_error
 from geotrain.errors import ConfigError
+from geotrain.plan.exchange import SHAPES
 from geotrain.plan.place import Placement, Placer
 from geotrain.plan.pool import Pool
 
@@ -118,7 +119,11 @@ def place_config(pool: Pool, p: Placement, base: Config) -> Config:
 
 def run_place(pool: Pool, params: int, tokens_per_step: int, base: Config) -> tuple[dict[str, Any], Config]:
     """Search the pool; the answer as JSON and the chosen placement's config."""
-    placer = Placer(pool, params, tokens_per_step)
+    # a tree or hub: fp32 sums of lock-step rounds, without adaptation, the flat all-reduce or secure aggregation
+    fixed = (
+        base.elastic.enabled or base.sync.adapt is not None or base.sync.allreduce == "flat" or base.privacy.secure_aggregation
+    )
+    placer = Placer(pool, params, tokens_per_step, ("ring",) if fixed else SHAPES)
     ranked = placer.search()
     best = ranked[0]
     config = place_config(pool, best, base)
