@@ -116,6 +116,7 @@ def run_site(
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary = out / "elastic" / f"summary-{site}.json"
     summary.unlink(missing_ok=True)
+    drain_file(out, site).unlink(missing_ok=True)  # a drain asked of an earlier run here is not this one's
     # the site's own rendezvous and in-site Gloo traffic stay on loopback (its ranks all run here);
     # only the round store and the round groups, which other sites dial, live on --bind
     store, agent = host_store("127.0.0.1", cfg.run.timeout_s, attempt=incarnation)

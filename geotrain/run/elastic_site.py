@@ -43,21 +43,13 @@ def request_fault(folder: Path, where: RankInfo, kind: str, step: int, timeout_s
     """Failure injection at ``step``: the site's local rank 0 asks the launcher to signal every
     process of this site (``kind``: kill or hang) with a request file in ``folder``, and every rank
     of it waits for the signal. Returns only if the launcher declined (a ``.skip`` file: it is the
-    last live site); raises if nothing happened within ``timeout_s`` (no launcher that injects faults).
-    ``migrate``: the request only; the site trains on, and the launcher stops it after its next
-    committed round."""
+    last live site); raises if nothing happened within ``timeout_s`` (no launcher that injects faults)."""
     request = fault_file(folder, where.site, step)
     if where.local_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         # renamed into place: the launcher never reads half a file
         atomic_write(request, json.dumps({"site": where.site, "kind": kind, "step": step, "time": time.time()}).encode())
-        log(
-            where,
-            step,
-            f"fault injection: {kind} this site " + ("after its next committed round" if kind == "migrate" else "now"),
-        )
-    if kind == "migrate":
-        return
+        log(where, step, f"fault injection: {kind} this site now")
     skip = request.with_suffix(".skip")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -110,6 +102,7 @@ def join_elastic(
             pass  # a predecessor asked for it already (with adaptive pace a heal can set this site's step back)
         elif kind == "migrate":  # fault.migrate: drain at the next committed round (the launcher starts it again)
             if where.local_rank == 0:
+                log(where, step, "fault injection: migrate this site after its next committed round")
                 drain.touch()
         else:
             request_fault(out / "elastic", where, kind, step)
