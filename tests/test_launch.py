@@ -283,3 +283,28 @@ def test_threads_are_shared_with_every_geotrain_rank_on_the_machine(tmp_path: Pa
         for p in others:
             p.kill()
             p.wait()
+
+
+def test_more_ranks_than_gpus_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """NCCL puts one rank on each GPU: this machine has none, so any nccl run starts too many
+    (once a raw 'invalid device ordinal' traceback from a rank); gloo and auto (gloo here) run."""
+    import torch
+
+    from geotrain.comm.groups import gpus_for
+
+    have = torch.cuda.device_count()
+    assert gpus_for(have + 1, "nccl").startswith(f"run.backend: nccl runs one rank per GPU; this machine has {have} GPU(s)")
+    assert gpus_for(have, "nccl") == "" and gpus_for(64, "gloo") == ""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "geotrain", "train", "--set", "run.backend=nccl", "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if have >= 4:
+        pytest.skip("this machine has a GPU per rank of the default run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"geotrain: config error: run.backend: nccl runs one rank per GPU; this machine has {have} GPU(s) and the run "
+        "starts 4 rank(s) here (topology.sites' workers); give it fewer workers per machine, or use run.backend=gloo"
+    ]
+    assert not (out / "logs").exists()

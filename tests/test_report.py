@@ -211,3 +211,17 @@ def test_summary_keys_become_names_every_tracker_accepts() -> None:
 
     got = numbers({"link_bytes": {"A->B": 3, "x|y": 1}, "loss": 2.0, "hash": "abc"}, "final/")
     assert got == {"final/link_bytes/A to B": 3.0, "final/link_bytes/x_y": 1.0, "final/loss": 2.0}
+
+
+def test_mfu_arithmetic() -> None:
+    """6N + 12·layers·width·context FLOPs per token against the device's dense bf16 peak; none on a CPU."""
+    from geotrain.report.summary import device_peak, flops_per_token, throughput
+
+    assert flops_per_token(124_000_000, 12, 768, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
+    assert device_peak("NVIDIA H100 80GB HBM3") == 989e12 and device_peak("cpu") is None
+    ranks = [{"wall_seconds": 12.0, "eval_seconds": 2.0}, {"wall_seconds": 11.0, "eval_seconds": 2.0}]
+    result = {"curve": [{"tokens": 0}, {"tokens": 2_000_000}]}
+    got = throughput(result, ranks, {"device": "NVIDIA H100 80GB HBM3", "flops_per_token": 1e9})
+    assert got["tokens_per_second_per_rank"] == 100_000.0  # 2M tokens, 2 ranks, 10 s of training
+    assert got["mfu"] == pytest.approx(100_000 * 1e9 / 989e12)
+    assert throughput(result, ranks, {"device": "cpu", "flops_per_token": 1e9})["mfu"] is None

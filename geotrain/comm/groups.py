@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from geotrain.comm.topology import RankInfo, Topology
+from geotrain.errors import ConfigError
 
 
 def world_backend(backend: str) -> str:
@@ -54,6 +55,20 @@ def data_backend(config: str) -> str:
             f"them: initialise it with backend={world_backend(devices.get('cuda', 'nccl'))!r}"
         )
     return devices.get("cuda", "gloo")
+
+
+def gpus_for(ranks: int, backend: str) -> str:
+    """Why ``ranks`` ranks of ``backend`` cannot start on this machine ("" if they can): NCCL puts
+    one rank on each GPU, so a machine runs at most as many ranks as it has GPUs."""
+    if choose_backend(backend) != "nccl":
+        return ""
+    have = torch.cuda.device_count()
+    if ranks <= have:
+        return ""
+    return (
+        f"run.backend: nccl runs one rank per GPU; this machine has {have} GPU(s) and the run starts {ranks} rank(s) here "
+        "(topology.sites' workers); give it fewer workers per machine, or use run.backend=gloo"
+    )
 
 
 def choose_backend(requested: str) -> str:
@@ -185,7 +200,10 @@ class ProcessGroups:
             )
         if owns_world:
             if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                local = int(os.environ.get("LOCAL_RANK", "0"))
+                if why := gpus_for(local + 1, backend):  # (torchrun: more processes per node than GPUs)
+                    raise ConfigError(why)
+                torch.cuda.set_device(local)
             dist.init_process_group(backend=world_backend(backend), timeout=timedelta(seconds=timeout_s))
         me = topology.info(rank)
         intra, inter, _ = _site_groups(topology, me)

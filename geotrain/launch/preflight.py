@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from geotrain.comm.groups import choose_backend
+from geotrain.comm.groups import choose_backend, gpus_for
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.data import check_data, vocab_size
@@ -66,6 +66,9 @@ def preflight(cfg: Config, site: int | None = None) -> None:
         raise ConfigError("train.compile: on CPU torch.compile needs a C compiler (cc, gcc or clang); none is on PATH")
     if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
         raise ConfigError(f"sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})")
+    local = topo.workers[site] if site is not None else topo.world_size  # the ranks this machine starts
+    if why := gpus_for(local, cfg.run.backend):
+        raise ConfigError(why)
 
 
 def _site_files(topo: Topology, s: int) -> Callable[[str], bool]:

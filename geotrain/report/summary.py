@@ -16,6 +16,20 @@ import torch
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.topology import RankInfo, Topology
 
+# dense bf16 peak FLOP/s of one device (no sparsity), by a name torch.cuda.get_device_name contains
+DEVICE_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+def device_peak(name: str) -> float | None:
+    """The dense bf16 peak of a device named ``name`` (None: not in the table, a CPU)."""
+    return next((v for k, v in DEVICE_PEAK_BF16.items() if k in name), None)
+
+
+def flops_per_token(params: int, layers: int, width: int, context: int) -> float:
+    """Model FLOPs of one training token: 6N (forward and backward of every weight) plus
+    attention's 12·layers·width·context (PaLM's appendix B; nanoGPT's estimate)."""
+    return 6.0 * params + 12.0 * layers * width * context
+
 
 def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_hash: str) -> dict[str, Any]:
     """One rank's numbers: bytes by link class, times, utilisation, and its global-model hash."""
@@ -130,10 +144,27 @@ def run_summary(
         "eval_curve": result["curve"],
         "per_rank": ranks,
         "threads_per_rank": run["threads_per_rank"],
+        **throughput(result, ranks, run),
         "backend": run["backend"],
         "torch": torch.__version__,
         "python": platform.python_version(),
         "config": run["config"],
+    }
+
+
+def throughput(result: dict[str, Any], ranks: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
+    """Tokens per second per rank over the training wall time (evaluations excluded) and model
+    FLOPs utilisation: that × :func:`flops_per_token` ÷ the device's dense bf16 peak (None where
+    the device is not in :data:`DEVICE_PEAK_BF16`, e.g. a CPU)."""
+    wall = max(r["wall_seconds"] - r["eval_seconds"] for r in ranks)
+    per_rank = result["curve"][-1]["tokens"] / len(ranks) / max(wall, 1e-9)
+    peak = device_peak(run.get("device", "cpu"))
+    fpt = run.get("flops_per_token", 0.0)
+    return {
+        "tokens_per_second_per_rank": per_rank,
+        "flops_per_token": fpt,
+        "device": run.get("device", "cpu"),
+        "mfu": per_rank * fpt / peak if peak and fpt else None,
     }
 
 

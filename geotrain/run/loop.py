@@ -96,14 +96,22 @@ class Evaluator:
         return loss
 
 
+def settle(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU runs ahead of the host: a clock read without
+    this measures the launch queue, not the work); nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class StepClock:
     """Compute time, network waits and inter-site bytes per step, from the collectives' counters.
 
-    ``utilisation`` = compute ÷ wall over the training steps, evaluations excluded from both.
+    ``utilisation`` = compute ÷ wall over the training steps, evaluations excluded from both. The
+    device is synchronised where the clock is read (:func:`settle`).
     """
 
-    def __init__(self, stats: CommStats, intervals: bool) -> None:
-        self.stats = stats
+    def __init__(self, stats: CommStats, intervals: bool, device: torch.device | None = None) -> None:
+        self.stats, self.device = stats, device or torch.device("cpu")
         self.compute = 0.0
         self.peak_inter = 0
         self.intervals: list[tuple[float, float]] | None = [] if intervals else None
@@ -116,6 +124,7 @@ class StepClock:
         self._wait0, self._inter0 = self.stats.wan_wait_seconds, self.stats.inter_bytes
 
     def stop(self) -> None:
+        settle(self.device)
         self.seconds = time.perf_counter() - self._t0
         self.waited = self.stats.wan_wait_seconds - self._wait0  # blocked on inter-site communication
         self.compute += self.seconds - self.waited
@@ -166,7 +175,7 @@ def train_loop(
     evaluator(sync.global_parameters(), start, sync.world_steps(start))
     eval_at_start = evaluator.seconds
     model.train()
-    clock = StepClock(stats, timeline)
+    clock = StepClock(stats, timeline, device)
     t_start, t_origin = time.perf_counter(), time.monotonic()
     record: dict[str, Any] = {"step": 0, "tokens": 0}
     seen_adapt = 0
@@ -193,6 +202,7 @@ def train_loop(
                     return model(x.to(device), y.to(device)) / data.micro_batches
 
             loss += privacy.backward(forward)  # (DP-SGD of a sharded model: two passes, clipped per example)
+        settle(device)  # the forward and backward done, not only queued
         if slow > 0:  # emulated slower hardware (topology.sites[].compute_speed): the GPU would still be busy
             # scaled from the median of this rank's last forward+backward times, so a stall of this
             # shared machine (or the slow first step) is felt once, not multiplied by 1/speed

@@ -54,7 +54,7 @@ from geotrain.models import build_model, count_params, export_model
 from geotrain.privacy.build import build_privacy, keys_dir
 from geotrain.privacy.masking import PairMasks
 from geotrain.report.metrics import MetricsSink, log, write_timeline
-from geotrain.report.summary import rank_record, run_summary
+from geotrain.report.summary import flops_per_token, rank_record, run_summary
 from geotrain.report.trackers import open_tracker
 from geotrain.run import checkpoint as ckpt
 from geotrain.run.elastic_site import join_elastic, request_fault
@@ -352,6 +352,8 @@ def _train(
             "pace": sync.pace_log(),
             "adapt": sync.adapt_log(),
             "params": n_params,
+            "flops_per_token": flops_per_token(n_params, cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size),
+            "device": torch.cuda.get_device_name(groups.device) if groups.device.type == "cuda" else "cpu",
             "link_emulation": comm.wan.mode if comm.wan is not None else "off",
             "threads_per_rank": threads,
             "backend": groups.backend,
