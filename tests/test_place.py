@@ -227,7 +227,7 @@ def test_the_shipped_pools_place() -> None:
     for f in sorted((ROOT / "scenarios" / "place").glob("*.yaml")):
         pool = load_pool(f)
         base = load_config(None, pool.job.set)
-        out, cfg = run_place(pool, pool.job.params or 437_000, pool.job.tokens_per_step or 256, base)
+        out, cfg, _ = run_place(pool, pool.job.params or 437_000, pool.job.tokens_per_step or 256, base)
         key = "cost" if pool.job.objective == "cost" else "hours"  # (the naive placement may be late: then it costs less)
         assert math.isfinite(out["chosen"]["hours"]), f.name
         if out["naive"]["hours"] <= (pool.job.deadline_h or math.inf):
@@ -238,9 +238,9 @@ def test_the_shipped_pools_place() -> None:
 def test_an_elastic_base_config_gets_a_ring_in_the_order_that_avoids_the_slow_pair() -> None:
     """Elastic rounds take a ring only (a fixed hub or root would fail every round it is lost in)."""
     pool = load_pool(ROOT / "scenarios" / "place" / "slow-pair.yaml")
-    plain, _ = run_place(pool, 437_000, 256, load_config(None, pool.job.set))
+    plain, _, _ = run_place(pool, 437_000, 256, load_config(None, pool.job.set))
     assert plain["chosen"]["shape"] == "hub"  # at 5 ms and 1.75 MB, two hops beat the ring's six
-    out, cfg = run_place(pool, 437_000, 256, load_config(None, [*pool.job.set, "elastic.enabled=true"]))
+    out, cfg, _ = run_place(pool, 437_000, 256, load_config(None, [*pool.job.set, "elastic.enabled=true"]))
     order = out["chosen"]["order"]
     assert out["chosen"]["shape"] == "ring" and cfg.elastic.enabled
     assert {frozenset(p) for p in zip(order, [*order[1:], order[0]], strict=True)}.isdisjoint({frozenset("AB")})

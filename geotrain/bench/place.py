@@ -21,8 +21,7 @@ from typing import Any
 
 from geotrain.bench.common import table
 from geotrain.config import Config, load_config
-from geotrain.plan.place import Placer
-from geotrain.plan.place_report import place_config, run_place
+from geotrain.plan.place_report import run_place
 from geotrain.plan.pool import Pool
 
 MODEL = ["model.n_layer=2", "model.n_embd=128", "model.n_head=2", "train.batch_size=4", "model.block_size=64"]
@@ -69,10 +68,12 @@ def _pool(name: str, corpus: Path, step_s: float) -> Pool:
     return Pool.model_validate({**data, "sites": sites, "job": {**data["job"], "step_s": step_s}})
 
 
-def _naive(pool: Pool, base: Config, params: int, tps: int) -> Config:
-    """Every site with all its accelerators, pool order, one ring, lock-step pace; the chosen H and codec."""
-    placer = Placer(pool, params, tps)
-    return place_config(pool, placer.naive(placer.search()[0]), base)
+def _calibration(cfg: Config) -> Config:
+    """``cfg`` (the naive placement) with the links off, 60 steps in rounds of 20, slowed as the runs are."""
+    data = cfg.model_dump()
+    data["topology"]["links"]["emulate"] = "off"
+    data["train"]["steps"], data["sync"]["H"] = 60, 20
+    return _slowed(Config.model_validate(data))
 
 
 def _measured(s: dict[str, Any], rounds: int) -> dict[str, Any]:
@@ -122,15 +123,13 @@ def bench_place(
     for name in pools:
         # 1. calibrate the inner step (every site computing, as in the runs)
         pool = _pool(name, corpus, 1.0)
-        cal_cfg = _naive(pool, base, params, tps)
-        cal_cfg = _slowed(load_config(None, [*_dotted(cal_cfg), "topology.links.emulate=off", "train.steps=60", "sync.H=20"]))
-        cal = launch_local(cal_cfg, out / name / "calibrate", console_print=None)
+        cal = launch_local(_calibration(run_place(pool, params, tps, base)[2]), out / name / "calibrate", console_print=None)
         speed = {s.name: s.speed for s in pool.sites}
         step_s = statistics.median(r["step_seconds"] * speed[r["site"]] for r in cal["per_site"])
         # 2. place with the measured step
         pool = _pool(name, corpus, step_s)
-        placed, chosen_cfg = run_place(pool, params, tps, base)
-        chosen_cfg, naive_cfg = _slowed(chosen_cfg), _slowed(_naive(pool, base, params, tps))
+        placed, chosen_cfg, naive_cfg = run_place(pool, params, tps, base)
+        chosen_cfg, naive_cfg = _slowed(chosen_cfg), _slowed(naive_cfg)
         row: dict[str, Any] = {"pool": name, "step_s": step_s, "placed": placed}
         # 3. run both
         for kind, cfg, pred in (("chosen", chosen_cfg, placed["chosen"]), ("naive", naive_cfg, placed["naive"])):
@@ -169,12 +168,6 @@ def bench_place(
         "migration": moved,
         "bench_seconds": time.perf_counter() - t0,
     }
-
-
-def _dotted(cfg: Config) -> list[str]:
-    import json
-
-    return [f"{k}={json.dumps(v)}" for k, v in cfg.model_dump().items()]
 
 
 def _exchanges(s: dict[str, Any]) -> int:

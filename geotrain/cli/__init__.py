@@ -230,7 +230,7 @@ def place(
         params = count_params(build_model(base.model))
     if tps is None:
         tps = base.train.batch_size * base.train.grad_accum * base.model.block_size
-    result, config = scenario_step(run_place, pool, params, tps, base)
+    result, config, _ = scenario_step(run_place, pool, params, tps, base)
     print_place(result, wide(140))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))

@@ -56,9 +56,9 @@ class Topology:
 
     @classmethod
     def from_config(cls, cfg: TopologyConfig) -> Topology:
-        names = [s.name for s in cfg.sites]
+        names = tuple(s.name for s in cfg.sites)
         return cls(
-            site_names=tuple(s.name for s in cfg.sites),
+            site_names=names,
             workers=tuple(s.workers for s in cfg.sites),
             intra_link=cfg.links.intra,
             inter_link=cfg.links.inter,

@@ -117,9 +117,16 @@ class Config(Section):
 
     def _exchange_fits(self) -> None:
         """topology.exchange: a tree or a hub sums fp32 over a fixed set of sites (docs/PLACE.md)."""
-        x, s = self.topology.exchange, self.sync
-        if "ring" == x.shape == x.region_shape:
-            return
+        x = self.topology.exchange
+        if (x.shape != "ring" or x.region_shape != "ring") and (refused := self.ring_only()):
+            field, why = refused
+            raise ValueError(f"{field}: not with topology.exchange.shape={x.shape}, region_shape={x.region_shape}: {why}")
+
+    def ring_only(self, codec: str | None = None) -> tuple[str, str] | None:
+        """(field, why) of the first setting that allows no tree or hub across sites, only a ring in
+        exchange.order (None: any shape runs). ``codec``: judge this codec instead of sync.codec
+        (geotrain place chooses its own)."""
+        s = self.sync
         refused = [
             (
                 self.elastic.enabled,
@@ -128,7 +135,7 @@ class Config(Section):
                 "hub is one site whose loss fails every round; elastic rounds run a ring in exchange.order (use shape ring)",
             ),
             (
-                s.codec != "none",
+                (s.codec if codec is None else codec) != "none",
                 "sync.codec",
                 "an encoded sum already goes one hop (each site's payload to every other); a "
                 "tree or hub would decode and re-encode at every hop, adding its error again (use shape ring)",
@@ -146,9 +153,7 @@ class Config(Section):
                 "two sites (one hop each, as an encoded sum does); it has no tree or hub (use shape ring)",
             ),
         ]
-        for bad, field, why in refused:
-            if bad:
-                raise ValueError(f"{field}: not with topology.exchange.shape={x.shape}, region_shape={x.region_shape}: {why}")
+        return next(((field, why) for bad, field, why in refused if bad), None)
 
     def _tiers_fit(self) -> None:
         """sync.region_every: multi-tier DiLoCo, with what it is not combined with yet."""

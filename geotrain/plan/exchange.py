@@ -115,12 +115,17 @@ def sum_seconds(shape: str, order: Sequence[int], nbytes: float, bw: Matrix, lat
 def best_order(
     shape: str, sites: Sequence[int], nbytes: float, bw: Matrix, lat: Matrix, limit: int = 40_320
 ) -> tuple[list[int], float]:
-    """The order of ``sites`` with the least :func:`sum_seconds` for ``shape``: every order up to
-    ``limit`` (8 sites; rotations and, for a ring, reflections are one ring), else a greedy ring
-    that always goes to the fastest free link next and a hub/root at the best-connected site."""
+    """The order of ``sites`` with the least :func:`sum_seconds` for ``shape``: for a hub, every
+    site as the hub; else every order up to ``limit`` (8 sites; rotations and, for a ring,
+    reflections are one ring), beyond that a greedy ring that always goes to the fastest free link
+    next and a root at the best-connected site."""
     sites = list(sites)
     if len(sites) < 3:
         return sites, sum_seconds(shape, sites, nbytes, bw, lat)
+    if shape == "hub":  # only the hub matters: every site as the hub, the others in their given order
+        hubs = ([h, *(s for s in sites if s != h)] for h in sites)
+        best = min(hubs, key=lambda o: round(sum_seconds("hub", o, nbytes, bw, lat), 12))
+        return best, sum_seconds("hub", best, nbytes, bw, lat)
     if math.factorial(len(sites)) <= limit:
         first, rest = sites[0], sites[1:]
         if shape == "ring":  # a ring is the same from any start: fix the first site

@@ -27,7 +27,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from geotrain.plan.exchange import SHAPES, best_order, clusters, link_bytes, sum_seconds
+from geotrain.plan.exchange import SHAPES, best_order, clusters, coded_link_bytes, link_bytes, sum_seconds
 from geotrain.plan.pool import CODEC_BITS, Pool
 
 MAX_PLACEMENTS = 20_000
@@ -81,14 +81,7 @@ class Placer:
         """The best order of ``sites`` for ``shape`` (cached per site set)."""
         key = (frozenset(sites), shape, nbytes)
         if key not in self._orders:
-            if shape == "hub":  # only the hub matters
-                best = min(
-                    ([h, *(s for s in sites if s != h)] for h in sites),
-                    key=lambda o: sum_seconds("hub", o, nbytes, self.bw, self.lat),
-                )
-                self._orders[key] = best, sum_seconds("hub", best, nbytes, self.bw, self.lat)
-            else:
-                self._orders[key] = best_order(shape, sites, nbytes, self.bw, self.lat, 5040 if shape == "ring" else 720)
+            self._orders[key] = best_order(shape, sites, nbytes, self.bw, self.lat, 5040 if shape == "ring" else 720)
         return self._orders[key]
 
     def exchange(self, sites: list[int], nbytes: float) -> tuple[str, list[int], float]:
@@ -135,7 +128,7 @@ class Placer:
             p.codec = "none"
             for k in (2, 4, 8, 16):
                 p.region_every = k
-                c, p.H, p.sync_s = self._choose_round(p, per_step, {"none": shapes[p.region_shape] + world / k})
+                _, p.H, p.sync_s = self._choose_round(p, per_step, {"none": shapes[p.region_shape] + world / k})
                 if p.H * per_step / (p.H * per_step + p.sync_s) >= self.job.utilization:
                     break
         else:
@@ -148,21 +141,26 @@ class Placer:
             p.codec, p.H, p.sync_s = self._choose_round(p, per_step, sync)
             if p.codec != "none":  # an encoded sum is one hop whatever the shape: the ring in pool order
                 p.shape, p.order = "ring", tuple(sites)
-        p.round_s = p.H * per_step + p.sync_s
-        steps = {i: p.H * (per_step / p.step_s[i] if pace == "adaptive" else 1.0) for i in sites}
-        p.tokens_per_round = sum(workers[i] * self.tps * steps[i] for i in sites)
-        p.utilization = {i: steps[i] * p.step_s[i] / p.round_s for i in sites}
-        p.hours = self.job.tokens / p.tokens_per_round * p.round_s / 3600
-        p.cost = p.hours * sum(workers[i] * self.pool.sites[i].cost_per_hour for i in sites)
-        p.meets_utilization = min(p.utilization.values()) >= self.job.utilization or len(sites) == 1
+        self._predict(p, per_step)
         self.searched += 1
         return p
+
+    def _predict(self, p: Placement, per_step: float) -> None:
+        """Round time, tokens, utilisation, hours and cost from ``p``'s H, sync time and pace
+        (``per_step``: the round's compute clock, an inner step of the slowest site or, adaptive,
+        of the fastest)."""
+        sites = p.sites
+        p.round_s = p.H * per_step + p.sync_s
+        steps = {i: p.H * (per_step / p.step_s[i] if p.pace == "adaptive" else 1.0) for i in sites}
+        p.tokens_per_round = sum(p.workers[i] * self.tps * steps[i] for i in sites)
+        p.utilization = {i: steps[i] * p.step_s[i] / p.round_s for i in sites}
+        p.hours = self.job.tokens / p.tokens_per_round * p.round_s / 3600
+        p.cost = p.hours * sum(p.workers[i] * self.pool.sites[i].cost_per_hour for i in sites)
+        p.meets_utilization = min(p.utilization.values()) >= self.job.utilization or len(sites) == 1
 
     def link_bytes(self, p: Placement) -> dict[tuple[int, int], float]:
         """Bytes each directed link carries per round (two tiers: the world sum's share per round)."""
         if p.codec != "none":
-            from geotrain.plan.exchange import coded_link_bytes
-
             bits = CODEC_BITS[p.codec]
             return {
                 k: float(v) for k, v in coded_link_bytes(list(p.order), self.P, lambda n: math.ceil(n * bits / 8), False).items()
@@ -235,17 +233,10 @@ class Placer:
 
     def naive(self, like: Placement) -> Placement:
         """Every site with all its accelerators, pool order, one ring, lock-step; ``like``'s H and codec."""
-        workers = tuple(s.accelerators for s in self.pool.sites)
-        p = self.evaluate(workers, "lockstep", False)
-        assert p is not None
-        p.shape, p.order, p.H, p.codec = "ring", tuple(p.sites), like.H, like.codec
+        p = Placement(workers=tuple(s.accelerators for s in self.pool.sites), H=like.H, codec=like.codec)
+        p.order = tuple(p.sites)
+        p.step_s = {i: self.inner_step(i, p.workers[i]) for i in p.sites}
         S = 4.0 * self.P if like.codec == "none" else self.P * CODEC_BITS[like.codec] / 8
         p.sync_s = sum_seconds("ring", p.sites, S, self.bw, self.lat, codec=like.codec != "none")
-        per_step = max(p.step_s.values())
-        p.round_s = p.H * per_step + p.sync_s
-        p.tokens_per_round = sum(workers[i] * self.tps * p.H for i in p.sites)
-        p.utilization = {i: p.H * p.step_s[i] / p.round_s for i in p.sites}
-        p.hours = self.job.tokens / p.tokens_per_round * p.round_s / 3600
-        p.cost = p.hours * sum(workers[i] * self.pool.sites[i].cost_per_hour for i in p.sites)
-        p.meets_utilization = min(p.utilization.values()) >= self.job.utilization
+        self._predict(p, max(p.step_s.values()))
         return p

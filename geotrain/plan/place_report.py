@@ -117,13 +117,11 @@ def place_config(pool: Pool, p: Placement, base: Config) -> Config:
         raise ConfigError(f"the base config does not combine with the placement: {format_error(exc, Config)}") from None
 
 
-def run_place(pool: Pool, params: int, tokens_per_step: int, base: Config) -> tuple[dict[str, Any], Config]:
-    """Search the pool; the answer as JSON and the chosen placement's config."""
-    # a tree or hub: fp32 sums of lock-step rounds, without adaptation, the flat all-reduce or secure aggregation
-    fixed = (
-        base.elastic.enabled or base.sync.adapt is not None or base.sync.allreduce == "flat" or base.privacy.secure_aggregation
-    )
-    placer = Placer(pool, params, tokens_per_step, ("ring",) if fixed else SHAPES)
+def run_place(pool: Pool, params: int, tokens_per_step: int, base: Config) -> tuple[dict[str, Any], Config, Config]:
+    """Search the pool; the answer as JSON, the chosen placement's config and the naive one's (every
+    site, pool order, one ring, lock-step, the chosen H and codec: what ``bench place`` compares)."""
+    # a base config that allows no tree or hub gets the ring only (the codec is the placement's own)
+    placer = Placer(pool, params, tokens_per_step, ("ring",) if base.ring_only(codec="none") else SHAPES)
     ranked = placer.search()
     best = ranked[0]
     config = place_config(pool, best, base)
@@ -145,7 +143,7 @@ def run_place(pool: Pool, params: int, tokens_per_step: int, base: Config) -> tu
         "naive": {**describe(placer, naive), "why": why_lost(placer, naive, best)},
         "train_steps": config.train.steps,
     }
-    return out, config
+    return out, config, place_config(pool, naive, base)
 
 
 def print_place(out: dict[str, Any], console: Console) -> None:
