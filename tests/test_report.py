@@ -225,3 +225,6 @@ def test_mfu_arithmetic() -> None:
     assert got["tokens_per_second_per_rank"] == 100_000.0  # 2M tokens, 2 ranks, 10 s of training
     assert got["mfu"] == pytest.approx(100_000 * 1e9 / 989e12)
     assert throughput(result, ranks, {"device": "cpu", "flops_per_token": 1e9})["mfu"] is None
+    # the evaluation before the first step is in eval_seconds but not in wall_seconds
+    before = [{**r, "eval_seconds": r["eval_seconds"] + 3.0, "eval_seconds_before": 3.0} for r in ranks]
+    assert throughput(result, before, {"device": "cpu", "flops_per_token": 1e9})["tokens_per_second_per_rank"] == 100_000.0

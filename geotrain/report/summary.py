@@ -156,7 +156,8 @@ def throughput(result: dict[str, Any], ranks: list[dict[str, Any]], run: dict[st
     """Tokens per second per rank over the training wall time (evaluations excluded) and model
     FLOPs utilisation: that × :func:`flops_per_token` ÷ the device's dense bf16 peak (None where
     the device is not in :data:`DEVICE_PEAK_BF16`, e.g. a CPU)."""
-    wall = max(r["wall_seconds"] - r["eval_seconds"] for r in ranks)
+    # wall_seconds starts after the evaluation before the first step, which eval_seconds counts too
+    wall = max(r["wall_seconds"] - r["eval_seconds"] + r.get("eval_seconds_before", 0.0) for r in ranks)
     per_rank = result["curve"][-1]["tokens"] / len(ranks) / max(wall, 1e-9)
     peak = device_peak(run.get("device", "cpu"))
     fpt = run.get("flops_per_token", 0.0)
