@@ -83,7 +83,10 @@ class Job(Section):
         description="Codecs to choose from (the least compression that reaches it).",
     )
     tiers: bool = Field(default=True, description="Consider two tiers (regions by latency) beside one.")
-    config: str | None = Field(default=None, description="Base geotrain config the placement fills in (unset: the defaults).")
+    config: str | None = Field(
+        default=None,
+        description="Base geotrain config the placement fills in (relative: beside the pool file; unset: the defaults).",
+    )
     set: list[str] = Field(default_factory=list, description="KEY=VALUE overrides of the base config.")
 
     @field_validator("H")
