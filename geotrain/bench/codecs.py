@@ -19,7 +19,7 @@ import torch
 
 from geotrain.bench.common import median_seconds, table
 from geotrain.codecs import CODEC_NAMES, Codec, build_codec, relative_error
-from geotrain.codecs import reference as R
+from geotrain.codecs import torchops as T
 from geotrain.codecs.powersgd import PowerSGD
 
 TARGET_COMBINED_GBPS = 0.5
@@ -59,20 +59,22 @@ def capture_pseudo_gradients(steps: int = 50, seed: int = 0) -> tuple[list[torch
 
 
 def _reference(name: str, x: torch.Tensor, codec: Codec) -> tuple[Callable[[], Any], Callable[[], Any]] | None:
-    """(encode, decode) closures of the torch-ops reference for ``name``, or None if it has none."""
+    """(encode, decode) closures of the torch-ops path of ``name`` (the one device tensors take,
+    :mod:`geotrain.codecs.torchops`) on ``x``, or None where the codec has no other path."""
     n = x.numel()
+    out = torch.empty(n)
     if name == "int8":
-        codes, table = R.int8_encode(x)
-        return (lambda: R.int8_encode(x)), (lambda: R.int8_decode(codes, table))
+        buf = T.int8_encode(x, 6.0)[0]
+        return (lambda: T.int8_encode(x, 6.0)), (lambda: T.int8_decode(buf, out))
     if name in ("int4", "fp4"):
         fp4 = name == "fp4"
         bs = getattr(codec, "block_size", 64)
-        packed, scales = R.block4_encode(x, bs, fp4)
-        return (lambda: R.block4_encode(x, bs, fp4)), (lambda: R.block4_decode(packed, scales, n, bs, fp4))
+        buf = T.block4_encode(x, bs, fp4)[0]
+        return (lambda: T.block4_encode(x, bs, fp4)), (lambda: T.block4_decode(buf, n, bs, fp4, out))
     if name == "sparseloco":
-        frac, chunk = codec.fraction, codec.chunk  # type: ignore[attr-defined]
-        entries, scales = R.sparse2_encode(x, frac, chunk)
-        return (lambda: R.sparse2_encode(x, frac, chunk)), (lambda: R.sparse2_decode(entries, scales, n, chunk))
+        frac, chunk, bits = codec.fraction, codec.chunk, codec.offset_bits  # type: ignore[attr-defined]
+        buf = T.sparse2_encode(x, chunk, frac, bits)[0]
+        return (lambda: T.sparse2_encode(x, chunk, frac, bits)), (lambda: T.sparse2_decode(buf, n, chunk, frac, bits, out))
     return None  # none/bf16/fp16/topk: the codec is already plain torch ops
 
 

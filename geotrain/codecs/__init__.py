@@ -24,10 +24,11 @@ from typing import ClassVar, Literal
 
 import torch
 
+from geotrain.codecs import torchops as T
 from geotrain.codecs.base import CODEC_NAMES as CODEC_NAMES
 from geotrain.codecs.base import FP16_MAX as FP16_MAX
 from geotrain.codecs.base import Codec as Codec
-from geotrain.codecs.base import _kernels, _np, _refuse_non_finite
+from geotrain.codecs.base import _kernels, _np, _refuse_non_finite, on_kernels
 from geotrain.codecs.sparseloco import TiledSparseLoCo as TiledSparseLoCo
 from geotrain.errors import CorruptPayload, NonFiniteError
 
@@ -104,6 +105,11 @@ class Int8(Codec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
         n = x.numel()
+        if not on_kernels(x):
+            buf, finite = T.int8_encode(x, self.sigma_range)
+            if not finite:
+                _refuse_non_finite(self.name, x)
+            return buf
         buf = torch.empty(self.encoded_nbytes(n), dtype=torch.uint8)
         table = buf[: self.TABLE].view(torch.float32)
         if n == 0:
@@ -113,16 +119,13 @@ class Int8(Codec):
         s, ss, probe = _kernels().moments(xs)
         if not math.isfinite(probe):
             _refuse_non_finite(self.name, x)
-        mean = s / n
-        std = math.sqrt(max(ss / n - mean * mean, 0.0))
-        half = self.sigma_range * std
-        if half <= 1e-30 * max(1.0, abs(mean)):  # constant tensor: one bucket holds it exactly
-            half = max(abs(mean), 1e-30)
-        lo = mean - half
+        lo, half = T.int8_range(s, ss, n, self.sigma_range)
         _kernels().int8_encode(xs, lo, 256.0 / (2 * half), _np(buf[self.TABLE :]), _np(table))
         return buf
 
     def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        if not on_kernels(buf):
+            return T.int8_decode(buf, out)
         _kernels().lookup_decode(_np(buf[self.TABLE :]), _np(buf[: self.TABLE].view(torch.float32)), _np(out))
         return out
 
@@ -135,6 +138,10 @@ class _Block4(Codec):
     bits: ClassVar[float] = 4.0
     is_fp4: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        if self.block_size < 2 or self.block_size % 2:  # (each block's codes start on a byte)
+            raise ValueError(f"{self.name} needs an even block_size of at least 2 (got {self.block_size})")
+
     def _blocks(self, n: int) -> int:
         return -(-n // self.block_size)
 
@@ -144,6 +151,11 @@ class _Block4(Codec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
         n = x.numel()
+        if not on_kernels(x):
+            buf, finite = T.block4_encode(x, self.block_size, self.is_fp4)
+            if not finite:
+                _refuse_non_finite(self.name, x)
+            return buf
         buf = torch.empty(self.encoded_nbytes(n), dtype=torch.uint8)
         nb = self._blocks(n)
         scales = buf[: 4 * nb].view(torch.float32)
@@ -153,6 +165,8 @@ class _Block4(Codec):
         return buf
 
     def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        if not on_kernels(buf):
+            return T.block4_decode(buf, n, self.block_size, self.is_fp4, out)
         nb = self._blocks(n)
         _kernels().block4_decode(
             _np(buf[4 * nb :]), _np(buf[: 4 * nb].view(torch.float32)), self.block_size, self.is_fp4, _np(out)
@@ -197,7 +211,7 @@ class TopK(Codec):
         self._check(x)
         n = x.numel()
         k = self.k(n)
-        buf = torch.empty(8 * k, dtype=torch.uint8)
+        buf = torch.empty(8 * k, dtype=torch.uint8, device=x.device)
         if k == 0:
             return buf
         if not bool(torch.isfinite(x).all()):
@@ -256,6 +270,11 @@ class SparseLoCo(Codec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
         n = x.numel()
+        if not on_kernels(x):
+            buf, finite = T.sparse2_encode(x, self.chunk, self.fraction, self.offset_bits)
+            if not finite:
+                _refuse_non_finite(self.name, x)
+            return buf
         buf = torch.empty(self.encoded_nbytes(n), dtype=torch.uint8)
         nc = -(-n // self.chunk)
         scales = buf[: 8 * nc].view(torch.float32)
@@ -270,8 +289,17 @@ class SparseLoCo(Codec):
     def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         if n:
             nc = -(-n // self.chunk)
-            bad = _kernels().sparse2_decode(
-                _np(buf[8 * nc :]), _np(buf[: 8 * nc].view(torch.float32)), self.chunk, self.fraction, self.offset_bits, _np(out)
+            bad = (
+                _kernels().sparse2_decode(
+                    _np(buf[8 * nc :]),
+                    _np(buf[: 8 * nc].view(torch.float32)),
+                    self.chunk,
+                    self.fraction,
+                    self.offset_bits,
+                    _np(out),
+                )
+                if on_kernels(buf)
+                else T.sparse2_decode(buf, n, self.chunk, self.fraction, self.offset_bits, out)
             )
             if bad:
                 raise CorruptPayload(f"{self.name} codec: {bad} offset(s) of a payload fall outside their chunk")

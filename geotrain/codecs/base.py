@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import ClassVar, Literal
 
@@ -13,6 +14,14 @@ from geotrain.errors import CorruptPayload, NonFiniteError
 
 CODEC_NAMES = ("none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd")
 FP16_MAX = 65504.0
+
+
+def on_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` is encoded or decoded by the numba kernels (a CPU tensor) or by torch ops where it
+    lives (:mod:`geotrain.codecs.torchops`). ``GEOTRAIN_CODEC_KERNELS=0`` in a process's environment
+    sends its CPU tensors the torch-ops way too, the path of a GPU's tensors (tests, benchmarks); it
+    is read at each call, as a rank forked from a zygote gets its environment after its imports."""
+    return x.device.type == "cpu" and os.environ.get("GEOTRAIN_CODEC_KERNELS") != "0"
 
 
 def _kernels() -> ModuleType:
@@ -45,11 +54,11 @@ class Codec:
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: 1-D contiguous fp32 on CPU. Returns a uint8 tensor of ``encoded_nbytes(x.numel())``."""
+        """``x``: 1-D contiguous fp32 on any device. Returns a uint8 tensor of ``encoded_nbytes(x.numel())`` on that device."""
         raise NotImplementedError
 
     def decode(self, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Inverse of :meth:`encode` into ``out`` (fp32, ``n`` values; allocated if None). ``buf``
+        """Inverse of :meth:`encode` into ``out`` (fp32, ``n`` values on ``buf``'s device; allocated if None). ``buf``
         may come from another site: its length and every position it names are checked before
         a kernel reads it (the compiled kernels do not check bounds).
 
@@ -67,7 +76,9 @@ class Codec:
             )
         if out is not None and (out.numel() != n or out.dtype != torch.float32 or not out.is_contiguous()):
             raise ValueError(f"{self.name} codec: decoding {n:,} values into {out.numel():,} {out.dtype} values")
-        return self._out(out, n)
+        if out is not None and out.device != buf.device:
+            raise ValueError(f"{self.name} codec: decoding a payload on {buf.device} into a tensor on {out.device}")
+        return torch.empty(n, dtype=torch.float32, device=buf.device) if out is None else out
 
     def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` of a payload of the right length into ``out``."""
@@ -87,13 +98,9 @@ class Codec:
         return 4 * n / max(1, self.encoded_nbytes(n))
 
     @staticmethod
-    def _out(out: torch.Tensor | None, n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.float32) if out is None else out
-
-    @staticmethod
     def _check(x: torch.Tensor) -> None:
-        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError("codecs encode 1-D contiguous fp32 CPU tensors")
+        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+            raise ValueError("codecs encode 1-D contiguous fp32 tensors")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

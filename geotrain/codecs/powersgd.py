@@ -103,7 +103,7 @@ class PowerSGD:
             if err is not None:
                 m.add_(err)
             ms.append(m)
-        qs = [self.qs[i] for i in comp]
+        qs = [self.qs[i].to(m.device) for i, m in zip(comp, ms, strict=True)]  # type: ignore[union-attr]
         ps = [m @ q for m, q in zip(ms, qs, strict=True)]  # type: ignore[operator]
         flat_p = torch.cat([p.reshape(-1) for p in ps])
         sum_(flat_p)

@@ -67,7 +67,7 @@ def coded_sum(
             torch.sub(chunks[j], codec.decode(encoded[ranks[j]], chunks[j].numel()), out=res.tensor_split(n)[j])
         ef.keep(res)
     senders = peers if mine.numel() else []
-    got = {r: torch.empty(codec.encoded_nbytes(mine.numel()), dtype=torch.uint8) for r in senders}
+    got = {r: torch.empty(codec.encoded_nbytes(mine.numel()), dtype=torch.uint8, device=x.device) for r in senders}
     exchange({ranks[j]: (encoded[ranks[j]], 4 * chunks[j].numel()) for j in others}, got)
     tmp = torch.empty_like(mine)
     for r in senders:
@@ -78,7 +78,7 @@ def coded_sum(
         summed = codec.encode(mine)
         codec.decode(summed, mine.numel(), mine)
         sends = {r: (summed, 4 * mine.numel()) for r in peers}
-    back = {ranks[j]: torch.empty(codec.encoded_nbytes(chunks[j].numel()), dtype=torch.uint8) for j in others}
+    back = {ranks[j]: torch.empty(codec.encoded_nbytes(chunks[j].numel()), dtype=torch.uint8, device=x.device) for j in others}
     exchange(sends, back)
     for j in others:
         codec.decode(back[ranks[j]], chunks[j].numel(), chunks[j])

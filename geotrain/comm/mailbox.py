@@ -67,7 +67,7 @@ def frame(
     emulated arrival time of the whole message, the payload's length in bytes, ``fields``), the
     payload's bytes, the bytes sent, and the fp32 bytes they stand for (``raw``: a codec's payload's)."""
     assert len(fields) == header_len - 2
-    payload = as_bytes(payload)
+    payload = as_bytes(payload.cpu())  # (a device's payload crosses through the host: Gloo, or the store)
     nbytes = header_len * 8 + payload.numel()
     header = torch.tensor([arrival(nbytes), payload.numel(), *fields], dtype=torch.float64)
     return header, payload, nbytes, nbytes if raw is None else header_len * 8 + raw

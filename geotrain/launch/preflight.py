@@ -64,8 +64,6 @@ def preflight(cfg: Config, site: int | None = None) -> None:
     check_tracker(cfg.report)
     if cfg.train.compile and choose_backend(cfg.run.backend) == "gloo" and not any(map(shutil.which, ("cc", "gcc", "clang"))):
         raise ConfigError("train.compile: on CPU torch.compile needs a C compiler (cc, gcc or clang); none is on PATH")
-    if cfg.sync.codec != "none" and choose_backend(cfg.run.backend) == "nccl":
-        raise ConfigError(f"sync.codec: codecs encode CPU tensors; with the nccl backend use none for now (got {cfg.sync.codec})")
     local = topo.workers[site] if site is not None else topo.world_size  # the ranks this machine starts
     if why := gpus_for(local, cfg.run.backend):
         raise ConfigError(why)

@@ -134,10 +134,6 @@ class AsyncDiLoCo(DiLoCo):
         coders = Codecs(cfg, names, [p.shape for p in self.local_params()])  # (SparseLoCo's tiles)
         self.coders = coders.build_all() if self.leader else coders  # (only leaders encode)
         self.codec_name: str = cfg.codec
-        if any(Codecs.encodes(n) for n in names) and g.device.type != "cpu":
-            raise ValueError(
-                f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {g.backend} backend use sync.codec=none"
-            )
         self.residual = Residual(decay=cfg.error_decay) if Codecs.feeds_back(cfg) else None
         self.adapter = None  # (sync.adapt: the syncer chooses, from the links the sites measure: quorum_adapt)
         self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
@@ -442,7 +438,7 @@ class AsyncDiLoCo(DiLoCo):
         coder = self.coders.at(int(msg.fields[7]))
         assert coder is not None
         held = self._held if self._held is not None else torch.cat([p.detach().reshape(-1) for p in self.global_params])
-        return msg.fields, held + coder.decode(msg.payload, held.numel())
+        return msg.fields, held + coder.decode(msg.payload.to(held.device), held.numel())
 
     def _syncer_name(self) -> str:
         return f"the syncer (site {self.full.site_names[self.hub_site]}'s local rank 0)"

@@ -149,7 +149,7 @@ class AsyncStreaming(AsyncDiLoCo):
         assert coder is not None
         f = self._asking
         held = torch.cat([self.global_params[i].detach().reshape(-1) for i in self.fragments[f]])
-        return msg.fields, held + coder.decode(msg.payload, held.numel())
+        return msg.fields, held + coder.decode(msg.payload.to(held.device), held.numel())
 
     @torch.no_grad()
     def finish(self) -> None:

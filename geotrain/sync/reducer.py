@@ -118,10 +118,6 @@ class SiteReducer:
         sharded: bool = False,
         region: bool = False,
     ) -> None:
-        if cfg.codec != "none" and comm.groups.device.type != "cpu":
-            raise ValueError(
-                f"sync.codec={cfg.codec}: codecs encode CPU tensors; with the {comm.groups.backend} backend use sync.codec=none for now"
-            )
         self.comm = comm
         self.region = region  # sum over the sites of this rank's region only (multi-tier sync)
         self.codec = make_codec(cfg, shapes)

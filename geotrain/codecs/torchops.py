@@ -1,0 +1,176 @@
+"""The quantising codecs in torch ops: the wire formats of :mod:`geotrain.codecs.kernels`, run
+wherever the tensor lives (a GPU's, or a CPU's where ``GEOTRAIN_CODEC_KERNELS=0``).
+
+Why torch ops on a device: the numba kernels are one-thread CPU loops, and a GPU tensor would
+cross to the host and back for every encoding. Every function here is a few full passes over
+memory, each one a fused elementwise or reduction kernel on a GPU, so it runs at the device's
+memory bandwidth without a compiler at run time (docs/CODECS.md gives the choice and the numbers).
+
+The formats and the arithmetic are the kernels' (the tests compare them on CPU):
+
+* **decoding is the same arithmetic, bit for bit** (each value is a table lookup, or a per-block
+  table computed in float64 and rounded once, as the kernels do), so sites on CPUs and GPUs that
+  receive the same bytes hold the same values;
+* **encoding** may differ from the kernels only where a float64 sum is added in another order
+  (int8's moments and bucket means, SparseLoCo's level scales): a value within a rounding of a
+  bucket's edge may land in the next bucket, which is the codec's own rounding.
+
+Each encoder returns ``(buffer, finite)``; ``finite`` is False when the input holds a NaN or an
+infinity, which the codec refuses to send.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+FP4_MIDPOINTS = (2.0**-7, *(0.75 * 2.0 ** (k - 7) for k in range(2, 8)))  # relative to the block's max |x|
+INT8_TABLE = 256 * 4
+
+
+def int8_range(s: float, ss: float, n: int, sigma_range: float) -> tuple[float, float]:
+    """(lo, half) of int8's 256 buckets, lo + 2·half wide, from the sum and the sum of squares."""
+    mean = s / n
+    std = math.sqrt(max(ss / n - mean * mean, 0.0))
+    half = sigma_range * std
+    if half <= 1e-30 * max(1.0, abs(mean)):  # constant tensor: one bucket holds it exactly
+        half = max(abs(mean), 1e-30)
+    return mean - half, half
+
+
+def int8_encode(x: torch.Tensor, sigma_range: float) -> tuple[torch.Tensor, bool]:
+    """A 1 KiB table of bucket means, then one bucket index per value."""
+    n = x.numel()
+    buf = torch.empty(INT8_TABLE + n, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        buf.zero_()
+        return buf, True
+    xd = x.double()  # (the kernel's float64 accumulators; a constant tensor's moments come out exact)
+    s, ss = float(xd.sum()), float(torch.dot(xd, xd))
+    if not (math.isfinite(s) and math.isfinite(ss)):
+        return buf, False
+    lo, half = int8_range(s, ss, n, sigma_range)
+    inv_step = 256.0 / (2 * half)
+    t = (x - torch.tensor(lo, dtype=torch.float32, device=x.device)) * torch.tensor(
+        inv_step, dtype=torch.float32, device=x.device
+    )
+    codes = buf[INT8_TABLE:]
+    torch.clamp(t, 0, 255, out=t)
+    codes.copy_(t)  # truncation, as the kernel's int()
+    sums = torch.bincount(codes, weights=xd, minlength=256)
+    counts = torch.bincount(codes, minlength=256)
+    centres = lo + (torch.arange(256, dtype=torch.float64, device=x.device) + 0.5) * (1.0 / inv_step)
+    buf[:INT8_TABLE].view(torch.float32).copy_(torch.where(counts > 0, sums / counts.clamp_min(1), centres))
+    return buf, True
+
+
+def int8_decode(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    table = buf[:INT8_TABLE].view(torch.float32)
+    return torch.index_select(table, 0, buf[INT8_TABLE:].int(), out=out)
+
+
+def block4_encode(x: torch.Tensor, block: int, fp4: bool) -> tuple[torch.Tensor, bool]:
+    """One fp32 scale per block (its max |x|), then two 4-bit codes per byte, low nibble first."""
+    n = x.numel()
+    nb = -(-n // block)
+    b = F.pad(x, (0, nb * block - n)).view(nb, block)
+    a = b.abs()
+    m = a.amax(dim=1, keepdim=True) if nb else a.new_zeros(0, 1)
+    finite = bool(torch.isfinite(m).all())  # amax carries a NaN or an infinity through
+    if fp4:  # e = how many midpoints (scaled to the block's max) |x| reaches
+        e = torch.zeros(b.shape, dtype=torch.uint8, device=x.device)
+        for t in FP4_MIDPOINTS:
+            e += a >= m * torch.tensor(t, dtype=torch.float32, device=x.device)
+        codes = e | ((b < 0) & (e > 0)).to(torch.uint8) << 3
+    else:
+        codes = (torch.floor(b * (torch.tensor(7.0, device=x.device) / m) + 0.5) + 8).nan_to_num_(8).to(torch.uint8)
+    codes = torch.where(m > 0, codes, torch.full_like(codes, 0 if fp4 else 8)).reshape(-1)[:n]
+    if n % 2:
+        codes = F.pad(codes, (0, 1))
+    packed = codes[0::2] | (codes[1::2] << 4)
+    return torch.cat([m.reshape(-1).view(torch.uint8), packed]), finite
+
+
+def block4_decode(buf: torch.Tensor, n: int, block: int, fp4: bool, out: torch.Tensor) -> torch.Tensor:
+    nb = -(-n // block)
+    s = buf[: 4 * nb].view(torch.float32).double().unsqueeze(1)
+    c = torch.arange(16, device=buf.device)
+    if fp4:  # each block's 16 values in float64, rounded to fp32 once, as the kernel's table
+        e = c & 7
+        mag = torch.where(e > 0, s * torch.pow(2.0, (e - 7).double()), torch.zeros_like(s))
+        lut = torch.where(c & 8 > 0, -mag, mag).float()
+    else:
+        lut = ((c - 8).double() * (s / 7.0)).float()
+    packed = buf[4 * nb :]
+    codes = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)
+    codes = F.pad(codes, (0, nb * block - codes.numel())).view(nb, block).long()
+    out.copy_(lut.gather(1, codes).reshape(-1)[:n])
+    return out
+
+
+def _rows(n: int, chunk: int) -> list[tuple[int, int, int]]:
+    """(first value, rows, values per row) of the full chunks, then of the shorter last chunk."""
+    full = n // chunk
+    return [g for g in ((0, full, chunk), (full * chunk, 1, n - full * chunk)) if g[1] and g[2]]
+
+
+def _keep(fraction: float, m: int) -> int:
+    return min(m, max(1, math.ceil(fraction * m)))
+
+
+def sparse2_encode(x: torch.Tensor, chunk: int, fraction: float, offset_bits: int) -> tuple[torch.Tensor, bool]:
+    """SparseLoCo's chunked format (:func:`geotrain.codecs.kernels.sparse2_encode`): two fp32 level
+    scales per chunk, then per chunk its kept entries bit-packed, each chunk from a new byte."""
+    if not bool(torch.isfinite(x).all()):
+        return x.new_empty(0, dtype=torch.uint8), False
+    width = offset_bits + 2
+    scales, streams = [], []
+    for first, rows, m in _rows(x.numel(), chunk):
+        k = _keep(fraction, m)
+        b = x[first : first + rows * m].view(rows, m)
+        a = b.abs()
+        idx = torch.sort(-a, dim=1, stable=True).indices[:, :k].sort(dim=1).values  # ties: lowest index
+        mag = a.gather(1, idx).double()
+        mean = (mag.sum(1, keepdim=True) / k).float().double()
+        hi = mag >= mean
+        n_hi = hi.sum(1, keepdim=True)
+        n_lo = k - n_hi
+        s_hi = torch.where(n_hi > 0, (mag * hi).sum(1, keepdim=True) / n_hi.clamp_min(1), mean)
+        s_lo = torch.where(n_lo > 0, (mag * ~hi).sum(1, keepdim=True) / n_lo.clamp_min(1), mean)
+        scales.append(torch.cat([s_lo, s_hi], dim=1).float())
+        codes = idx << 2 | (b.gather(1, idx) < 0).long() << 1 | hi.long()
+        bits = ((codes.unsqueeze(2) >> torch.arange(width, device=x.device)) & 1).view(rows, k * width)
+        bits = F.pad(bits, (0, (-k * width) % 8)).view(rows, -1, 8)
+        streams.append((bits << torch.arange(8, device=x.device)).sum(2).to(torch.uint8).reshape(-1))
+    table = torch.cat(scales).reshape(-1) if scales else x.new_empty(0)
+    return torch.cat([table.view(torch.uint8), *streams]), True
+
+
+def sparse2_decode(buf: torch.Tensor, n: int, chunk: int, fraction: float, offset_bits: int, out: torch.Tensor) -> int:
+    """Inverse of :func:`sparse2_encode` into ``out``; returns how many offsets fall outside their
+    chunk (a payload no encoder makes; ``out`` is then left unwritten)."""
+    width = offset_bits + 2
+    groups = _rows(n, chunk)
+    scales = buf[: 8 * -(-n // chunk)].view(torch.float32).view(-1, 2)
+    at, row = 8 * scales.shape[0], 0
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for first, rows, m in groups:
+        k = _keep(fraction, m)
+        nbytes = (k * width + 7) // 8
+        stream = buf[at : at + rows * nbytes].view(rows, nbytes)
+        at += rows * nbytes
+        bits = ((stream.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8, device=buf.device)) & 1).view(rows, -1)
+        fields = (bits[:, : k * width].reshape(rows, k, width).long() << torch.arange(width, device=buf.device)).sum(2)
+        offsets = fields >> 2
+        if bool((offsets >= m).any()):
+            return int((offsets >= m).sum())
+        mag = scales[row : row + rows].gather(1, fields & 1)
+        pos = offsets + first + torch.arange(rows, device=buf.device).unsqueeze(1) * m
+        found.append((pos.reshape(-1), torch.where(fields & 2 > 0, -mag, mag).reshape(-1)))
+        row += rows
+    out.zero_()
+    for pos, val in found:
+        out[pos] = val
+    return 0
