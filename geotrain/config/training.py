@@ -98,6 +98,13 @@ class TrainConfig(Section):
         default=8, ge=1, le=10000, description="Held-out batches (of batch_size) per evaluation, split over all ranks."
     )
     log_every: int = Field(default=25, ge=1, description="Print a log line every N steps (local rank 0 of each site).")
+    read_every: int = Field(
+        default=0,
+        ge=0,
+        le=100_000,
+        description="Read the loss and wait for the device every N steps, not at each (a GPU runs ahead of the host); "
+        "the steps between get the window's mean step time; 0 = log_every on a GPU, 1 on a CPU.",
+    )
     threads: int = Field(
         default=0, ge=0, le=1024, description="torch threads per rank; 0 = CPU cores / ranks on this machine (at least 1)."
     )

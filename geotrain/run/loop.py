@@ -3,7 +3,9 @@
 The sync algorithm acts through optimizer hooks (:mod:`geotrain.sync`), so the loop is plain
 PyTorch. Around it: evaluation of the global model (:class:`Evaluator`), and the time
 accounting behind compute utilisation (:class:`StepClock`): compute = step time minus the time
-the training thread was blocked on communication that crosses sites.
+the training thread was blocked on communication that crosses sites, and the window of steps
+whose numbers wait on the device (:class:`StepWindow`): a GPU runs ahead of the host, so its
+loss and its clock are read once every ``train.read_every`` steps, not at every step.
 """
 
 from __future__ import annotations
@@ -123,14 +125,56 @@ class StepClock:
         self._t0, self._m0 = time.perf_counter(), time.monotonic()
         self._wait0, self._inter0 = self.stats.wan_wait_seconds, self.stats.inter_bytes
 
-    def stop(self) -> None:
-        settle(self.device)
+    def stop(self, read: bool = True) -> None:
+        """End the step; ``read``: wait for the device first (else the time is the host's, which a
+        later read's wait makes up: a window of steps adds up to the work)."""
+        if read:
+            settle(self.device)
         self.seconds = time.perf_counter() - self._t0
         self.waited = self.stats.wan_wait_seconds - self._wait0  # blocked on inter-site communication
         self.compute += self.seconds - self.waited
         if self.intervals is not None:
             self.intervals.append((self._m0, self._m0 + self.seconds - self.waited))
         self.peak_inter = max(self.peak_inter, self.stats.inter_bytes - self._inter0)
+
+
+class StepWindow:
+    """Step records waiting for their loss, a device scalar read for the whole window at once.
+
+    ``every`` = 1 (a CPU) writes each record at its step. Otherwise records are kept until a step
+    :meth:`due` says ends the window (every ``every`` steps, an evaluation, the run's end) or a
+    checkpoint (:meth:`flush`): one copy reads all their losses, each is checked (a non-finite one
+    stops the run, naming its step, after the steps before it are written) and every record gets
+    the window's mean step time, the only one the device clock gives.
+    """
+
+    def __init__(self, sink: MetricsSink, every: int, tokens_per_rank_step: int) -> None:
+        self.sink, self.every, self.tokens = sink, max(1, every), tokens_per_rank_step
+        self.pending: list[tuple[dict[str, Any], torch.Tensor]] = []
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` ends a window by the count (the loop adds evaluations and the end)."""
+        return self.every == 1 or step % self.every == 0
+
+    def add(self, record: dict[str, Any], loss: torch.Tensor) -> None:
+        self.pending.append((record, loss.detach()))
+
+    def flush(self) -> None:
+        """Read the pending losses (one device sync), check them and write the records."""
+        if not self.pending:
+            return
+        losses = torch.stack([loss for _, loss in self.pending]).tolist()
+        records = [r for r, _ in self.pending]
+        self.pending = []
+        if len(records) > 1:
+            mean = sum(r["step_seconds"] for r in records) / len(records)
+            for r in records:
+                r["step_seconds"], r["tokens_per_second"] = mean, self.tokens / mean
+        for r, loss in zip(records, losses, strict=True):
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {r['step']}")
+            r["loss"] = loss
+            self.sink.step(r)
 
 
 def train_loop(
@@ -148,9 +192,10 @@ def train_loop(
     precision: str = "fp32",
     eval_every: int,
     timeline: bool = False,
-    after_step: Callable[[int], None] | None = None,
+    after_step: Callable[[int, StepWindow], None] | None = None,
     compute_speed: float = 1.0,
     max_seconds: float = 0.0,
+    read_every: int = 1,
 ) -> dict[str, Any]:
     """Train from ``start`` to ``steps`` (or until the sync algorithm says the run is done); the
     numbers the summary needs.
@@ -163,7 +208,9 @@ def train_loop(
         max_seconds: end the run at the first round boundary after this much training (0: no limit).
         eval_every: evaluate the global model every this many steps (and at the start and end).
         timeline: record this rank's compute intervals (for the timeline plot).
-        after_step: called after every step's log (checkpoints, failure injection).
+        after_step: called after every step's log (checkpoints, failure injection), with the
+            loop's :class:`StepWindow` (a checkpoint flushes it first).
+        read_every: read the loss and wait for the device every this many steps (1: every step).
     """
     stats = sync.comm.stats
     device = sync.comm.groups.device
@@ -176,6 +223,7 @@ def train_loop(
     eval_at_start = evaluator.seconds
     model.train()
     clock = StepClock(stats, timeline, device)
+    window = StepWindow(sink, read_every, tokens_per_rank_step)
     t_start, t_origin = time.perf_counter(), time.monotonic()
     record: dict[str, Any] = {"step": 0, "tokens": 0}
     seen_adapt = 0
@@ -202,8 +250,8 @@ def train_loop(
                     return model(x.to(device), y.to(device)) / data.micro_batches
 
             loss += privacy.backward(forward)  # (DP-SGD of a sharded model: two passes, clipped per example)
-        settle(device)  # the forward and backward done, not only queued
-        if slow > 0:  # emulated slower hardware (topology.sites[].compute_speed): the GPU would still be busy
+        if slow > 0:  # (the pacing needs the forward and backward done, not only queued)
+            settle(device)  # emulated slower hardware (topology.sites[].compute_speed): the GPU would still be busy
             # scaled from the median of this rank's last forward+backward times, so a stall of this
             # shared machine (or the slow first step) is felt once, not multiplied by 1/speed
             recent.append(time.perf_counter() - t_work)
@@ -211,8 +259,10 @@ def train_loop(
         sync.add_compute(time.perf_counter() - t_work)
         optimizer.step()  # the sync algorithm's hooks average gradients / run the outer step
         scheduler.step()
-        clock.stop()
         done = sync.done  # the run ended at this step's round boundary (same on every rank)
+        evaluate = sync.eval_due(step, eval_every) and not done and step != limit
+        read = window.due(step) or evaluate or done or step == limit
+        clock.stop(read)
         adapted = sync.adapt_log()
         n = len(adapted)  # streaming appends from its exchange thread
         for a in adapted[seen_adapt:n] if me.rank == 0 else ():  # sync.adapt: print each change, and why
@@ -227,7 +277,7 @@ def train_loop(
         record = {
             "step": step,
             "elapsed_seconds": time.perf_counter() - t_start,  # since the loop began, evaluations included
-            "loss": loss.item(),
+            "loss": None,  # (read for the window: StepWindow.flush)
             "lr": scheduler.get_last_lr()[0],
             "tokens": sync.world_steps(step) * tokens_per_rank_step,
             "round": sync.rounds,
@@ -243,19 +293,20 @@ def train_loop(
         eps = privacy.epsilon()
         if eps is not None:
             record["epsilon"] = eps
-        if not math.isfinite(record["loss"]):
-            raise FloatingPointError(f"loss is {record['loss']} at step {step}")
         # not at the run's last step (evaluated after the last round below): where sites run different
         # steps that is the step ``done`` ends, not train.steps, which a fast site passes mid-run (an
         # evaluation is collective: one site skipping it there while the others evaluate hung a run)
-        if sync.eval_due(step, eval_every) and not done and step != limit:
+        if evaluate:
             record["eval_loss"] = evaluator(sync.global_parameters(), step, sync.world_steps(step))
             model.train()
-        sink.step(record)
+        window.add(record, loss)
+        if read:
+            window.flush()
         if after_step is not None:
-            after_step(step)
+            after_step(step, window)
         if done:
             break
+    window.flush()  # (a privacy stop ends the loop between windows)
     t_fin = time.perf_counter()
     compute_steps, eval_at_fin = clock.compute, evaluator.seconds
     wait0, inter0 = stats.wan_wait_seconds, stats.inter_bytes

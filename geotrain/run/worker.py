@@ -59,7 +59,7 @@ from geotrain.report.trackers import open_tracker
 from geotrain.run import checkpoint as ckpt
 from geotrain.run.elastic_site import join_elastic, request_fault
 from geotrain.run.fsdp import copy_on, shard_model
-from geotrain.run.loop import Evaluator, load_parameters, train_loop
+from geotrain.run.loop import Evaluator, StepWindow, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
 from geotrain.run.state import RankObjects, check_same_start
 from geotrain.sync import AsyncDiLoCo, Rejoin, UpdateGuard, build_sync, fragment_count
@@ -300,9 +300,10 @@ def _train(
             how = "each block compiled before fully_shard" if fsdp else "the whole model compiled"
             log(me, 0, f"train.compile: {how}")
 
-    def after_step(step: int) -> None:
+    def after_step(step: int, window: StepWindow) -> None:
         label = sync.checkpoint_due(step, cfg.checkpoint.every) if cfg.checkpoint.every else None
         if label is not None:
+            window.flush()  # the steps it holds are logged (and their losses checked) before the checkpoint that keeps them
             objs.save(ckpt_root, step, cfg.checkpoint.keep, label)
         if inject is not None:
             inject(step)
@@ -325,6 +326,7 @@ def _train(
         after_step=after_step,
         compute_speed=cfg.topology.sites[where.site_index].compute_speed,
         max_seconds=cfg.train.max_seconds,
+        read_every=cfg.train.read_every or (cfg.train.log_every if groups.device.type == "cuda" else 1),
     )
     sink.close()  # closed again on the way out: each close is idempotent
     privacy.close()
