@@ -54,6 +54,7 @@ def rank_record(me: RankInfo, stats: CommStats, result: dict[str, Any], global_h
         "eval_seconds": result["eval_seconds"],
         "eval_seconds_before": result["eval_seconds_before"],
         "wall_seconds": result["wall_seconds"],
+        "peak_memory_bytes": result.get("peak_memory_bytes"),
         "global_param_hash": global_hash,
     }
 

@@ -98,6 +98,12 @@ class Evaluator:
         return loss
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on ``device``: to a GPU from pinned memory without waiting (a copy from pageable
+    memory would wait for the work queued before it, a device sync at every step)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def settle(device: torch.device) -> None:
     """Wait for the work queued on ``device`` (a GPU runs ahead of the host: a clock read without
     this measures the launch queue, not the work); nothing on a CPU."""
@@ -163,7 +169,7 @@ class StepWindow:
         """Read the pending losses (one device sync), check them and write the records."""
         if not self.pending:
             return
-        losses = torch.stack([loss for _, loss in self.pending]).tolist()
+        losses = [self.pending[0][1].item()] if len(self.pending) == 1 else torch.stack([x for _, x in self.pending]).tolist()
         records = [r for r, _ in self.pending]
         self.pending = []
         if len(records) > 1:
@@ -247,7 +253,7 @@ def train_loop(
 
             def forward(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    return model(x.to(device), y.to(device)) / data.micro_batches
+                    return model(to_device(x, device), to_device(y, device)) / data.micro_batches
 
             loss += privacy.backward(forward)  # (DP-SGD of a sharded model: two passes, clipped per example)
         if slow > 0:  # (the pacing needs the forward and backward done, not only queued)
@@ -341,4 +347,5 @@ def train_loop(
         "final_sync_inter_site_bytes": final_sync_inter,
         "steps_done": last,
         "step_seconds": compute_steps / max(1, last - start),  # compute per step, waits on the network excluded
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
