@@ -258,43 +258,54 @@ def _one_rank_world(cuda: bool) -> None:
 
 
 def codec_speeds(device: torch.device, mib: float, reps: int = 5) -> list[dict[str, Any]]:
-    """Every byte codec's encode and decode of ``mib`` MiB of fp32 on ``device`` (GB/s of fp32 input)."""
-    from geotrain.bench.codecs import combined
-    from geotrain.codecs import CODEC_NAMES, build_codec, relative_error
+    """Every byte codec's encode and decode of ``mib`` MiB of fp32 on ``device`` (GB/s of fp32
+    input, median of ``reps``), as a run takes them (on a GPU: int8's and the 4-bit codecs'
+    elementwise cores compiled), and those three with every core eager too."""
+    from geotrain.codecs import CODEC_NAMES, build_codec, torchops
 
     n = int(mib * (1 << 20)) // 4
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
-    out = torch.empty_like(x)
-    rows = []
-    for name in (c for c in CODEC_NAMES if c != "powersgd"):
-        codec = build_codec(name)
-        buf = codec.encode(x)
-        codec.decode(buf, n, out)
-
-        def timed(fn: Any) -> float:
-            times = []
-            for _ in range(reps):
-                _sync(device)
-                t = time.perf_counter()
-                fn()
-                _sync(device)
-                times.append(time.perf_counter() - t)
-            return statistics.median(times)
-
-        enc = timed(lambda codec=codec: codec.encode(x))
-        dec = timed(lambda codec=codec, buf=buf: codec.decode(buf, n, out))
-        gb = 4 * n / 1e9
-        rows.append(
-            {
-                "codec": name,
-                "encode_gbps": gb / enc,
-                "decode_gbps": gb / dec,
-                "combined_gbps": combined(gb / enc, gb / dec),
-                "ratio": codec.ratio(n),
-                "rel_error": relative_error(x, codec.decode(buf, n)),
-            }
-        )
+    rows = [_codec_speed(build_codec(name), x, device, reps, "as run") for name in CODEC_NAMES if name != "powersgd"]
+    if device.type in torchops.COMPILE_ON:
+        kept, torchops.COMPILE_ON = torchops.COMPILE_ON, set()
+        try:
+            rows += [_codec_speed(build_codec(name), x, device, reps, "eager") for name in ("int8", "int4", "fp4")]
+        finally:
+            torchops.COMPILE_ON = kept
     return rows
+
+
+def _codec_speed(codec: Any, x: torch.Tensor, device: torch.device, reps: int, path: str) -> dict[str, Any]:
+    from geotrain.bench.codecs import combined
+    from geotrain.codecs import relative_error
+
+    n = x.numel()
+    out = torch.empty_like(x)
+    buf = codec.encode(x)  # (the first call compiles, where the cores are compiled)
+    codec.decode(buf, n, out)
+
+    def timed(fn: Any) -> float:
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    enc = timed(lambda: codec.encode(x))
+    dec = timed(lambda: codec.decode(buf, n, out))
+    gb = 4 * n / 1e9
+    return {
+        "codec": codec.name,
+        "path": path,
+        "encode_gbps": gb / enc,
+        "decode_gbps": gb / dec,
+        "combined_gbps": combined(gb / enc, gb / dec),
+        "ratio": codec.ratio(n),
+        "rel_error": relative_error(x, codec.decode(buf, n)),
+    }
 
 
 def two_site_exchange(device: torch.device, mib: float) -> list[dict[str, Any]]:
@@ -473,10 +484,10 @@ def _print(result: dict[str, Any]) -> None:
     if "codecs" in result:
         t = table(
             f"codecs on {result['device']}, {result['codecs']['mib']} MiB",
-            ["codec", "encode GB/s", "decode GB/s", "enc+dec GB/s"],
+            ["codec", "path", "encode GB/s", "decode GB/s", "enc+dec GB/s"],
         )
         for r in result["codecs"]["speeds"]:
-            t.add_row(r["codec"], f"{r['encode_gbps']:.1f}", f"{r['decode_gbps']:.1f}", f"{r['combined_gbps']:.1f}")
+            t.add_row(r["codec"], r["path"], f"{r['encode_gbps']:.1f}", f"{r['decode_gbps']:.1f}", f"{r['combined_gbps']:.1f}")
         console.print(t)
         t = table("coded sum between two emulated sites", ["codec", "seconds", "identical", "wire bytes", "expected"])
         for r in result["codecs"]["two_sites"]:

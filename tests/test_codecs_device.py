@@ -7,6 +7,7 @@ that path; and, where this machine has a GPU, the same comparison on CUDA tensor
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,6 +153,31 @@ def test_a_run_with_a_codec_trains_alike_through_the_torch_ops_path(
     assert t["inter_site_bytes"] == k["inter_site_bytes"] > 0
     assert t["final_eval_loss"] == pytest.approx(k["final_eval_loss"], rel=1e-3)
     assert t["global_param_hash"] == k["global_param_hash"]  # (on CPU both paths write the same bytes: bit-identical runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not any(map(shutil.which, ("cc", "gcc", "clang"))), reason="torch.compile on CPU needs a C compiler")
+def test_the_compiled_cores_write_the_eager_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the elementwise cores of int8 and the 4-bit codecs run through torch.compile; here
+    they are compiled for the CPU (inductor): the same bytes and the same decoded values as eager,
+    for every size (one compilation each: dynamic shapes), and none fell back to eager."""
+    from geotrain.codecs import torchops
+
+    monkeypatch.setenv("GEOTRAIN_CODEC_KERNELS", "0")
+    want = {}
+    for name in ("int8", "int4", "fp4"):
+        for n in (1, 7, 64, 4097, 100_003):
+            x = _data("heavy", n)
+            buf = build_codec(name).encode(x)
+            want[(name, n)] = (buf, build_codec(name).decode(buf, n))
+    monkeypatch.setattr(torchops, "COMPILE_ON", {"cpu"})
+    monkeypatch.setattr(torchops, "_compiled", {})
+    for (name, n), (buf, values) in want.items():
+        got = build_codec(name).encode(_data("heavy", n))
+        assert torch.equal(got, buf), (name, n)
+        assert torch.equal(build_codec(name).decode(got, n), values), (name, n)
+    assert not torchops._failed and set(torchops._compiled) == {"_int8_codes", "_lookup", "_block4_codes", "_block4_values"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -119,7 +119,8 @@ class Int8(Codec):
         s, ss, probe = _kernels().moments(xs)
         if not math.isfinite(probe):
             _refuse_non_finite(self.name, x)
-        lo, half = T.int8_range(s, ss, n, self.sigma_range)
+        mean = s / n
+        lo, half = T.int8_range(mean, ss / n - mean * mean, self.sigma_range)
         _kernels().int8_encode(xs, lo, 256.0 / (2 * half), _np(buf[self.TABLE :]), _np(table))
         return buf
 

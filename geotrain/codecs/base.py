@@ -84,13 +84,16 @@ class Codec:
         """:meth:`decode` of a payload of the right length into ``out``."""
         raise NotImplementedError
 
-    def warm(self) -> Codec:
-        """Load this codec's compiled kernels now (numba's first call in a process loads them from
-        its disk cache: 0.4 to 0.6 s for int8, int4, fp4 and SparseLoCo, measured), so that no
+    def warm(self, device: torch.device | str = "cpu") -> Codec:
+        """Load this codec's compiled kernels now, for a CPU's tensors and for ``device``'s (numba's
+        first call in a process loads them from its disk cache: 0.4 to 0.6 s for int8, int4, fp4
+        and SparseLoCo, measured; on a GPU, torch.compile compiles the torch-ops cores), so that no
         exchange pays for it: an adapted run's first round with a newly chosen codec would time
-        the load as network. Codecs hold no state, so this changes no result."""
-        x = torch.linspace(-1.0, 1.0, 8192)
-        self.decode(self.encode(x), x.numel())
+        the load as network. (Under a GPU run, payloads that cross through the host, elastic rounds'
+        and the syncer's, are encoded by the kernels.) Codecs hold no state, so this changes no result."""
+        for where in dict.fromkeys([torch.device("cpu"), torch.device(device)]):
+            x = torch.linspace(-1.0, 1.0, 8192, device=where)
+            self.decode(self.encode(x), x.numel())
         return self
 
     def ratio(self, n: int) -> float:

@@ -22,6 +22,10 @@ infinity, which the codec refuses to send.
 from __future__ import annotations
 
 import math
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +34,47 @@ FP4_MIDPOINTS = (2.0**-7, *(0.75 * 2.0 ** (k - 7) for k in range(2, 8)))  # rela
 INT8_TABLE = 256 * 4
 
 
-def int8_range(s: float, ss: float, n: int, sigma_range: float) -> tuple[float, float]:
-    """(lo, half) of int8's 256 buckets, lo + 2·half wide, from the sum and the sum of squares."""
-    mean = s / n
-    std = math.sqrt(max(ss / n - mean * mean, 0.0))
+# device types whose tensors run the elementwise cores below compiled (torch.compile: one fused
+# pass each, where eager torch ops make three or four); a CPU's tensors normally take the numba kernels
+COMPILE_ON = {"cuda"}
+_compiled: dict[str, Callable[..., Any]] = {}
+_failed: set[str] = set()
+_lock = threading.Lock()
+
+
+def _run(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``fn(*args)``, compiled where the first tensor's device is in :data:`COMPILE_ON`. Compiled
+    and eager give the same bits: the cores are elementwise, no sum whose order could change. A
+    core that fails to compile runs eagerly from then on (said once on stderr). One lock: the
+    exchange's lanes are threads, and a compilation must not race another."""
+    if args[0].device.type not in COMPILE_ON or fn.__name__ in _failed:
+        return fn(*args)
+    with _lock:
+        try:
+            if fn.__name__ not in _compiled:
+                _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+            return _compiled[fn.__name__](*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager core gives the same bytes
+            _failed.add(fn.__name__)
+            print(f"geotrain codecs: {fn.__name__} runs eagerly, torch.compile failed: {exc!r:.200}", file=sys.stderr)
+            return fn(*args)
+
+
+def int8_range(mean: float, var: float, sigma_range: float) -> tuple[float, float]:
+    """(lo, half) of int8's 256 buckets, lo + 2·half wide, from the mean and the variance."""
+    std = math.sqrt(max(var, 0.0))
     half = sigma_range * std
     if half <= 1e-30 * max(1.0, abs(mean)):  # constant tensor: one bucket holds it exactly
         half = max(abs(mean), 1e-30)
     return mean - half, half
+
+
+def _int8_codes(x: torch.Tensor, lo: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    return ((x - lo) * inv).clamp(0, 255).to(torch.uint8)  # (fp32, truncated: the kernel's arithmetic)
+
+
+def _lookup(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return table[codes.long()]
 
 
 def int8_encode(x: torch.Tensor, sigma_range: float) -> tuple[torch.Tensor, bool]:
@@ -48,17 +85,14 @@ def int8_encode(x: torch.Tensor, sigma_range: float) -> tuple[torch.Tensor, bool
         buf.zero_()
         return buf, True
     xd = x.double()  # (the kernel's float64 accumulators; a constant tensor's moments come out exact)
-    s, ss = float(xd.sum()), float(torch.dot(xd, xd))
-    if not (math.isfinite(s) and math.isfinite(ss)):
+    var, mean = (float(v) for v in torch.var_mean(xd, correction=0))
+    if not (math.isfinite(mean) and math.isfinite(var)):
         return buf, False
-    lo, half = int8_range(s, ss, n, sigma_range)
+    lo, half = int8_range(mean, var, sigma_range)
     inv_step = 256.0 / (2 * half)
-    t = (x - torch.tensor(lo, dtype=torch.float32, device=x.device)) * torch.tensor(
-        inv_step, dtype=torch.float32, device=x.device
-    )
+    lo32, inv32 = torch.tensor([lo, inv_step], dtype=torch.float32, device=x.device).unbind()
     codes = buf[INT8_TABLE:]
-    torch.clamp(t, 0, 255, out=t)
-    codes.copy_(t)  # truncation, as the kernel's int()
+    codes.copy_(_run(_int8_codes, x, lo32, inv32))
     sums = torch.bincount(codes, weights=xd, minlength=256)
     counts = torch.bincount(codes, minlength=256)
     centres = lo + (torch.arange(256, dtype=torch.float64, device=x.device) + 0.5) * (1.0 / inv_step)
@@ -67,8 +101,28 @@ def int8_encode(x: torch.Tensor, sigma_range: float) -> tuple[torch.Tensor, bool
 
 
 def int8_decode(buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    table = buf[:INT8_TABLE].view(torch.float32)
-    return torch.index_select(table, 0, buf[INT8_TABLE:].int(), out=out)
+    out.copy_(_run(_lookup, buf[INT8_TABLE:], buf[:INT8_TABLE].view(torch.float32)))
+    return out
+
+
+def _block4_codes(b: torch.Tensor, m: torch.Tensor, n: int, fp4: bool) -> torch.Tensor:
+    """The packed codes of blocks ``b`` (``[blocks, block]``, zero-padded past ``n`` values) with
+    scales ``m`` (``[blocks, 1]``, max |x|)."""
+    a = b.abs()
+    if fp4:  # e = how many midpoints (scaled to the block's max) |x| reaches
+        e = sum((a >= m * t).to(torch.uint8) for t in FP4_MIDPOINTS)
+        codes = e | ((b < 0) & (e > 0)).to(torch.uint8) << 3
+    else:
+        codes = (torch.floor(b * (7.0 / m) + 0.5) + 8).nan_to_num(8).to(torch.uint8)
+    codes = torch.where(m > 0, codes, 0 if fp4 else 8)
+    inside = torch.arange(b.numel(), device=b.device).view(b.shape) < n
+    codes = torch.where(inside, codes, 0)  # (an odd count's last byte: its high nibble is 0, as the kernel writes)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(-1)
+
+
+def _block4_values(packed: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    codes = torch.stack([packed & 15, packed >> 4], dim=1).view(lut.shape[0], -1)
+    return lut.gather(1, codes.long()).reshape(-1)
 
 
 def block4_encode(x: torch.Tensor, block: int, fp4: bool) -> tuple[torch.Tensor, bool]:
@@ -76,25 +130,16 @@ def block4_encode(x: torch.Tensor, block: int, fp4: bool) -> tuple[torch.Tensor,
     n = x.numel()
     nb = -(-n // block)
     b = F.pad(x, (0, nb * block - n)).view(nb, block)
-    a = b.abs()
-    m = a.amax(dim=1, keepdim=True) if nb else a.new_zeros(0, 1)
+    m = b.abs().amax(dim=1, keepdim=True) if nb else b.new_zeros(0, 1)
     finite = bool(torch.isfinite(m).all())  # amax carries a NaN or an infinity through
-    if fp4:  # e = how many midpoints (scaled to the block's max) |x| reaches
-        e = torch.zeros(b.shape, dtype=torch.uint8, device=x.device)
-        for t in FP4_MIDPOINTS:
-            e += a >= m * torch.tensor(t, dtype=torch.float32, device=x.device)
-        codes = e | ((b < 0) & (e > 0)).to(torch.uint8) << 3
-    else:
-        codes = (torch.floor(b * (torch.tensor(7.0, device=x.device) / m) + 0.5) + 8).nan_to_num_(8).to(torch.uint8)
-    codes = torch.where(m > 0, codes, torch.full_like(codes, 0 if fp4 else 8)).reshape(-1)[:n]
-    if n % 2:
-        codes = F.pad(codes, (0, 1))
-    packed = codes[0::2] | (codes[1::2] << 4)
+    packed = _run(_block4_codes, b, m, n, fp4)[: (n + 1) // 2] if nb else b.new_zeros(0, dtype=torch.uint8)
     return torch.cat([m.reshape(-1).view(torch.uint8), packed]), finite
 
 
 def block4_decode(buf: torch.Tensor, n: int, block: int, fp4: bool, out: torch.Tensor) -> torch.Tensor:
     nb = -(-n // block)
+    if not nb:
+        return out
     s = buf[: 4 * nb].view(torch.float32).double().unsqueeze(1)
     c = torch.arange(16, device=buf.device)
     if fp4:  # each block's 16 values in float64, rounded to fp32 once, as the kernel's table
@@ -103,10 +148,8 @@ def block4_decode(buf: torch.Tensor, n: int, block: int, fp4: bool, out: torch.T
         lut = torch.where(c & 8 > 0, -mag, mag).float()
     else:
         lut = ((c - 8).double() * (s / 7.0)).float()
-    packed = buf[4 * nb :]
-    codes = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)
-    codes = F.pad(codes, (0, nb * block - codes.numel())).view(nb, block).long()
-    out.copy_(lut.gather(1, codes).reshape(-1)[:n])
+    packed = F.pad(buf[4 * nb :], (0, nb * block // 2 - (buf.numel() - 4 * nb)))  # (whole blocks: the last one padded)
+    out.copy_(_run(_block4_values, packed, lut)[:n])
     return out
 
 

@@ -131,7 +131,7 @@ class AsyncDiLoCo(DiLoCo):
         # sync.codec: the update is sent encoded (with error feedback where the codec uses it), the syncer's answers as
         # encoded changes from the site's model; with sync.adapt, in the sync.adapt.codecs the syncer chose last
         names = list(cfg.adapt.codecs) if cfg.adapt is not None else [cfg.codec]
-        coders = Codecs(cfg, names, [p.shape for p in self.local_params()])  # (SparseLoCo's tiles)
+        coders = Codecs(cfg, names, [p.shape for p in self.local_params()], g.device)  # (SparseLoCo's tiles)
         self.coders = coders.build_all() if self.leader else coders  # (only leaders encode)
         self.codec_name: str = cfg.codec
         self.residual = Residual(decay=cfg.error_decay) if Codecs.feeds_back(cfg) else None

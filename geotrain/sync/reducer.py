@@ -20,7 +20,7 @@ from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 
 
-def make_codec(cfg: SyncConfig, shapes: Sequence[torch.Size] | None = None) -> Codec | None:
+def make_codec(cfg: SyncConfig, shapes: Sequence[torch.Size] | None = None, device: torch.device | None = None) -> Codec | None:
     """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec), its
     kernels loaded (:meth:`Codec.warm`: no round times their load as network); ``shapes``: the
     tensors a reduced vector concatenates (SparseLoCo's tiles)."""
@@ -37,7 +37,7 @@ def make_codec(cfg: SyncConfig, shapes: Sequence[torch.Size] | None = None) -> C
         sparse_tile=cfg.sparse_tile,
         sparse_spread=cfg.sparse_spread,
         shapes=[tuple(s) for s in shapes or []],
-    ).warm()
+    ).warm(device or torch.device("cpu"))
 
 
 class Codecs(Mapping[str, "Codec | None"]):
@@ -46,15 +46,21 @@ class Codecs(Mapping[str, "Codec | None"]):
     first time it is asked for, or by :meth:`build_all` on the ranks that encode: warming a numba
     codec takes about 0.5 s, which a rank that never encodes need not spend."""
 
-    def __init__(self, cfg: SyncConfig, names: Sequence[str], shapes: Sequence[torch.Size] | None = None) -> None:
-        self.cfg, self.names, self.shapes = cfg, list(names), shapes
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        names: Sequence[str],
+        shapes: Sequence[torch.Size] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.cfg, self.names, self.shapes, self.device = cfg, list(names), shapes, device
         self._built: dict[str, Codec | None] = {}
 
     def __getitem__(self, name: str) -> Codec | None:
         if name not in self.names:
             raise KeyError(name)
         if name not in self._built:
-            self._built[name] = make_codec(self.cfg.model_copy(update={"codec": name}), self.shapes)
+            self._built[name] = make_codec(self.cfg.model_copy(update={"codec": name}), self.shapes, self.device)
         return self._built[name]
 
     @staticmethod
@@ -120,7 +126,7 @@ class SiteReducer:
     ) -> None:
         self.comm = comm
         self.region = region  # sum over the sites of this rank's region only (multi-tier sync)
-        self.codec = make_codec(cfg, shapes)
+        self.codec = make_codec(cfg, shapes, comm.groups.device)
         self.residual = Residual(decay=cfg.error_decay) if (self.codec is not None and cfg.uses_error_feedback) else None
         self.shapes = list(shapes)
         self.sharded = sharded  # each rank holds its own FSDP shard (``shapes``: its shards' shapes)
