@@ -124,9 +124,10 @@ class WorldTier:
             delta = self.codec.decode(msg.payload, n) if f[7] and self.codec is not None else msg.floats().clone()
         except CorruptPayload:  # malformed: weighs nothing, as a contribution of the wrong size
             delta = torch.zeros(0)
+        delta = delta.to(self.anchor[0].device)  # (messages arrive on the host; the anchor may live on a GPU)
         # a contribution of the wrong size, or not finite, weighs nothing: it costs its region this world round
         good = delta.numel() == n and bool(torch.isfinite(delta).all()) and f[2] >= 0
-        tokens, delta = (f[2], delta) if good else (0.0, torch.zeros(n))
+        tokens, delta = (f[2], delta) if good else (0.0, torch.zeros(n, device=self.anchor[0].device))
         c = Contribution(region, int(f[1]), tokens, bool(f[3]), int(f[4]), int(f[5]), int(f[6]), delta, msg.arrival)
         self.got[(region, c.round)] = c
 

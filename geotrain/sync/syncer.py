@@ -174,6 +174,7 @@ class QuorumSyncer(SyncerState):
             delta = coder.decode(msg.payload, n) if coder is not None else msg.floats() if known else torch.zeros(0)
         except CorruptPayload:  # an empty update: left out as malformed, as one of the wrong size
             delta = torch.zeros(0)
+        delta = delta.to(self.theta[0].device)  # (messages arrive on the host; the global model may live on a GPU)
         return Update(
             site, int(base), int(steps), int(workers), delta, final=kind == FINAL, compute_s=compute_s,
             checkpoint=kind == CHECKPOINT, ping=kind == PING, fragment=fragment,
