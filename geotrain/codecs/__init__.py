@@ -28,7 +28,7 @@ from geotrain.codecs import torchops as T
 from geotrain.codecs.base import CODEC_NAMES as CODEC_NAMES
 from geotrain.codecs.base import FP16_MAX as FP16_MAX
 from geotrain.codecs.base import Codec as Codec
-from geotrain.codecs.base import _kernels, _np, _refuse_non_finite, on_kernels
+from geotrain.codecs.base import _kernels, _np, _refuse_non_finite, kept, on_kernels
 from geotrain.codecs.sparseloco import TiledSparseLoCo as TiledSparseLoCo
 from geotrain.errors import CorruptPayload, NonFiniteError
 
@@ -106,10 +106,7 @@ class Int8(Codec):
         self._check(x)
         n = x.numel()
         if not on_kernels(x):
-            buf, finite = T.int8_encode(x, self.sigma_range)
-            if not finite:
-                _refuse_non_finite(self.name, x)
-            return buf
+            return self._finite(x, T.int8_encode(x, self.sigma_range))
         buf = torch.empty(self.encoded_nbytes(n), dtype=torch.uint8)
         table = buf[: self.TABLE].view(torch.float32)
         if n == 0:
@@ -153,10 +150,7 @@ class _Block4(Codec):
         self._check(x)
         n = x.numel()
         if not on_kernels(x):
-            buf, finite = T.block4_encode(x, self.block_size, self.is_fp4)
-            if not finite:
-                _refuse_non_finite(self.name, x)
-            return buf
+            return self._finite(x, T.block4_encode(x, self.block_size, self.is_fp4))
         buf = torch.empty(self.encoded_nbytes(n), dtype=torch.uint8)
         nb = self._blocks(n)
         scales = buf[: 4 * nb].view(torch.float32)
@@ -199,7 +193,7 @@ class TopK(Codec):
     reduce: ClassVar[Literal["scatter", "gather"]] = "gather"
 
     def k(self, n: int) -> int:
-        return min(n, max(1, math.ceil(self.fraction * n))) if n else 0
+        return kept(self.fraction, n) if n else 0
 
     @property
     def bits(self) -> float:  # type: ignore[override]
@@ -258,7 +252,7 @@ class SparseLoCo(Codec):
         self.offset_bits = max(1, (self.chunk - 1).bit_length())
 
     def _ks(self, n: int) -> list[int]:
-        return [min(m, max(1, math.ceil(self.fraction * m))) for m in (min(self.chunk, n - b) for b in range(0, n, self.chunk))]
+        return [kept(self.fraction, min(self.chunk, n - b)) for b in range(0, n, self.chunk)]
 
     @property
     def bits(self) -> float:  # type: ignore[override]
@@ -272,10 +266,7 @@ class SparseLoCo(Codec):
         self._check(x)
         n = x.numel()
         if not on_kernels(x):
-            buf, finite = T.sparse2_encode(x, self.chunk, self.fraction, self.offset_bits)
-            if not finite:
-                _refuse_non_finite(self.name, x)
-            return buf
+            return self._finite(x, T.sparse2_encode(x, self.chunk, self.fraction, self.offset_bits))
         buf = torch.empty(self.encoded_nbytes(n), dtype=torch.uint8)
         nc = -(-n // self.chunk)
         scales = buf[: 8 * nc].view(torch.float32)

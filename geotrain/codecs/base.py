@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from types import ModuleType
 from typing import ClassVar, Literal
@@ -22,6 +23,12 @@ def on_kernels(x: torch.Tensor) -> bool:
     sends its CPU tensors the torch-ops way too, the path of a GPU's tensors (tests, benchmarks); it
     is read at each call, as a rank forked from a zygote gets its environment after its imports."""
     return x.device.type == "cpu" and os.environ.get("GEOTRAIN_CODEC_KERNELS") != "0"
+
+
+def kept(fraction: float, m: int) -> int:
+    """How many of ``m`` values (m > 0) a sparse codec keeps: ``ceil(fraction · m)``, at least 1
+    and at most m (top-k, and SparseLoCo per chunk; its numba kernels compute the same)."""
+    return min(m, max(1, math.ceil(fraction * m)))
 
 
 def _kernels() -> ModuleType:
@@ -83,6 +90,14 @@ class Codec:
     def _decode(self, buf: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` of a payload of the right length into ``out``."""
         raise NotImplementedError
+
+    def _finite(self, x: torch.Tensor, encoded: tuple[torch.Tensor, bool]) -> torch.Tensor:
+        """The buffer of a torch-ops encoding of ``x`` (:mod:`geotrain.codecs.torchops`: the
+        buffer and whether ``x`` was finite), or the refusal of a non-finite ``x``."""
+        buf, finite = encoded
+        if not finite:
+            _refuse_non_finite(self.name, x)
+        return buf
 
     def warm(self, device: torch.device | str = "cpu") -> Codec:
         """Load this codec's compiled kernels now, for a CPU's tensors and for ``device``'s (numba's

@@ -30,7 +30,8 @@ from typing import ClassVar, Literal
 
 import torch
 
-from geotrain.codecs.base import Codec, _refuse_non_finite
+from geotrain.codecs.base import Codec, _refuse_non_finite, kept
+from geotrain.codecs.torchops import bits_of, bytes_of
 from geotrain.errors import CorruptPayload
 
 BINS = 4  # 2-bit codes
@@ -87,7 +88,7 @@ def tile_layout(shapes: list[tuple[int, ...]], fraction: float, tile: int = 64) 
     def add(rows: int, size: int, t: int) -> None:
         nonlocal start
         if rows and size:
-            groups.append(Group(start, rows, size, min(size, max(1, math.ceil(fraction * size))), t))
+            groups.append(Group(start, rows, size, kept(fraction, size), t))
             start += rows * size
 
     for t, shape in enumerate(shapes):
@@ -114,12 +115,7 @@ def _pack(values: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(top, device=values.device)
     bits = ((values.unsqueeze(1) >> shifts) & 1).to(torch.uint8)
     bits = bits[shifts.unsqueeze(0) < widths.unsqueeze(1)]  # row by row: each value's own width
-    bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))
-    return (bits.view(-1, 8) << torch.arange(8, dtype=torch.uint8, device=bits.device)).sum(1, dtype=torch.uint8)
-
-
-def _bits(payload: torch.Tensor) -> torch.Tensor:
-    return ((payload.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=payload.device)) & 1).reshape(-1)
+    return bytes_of(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)))
 
 
 def quantize(vals: torch.Tensor, spread: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +168,7 @@ class TiledSparseLoCo(Codec):
         return self.layout(n).nbytes()
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
-            raise ValueError("codecs encode 1-D contiguous fp32 tensors")
+        self._check(x)
         lay = self.layout(x.numel())
         if not bool(torch.isfinite(x).all()):
             _refuse_non_finite(self.name, x)
@@ -211,7 +206,7 @@ class TiledSparseLoCo(Codec):
         tables = buf[: TABLE * lay.tensors].view(torch.float32).view(lay.tensors, 1 + BINS)
         if not bool(torch.isfinite(tables).all()):  # another site's table: a NaN would reach every coordinate it names
             raise CorruptPayload(f"{self.name} codec: a payload's value table is not finite")
-        bits = _bits(buf[TABLE * lay.tensors :])
+        bits = bits_of(buf[TABLE * lay.tensors :])
         dev = bits.device
         dense = torch.zeros(n, dtype=torch.float32, device=out.device)
         mask = torch.zeros(n, dtype=torch.bool, device=out.device) if sent is not None else None

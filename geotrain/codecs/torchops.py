@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from geotrain.codecs.base import kept
+
 FP4_MIDPOINTS = (2.0**-7, *(0.75 * 2.0 ** (k - 7) for k in range(2, 8)))  # relative to the block's max |x|
 INT8_TABLE = 256 * 4
 
@@ -153,14 +155,21 @@ def block4_decode(buf: torch.Tensor, n: int, block: int, fp4: bool, out: torch.T
     return out
 
 
+def bits_of(payload: torch.Tensor) -> torch.Tensor:
+    """The bits of each byte along the last dimension, least significant first (8 per byte)."""
+    return ((payload.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=payload.device)) & 1).flatten(-2)
+
+
+def bytes_of(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`bits_of`: every 8 bits along the last dimension (a multiple of 8) as a byte."""
+    b = bits.to(torch.uint8).unflatten(-1, (-1, 8))
+    return (b << torch.arange(8, dtype=torch.uint8, device=bits.device)).sum(-1, dtype=torch.uint8)
+
+
 def _rows(n: int, chunk: int) -> list[tuple[int, int, int]]:
     """(first value, rows, values per row) of the full chunks, then of the shorter last chunk."""
     full = n // chunk
     return [g for g in ((0, full, chunk), (full * chunk, 1, n - full * chunk)) if g[1] and g[2]]
-
-
-def _keep(fraction: float, m: int) -> int:
-    return min(m, max(1, math.ceil(fraction * m)))
 
 
 def sparse2_encode(x: torch.Tensor, chunk: int, fraction: float, offset_bits: int) -> tuple[torch.Tensor, bool]:
@@ -171,7 +180,7 @@ def sparse2_encode(x: torch.Tensor, chunk: int, fraction: float, offset_bits: in
     width = offset_bits + 2
     scales, streams = [], []
     for first, rows, m in _rows(x.numel(), chunk):
-        k = _keep(fraction, m)
+        k = kept(fraction, m)
         b = x[first : first + rows * m].view(rows, m)
         a = b.abs()
         idx = torch.sort(-a, dim=1, stable=True).indices[:, :k].sort(dim=1).values  # ties: lowest index
@@ -185,8 +194,7 @@ def sparse2_encode(x: torch.Tensor, chunk: int, fraction: float, offset_bits: in
         scales.append(torch.cat([s_lo, s_hi], dim=1).float())
         codes = idx << 2 | (b.gather(1, idx) < 0).long() << 1 | hi.long()
         bits = ((codes.unsqueeze(2) >> torch.arange(width, device=x.device)) & 1).view(rows, k * width)
-        bits = F.pad(bits, (0, (-k * width) % 8)).view(rows, -1, 8)
-        streams.append((bits << torch.arange(8, device=x.device)).sum(2).to(torch.uint8).reshape(-1))
+        streams.append(bytes_of(F.pad(bits, (0, (-k * width) % 8))).reshape(-1))
     table = torch.cat(scales).reshape(-1) if scales else x.new_empty(0)
     return torch.cat([table.view(torch.uint8), *streams]), True
 
@@ -200,11 +208,11 @@ def sparse2_decode(buf: torch.Tensor, n: int, chunk: int, fraction: float, offse
     at, row = 8 * scales.shape[0], 0
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     for first, rows, m in groups:
-        k = _keep(fraction, m)
+        k = kept(fraction, m)
         nbytes = (k * width + 7) // 8
         stream = buf[at : at + rows * nbytes].view(rows, nbytes)
         at += rows * nbytes
-        bits = ((stream.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8, device=buf.device)) & 1).view(rows, -1)
+        bits = bits_of(stream)
         fields = (bits[:, : k * width].reshape(rows, k, width).long() << torch.arange(width, device=buf.device)).sum(2)
         offsets = fields >> 2
         if bool((offsets >= m).any()):
