@@ -306,7 +306,11 @@ def _train(
             window.flush()  # the steps it holds are logged (and their losses checked) before the checkpoint that keeps them
             objs.save(ckpt_root, step, cfg.checkpoint.keep, label)
         if inject is not None:
-            inject(step)
+            try:
+                inject(step)
+            except SiteDrained:  # a migration leaves at a committed round: the steps trained so far are logged first
+                window.flush()
+                raise
 
     evaluator = Evaluator(eval_model, data.eval, groups, tokens_per_rank_step, world_broken=lambda: sync.world_broken)
     result = train_loop(
