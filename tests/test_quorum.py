@@ -576,6 +576,9 @@ def test_rejoins_see_a_new_incarnation_once_and_its_death_from_the_launcher() ->
     assert rejoins.poll({1, 2}) == [(2, 1)] and rejoins.poll({1, 2}) == []
     assert rejoins.down([2]) == []
     server.set(down_key(2), "1")  # the launcher saw incarnation 1 exit
+    # TCPStore's set gets no answer: another connection can read before it lands. A check on the
+    # same connection answers only after it (the launcher's own set is read rounds later)
+    assert server.check([down_key(2)])
     assert rejoins.down([2]) == [2]
     connect().add(join_key(2), 1)
     assert rejoins.poll({2}) == [(2, 2)] and rejoins.down([2]) == []  # the new incarnation is not down
