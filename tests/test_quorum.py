@@ -284,7 +284,10 @@ def test_a_killed_site_comes_back_heals_from_the_syncer_and_ends_on_the_same_mod
     assert "incarnation 2" in events[3][1]["why"] and "its step 64" in events[3][1]["why"]
     for (lost, _), (back, _) in (events[0:2], events[2:4]):  # nothing of B while it was away
         assert all(1 not in m["sites"] for m in merges[lost + 1 : back])
-    b_steps = [m["steps"][m["sites"].index(1)] for m in merges if 1 in m["sites"] and m["kind"] in ("quorum", "final")]
+    # (a merge may hold two of B's updates: one late, one on time)
+    b_steps = [
+        k for m in merges if m["kind"] in ("quorum", "final") for site, k in zip(m["sites"], m["steps"], strict=True) if site == 1
+    ]
     after = [m for m in merges[events[3][0] + 1 :] if 1 in m["sites"]]
     assert len(after) >= 2  # the last incarnation delivered, and its updates were merged
     assert sum(b_steps) == 32 + 32 + (s["per_site"][1]["steps"] - 64)  # rounds 3-4 of incarnation 1, then from 64 on
@@ -454,9 +457,13 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
     assigned = [m["next_H"] for m in merges if m["kind"] == "quorum"]
     assert all(max(h[0], h[1]) == 160 for h in assigned)  # a fastest site runs H
     c_assigned = [h[2] for h in assigned]
-    # about H/4 for a quarter speed: the median over the run (one smoothed rate on a loaded 2-core
-    # machine swings; the last assignment read 18 once in a full-suite run)
-    assert all(h <= 80 for h in c_assigned) and 20 <= statistics.median(c_assigned) <= 80
+    assert all(h <= 80 for h in c_assigned) and statistics.median(c_assigned) <= 60  # well under H: a quarter speed
+    # each assignment is H x the site's logged rate / the fastest (the rates are rounded in the log)
+    rated = [m for m in merges if m["kind"] == "quorum" and all(r > 0 for r in m["rates"])]
+    assert rated and all(abs(m["next_H"][2] - 160 * m["rates"][2] / max(m["rates"])) <= 1 for m in rated)
+    # the rate C is measured at: about a quarter of the fastest alone on 2 cores; a parallel test
+    # run's stalls and wake-up waits make it read lower (docs/HETERO.md), never higher
+    assert 0.03 < statistics.median(m["rates"][2] / max(m["rates"]) for m in rated) < 0.4
     c_steps = [m["steps"][i] for m in merges if m["kind"] == "quorum" for i, site in enumerate(m["sites"]) if site == 2]
     assert c_steps and all(k <= 80 for k in c_steps)  # C ran what it was given
     a, b, c = s["per_site"]

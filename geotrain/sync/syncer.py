@@ -384,7 +384,8 @@ class QuorumSyncer(SyncerState):
                 "staleness": [version - u.base for u in ups],
                 "steps": [u.steps for u in ups],
                 "weights": [round(w, 4) for w in weights],
-                **({"next_H": list(self.H)} if self.dynamic else {}),
+                # (dynamic local steps: each site's next H and the smoothed rates, steps per compute second, it follows)
+                **({"next_H": list(self.H), "rates": [round(r, 3) for r in self.rates]} if self.dynamic else {}),
                 **({"why": reason} if reason else {}),
             }
         )
