@@ -360,6 +360,26 @@ def test_elastic_rounds_with_adaptive_pace_a_site_killed_heals_and_the_slow_site
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_site_that_heals_in_the_last_paced_round_is_done_with_the_others(tmp_path: Path) -> None:
+    """Adaptive pace in elastic rounds ends on rounds (the calibration round and ceil(steps / H)
+    more). With elastic.min_sites=3 the others wait for B, killed in the last round (the second:
+    the calibration round is step 1), and B heals in it. B then holds the others' round count, so
+    it is done too: no step of its own, no round alone after the others ended (it ran one, on
+    another model, before the round limit was applied after a heal)."""
+    three = "topology:\n  sites: [{name: A, workers: 1, compute_speed: 0.5}, {name: B, workers: 1}, {name: C, workers: 1, compute_speed: 0.5}]\n"
+    overrides = [*ELASTIC, *ALL_THREE, "sync.pace=adaptive", "train.steps=10", 'fault.kill=["B@3"]', "fault.restart_after=0.5"]
+    train_cli(out := tmp_path / "run", overrides, three)
+    s = read_summary(out)
+    assert s["survivors"] == ["A", "B", "C"] and s["consistent"], told(out)
+    site = s["per_site"]
+    assert {v["rounds"] for v in site.values()} == {2}, site
+    assert site["B"]["steps"] == site["B"]["started_at_step"] > 0, site  # it healed at the end: nothing left to run
+    b = records(out, "B")
+    assert [r["outcome"] for r in b][-1] == "committed" and b[-1]["healers"] == ["B"], b  # the heal round is its last
+
+
+@pytest.mark.slow
 @pytest.mark.timing
 @pytest.mark.timeout(300)
 def test_elastic_rounds_adapt_to_the_measured_link_from_claims_and_a_healed_site_takes_the_choice(tmp_path: Path) -> None:

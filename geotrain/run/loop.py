@@ -231,10 +231,12 @@ def train_loop(
     clock = StepClock(stats, timeline, device)
     window = StepWindow(sink, read_every, tokens_per_rank_step)
     t_start, t_origin = time.perf_counter(), time.monotonic()
-    record: dict[str, Any] = {"step": 0, "tokens": 0}
+    record: dict[str, Any] = {"step": start, "tokens": sync.world_steps(start) * tokens_per_rank_step}
     seen_adapt = 0
     last = steps
     limit = sync.step_limit(steps)  # (adaptive rounds: a bound; the run ends on ``sync.done``)
+    if sync.done:  # (elastic: a site that healed in the run's last round has no step left to run)
+        last = limit = start
     for step in range(start + 1, limit + 1):
         # (the step cap is example-level DP's ε budget: without it, train.steps is no cap, as a fast
         # site under adaptive pace passes it mid-run, and stopping it there left the others waiting)

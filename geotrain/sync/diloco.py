@@ -79,8 +79,10 @@ class DiLoCo(OuterSync):
         self.clock.max_seconds = max_seconds
         # adaptive: the calibration round, then ceil(steps / H) rounds (the fastest site runs H in each);
         # with sync.adapt, whose H changes, until the site furthest ahead has run the steps
-        self.clock.max_rounds = 1 + -(-steps // self.H) if self.clock.adaptive and self.adapter is None else 0
-        self.clock.max_steps = steps if self.clock.adaptive and self.adapter is not None else 0
+        self.clock.end_after(
+            max_rounds=1 + -(-steps // self.H) if self.clock.adaptive and self.adapter is None else 0,
+            max_steps=steps if self.clock.adaptive and self.adapter is not None else 0,
+        )
 
     @property
     def done(self) -> bool:

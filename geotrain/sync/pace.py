@@ -81,8 +81,9 @@ class RoundClock:
         self.comm = comm
         self.H = H
         self.adaptive = adaptive
-        self.max_rounds = 0  # stop after this many rounds (0: no limit)
-        self.max_steps = 0  # stop once a site has run this many steps in all (0: no limit)
+        self.max_rounds = 0  # stop after this many rounds (0: no limit; set with end_after)
+        self.max_steps = 0  # stop once a site has run this many steps in all (0: no limit; set with end_after)
+        self.rounds_done = 0  # the rounds counted at the last boundary
         self.max_seconds = 0.0  # stop at the first boundary after this much training (0: no limit)
         n = comm.groups.topology.num_sites
         self.first = max(1, H // CALIBRATION) if adaptive else H  # the calibration round
@@ -110,6 +111,18 @@ class RoundClock:
     def exchanges(self) -> bool:
         """Whether round boundaries need the control exchange (else the clock only counts)."""
         return self.adaptive or self.max_seconds > 0
+
+    def end_after(self, max_rounds: int = 0, max_steps: int = 0) -> None:
+        """The run's length: this many rounds, or until one site has run this many steps (0: no
+        limit). Set as training starts, which may be after rounds have ended already: an elastic
+        site that healed in the run's last round holds the others' count and is done with them."""
+        self.max_rounds, self.max_steps = max_rounds, max_steps
+        self.done = self.done or self._past_limits()
+
+    def _past_limits(self) -> bool:
+        return bool(self.max_rounds and self.rounds_done >= self.max_rounds) or bool(
+            self.max_steps and max(self.totals) >= self.max_steps
+        )
 
     def fastest(self) -> float:
         """The fastest site's smoothed seconds per step (elastic mode: as the sites claimed it)."""
@@ -192,9 +205,8 @@ class RoundClock:
         self._compute = 0.0
         self._round_t0 = None
         self._ending = False
-        if self.max_rounds and rounds_done >= self.max_rounds:
-            self.done = True
-        if self.max_steps and max(self.totals) >= self.max_steps:
+        self.rounds_done = rounds_done
+        if self._past_limits():
             self.done = True
 
     # what a checkpoint keeps: the next round's limit and budget and the rates behind them

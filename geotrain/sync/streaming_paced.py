@@ -123,7 +123,7 @@ class PacedStreaming(StreamingDiLoCo):
 
     def set_limits(self, steps: int, max_seconds: float) -> None:
         if self.clock.adaptive:  # the calibration slot, then ceil(steps / H) cycles (lock-step: the steps end it)
-            self.clock.max_rounds = 1 + self.F * -(-steps // self.H)
+            self.clock.end_after(max_rounds=1 + self.F * -(-steps // self.H))
         self.clock.max_seconds = max_seconds  # (train.max_seconds: the slot end after it, on every site)
 
     @property
