@@ -160,7 +160,9 @@ class DiLoCo(OuterSync):
         # 3. average across sites (every local rank carries 1/G of it over the WAN)
         if self.adapter is not None:
             self.adapter.start_average()
-        if self.elastic is not None and self.clock.adaptive:  # the meeting hears this site's rate and rounds owed
+        # the meeting hears this site's rate and rounds owed (a site joining to heal claims neither:
+        # its fresh clock has no rate, and no round limit until training starts, RoundClock.end_after)
+        if self.elastic is not None and self.clock.adaptive:
             rate, owed = self.clock.seconds_per_step[self.comm.groups.me.site_index], self.clock.max_rounds - self.rounds - 1
             self._part_claim = {"pace": 0 if self.idle else round(1e6 * rate), "rest": 0 if self.idle else max(0, owed)}
         if self.elastic is not None and self.adapter is not None:  # the meeting hears what this site last measured
