@@ -158,6 +158,35 @@ def test_ranks_die_with_their_zygote(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a PID on again (kernel.ns_last_pid) needs root")
+def test_a_rank_given_an_earlier_ranks_pid_is_not_taken_for_it(tmp_path: Path) -> None:
+    """The kernel hands PIDs on again (pid_max is 32768 here), and a zygote kept for many runs (the
+    tests, geotrain.api) forks thousands of ranks. A new rank with the PID of one that exited must
+    not be read as exited with its code: a launcher took such a site for finished at its start,
+    stopped the others, and never signalled it again."""
+    from geotrain.launch.spawn import spawn_rank, worker_args
+
+    p, t = spawn_rank(worker_args(tmp_path / "none.yaml", tmp_path / "out"), _rank_env(), tmp_path / "bare.log", None, fork=True)
+    assert p.wait(timeout=60) == 2  # (no torch.distributed environment)
+    t.join(timeout=10)
+    for _ in range(20):  # another process may take the PID first (the tests run in parallel)
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(p.pid - 1))
+        q, pump, _ = _waiting_rank(tmp_path, fork=True)
+        if q.pid == p.pid:
+            break
+        q.kill()
+        q.wait(timeout=30)
+        pump.join(timeout=10)
+    else:
+        pytest.skip("the PID was taken by other processes 20 times")
+    time.sleep(0.5)
+    assert q.poll() is None and _alive(q.pid)  # running, and a signal still reaches it
+    q.kill()
+    assert q.wait(timeout=30) == -signal.SIGKILL
+    pump.join(timeout=10)
+
+
+@pytest.mark.timeout(120)
 def test_the_zygote_outlives_the_thread_that_started_it(tmp_path: Path) -> None:
     """PR_SET_PDEATHSIG fires when the *thread* that started a process ends. A run launched from a
     worker thread (as tests and services do) must not take the zygote, and so the next run's

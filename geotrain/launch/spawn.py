@@ -227,6 +227,10 @@ class _Zygote:
                         pid, code = message["exit"]
                         self._exits[pid] = code
                     else:
+                        # a new rank: the kernel hands PIDs on again, so an exit recorded under its PID
+                        # was an earlier rank's (the zygote's messages come in order: its own exit is later)
+                        if "pid" in message:
+                            self._exits.pop(int(message["pid"]), None)
                         self._replies.append(message)
                 self._cond.notify_all()
             if not data:
