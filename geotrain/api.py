@@ -35,10 +35,33 @@ from geotrain.comm.collectives import Collectives, CommStats
 from geotrain.comm.emulate import link_mode
 from geotrain.comm.session import close_collectives, open_collectives
 from geotrain.comm.topology import Topology
-from geotrain.config import Config
-from geotrain.sync import DDP, DiLoCo, StreamingDiLoCo, SyncAlgorithm, UpdateGuard, build_sync
+from geotrain.config import Config, SyncConfig
+from geotrain.round import RoundEngine, build_round
+from geotrain.sync import DDP, SyncAlgorithm, UpdateGuard
 
 __all__ = ["DDP", "DiLoCo", "Site", "StreamingDiLoCo", "SyncAlgorithm"]
+
+
+def DiLoCo(  # noqa: N802 - the algorithm's name, as torchft's
+    model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float = 0.0, cfg: SyncConfig | None = None
+) -> RoundEngine:
+    """DiLoCo across sites (Douillard et al. 2023), hooked onto ``optimizer``: the round engine
+    with ``cfg``'s settings (``sync.algorithm`` is taken to be diloco)."""
+    c = (cfg or SyncConfig()).model_copy(update={"algorithm": "diloco"})
+    engine = build_round(c, model, optimizer, comm, grad_clip=grad_clip)
+    assert isinstance(engine, RoundEngine)
+    return engine
+
+
+def StreamingDiLoCo(  # noqa: N802
+    model: nn.Module, optimizer: torch.optim.Optimizer, comm: Collectives, grad_clip: float = 0.0, cfg: SyncConfig | None = None
+) -> RoundEngine:
+    """Streaming DiLoCo (Douillard et al. 2025), hooked onto ``optimizer``: the round engine with
+    ``cfg``'s settings (``sync.algorithm`` is taken to be streaming)."""
+    c = (cfg or SyncConfig()).model_copy(update={"algorithm": "streaming"})
+    engine = build_round(c, model, optimizer, comm, grad_clip=grad_clip)
+    assert isinstance(engine, RoundEngine)
+    return engine
 
 
 class Site:
@@ -108,7 +131,7 @@ class Site:
         c = self.cfg
         outer = c.sync.algorithm != "ddp"
         guard = UpdateGuard(c.guard, self.comm) if outer and c.guard.enabled and self.topology.num_sites > 1 else None
-        return build_sync(c.sync, model, optimizer, self.comm, grad_clip=c.optim.grad_clip, guard=guard)
+        return build_round(c.sync, model, optimizer, self.comm, grad_clip=c.optim.grad_clip, guard=guard)
 
     def close(self) -> None:
         """Release the process groups and the link emulation (collective, like creating the site)."""

@@ -27,7 +27,7 @@ GROUP_MAKERS = {"init_process_group", "new_group", "new_subgroups", "init_device
 GROUPS_MODULE = "comm.groups"
 ROOT = "geotrain"  # the part of the package's own __init__
 
-_BELOW_RUN = {"comm", "codecs", "config", "data", "elastic", "errors", "models", "privacy", "report", "sync"}
+_BELOW_RUN = {"comm", "codecs", "config", "data", "elastic", "errors", "models", "privacy", "report", "round", "sync"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "config": {"errors"},
@@ -38,13 +38,14 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config", "errors"},
     "comm": {"codecs", "config", "errors"},
     "sync": {"codecs", "comm", "config", "errors", "plan"},  # plan: the one closed form adaptation steers by
+    "round": {"codecs", "comm", "config", "errors", "plan", "sync"},  # the round engine and its parts, over sync's hooks
     "privacy": {"comm", "config", "errors"},
     "elastic": {"comm", "config", "errors"},
     "report": {"comm", "config", "errors"},
     "run": _BELOW_RUN,
     "launch": {"comm", "config", "data", "elastic", "errors", "models", "report", "run"},  # report: preflight checks the tracker
     "bench": _BELOW_RUN | {"launch", "plan", "run"},  # plan: bench place runs what geotrain place predicts
-    "api": {"comm", "config", "errors", "sync"},
+    "api": {"comm", "config", "errors", "round", "sync"},
     "cli": _BELOW_RUN | {"api", "bench", "launch", "netsim", "plan", "run"},
     "__main__": {"cli"},
     ROOT: {"api", "config", "errors"},

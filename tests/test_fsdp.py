@@ -152,7 +152,7 @@ def test_sharded_checkpoint_resumes_exactly_and_reshards_to_one_worker_per_site(
     names = [n for n, _ in build_model(load_config(None, TINY + TWO_BLOCKS).model, 256).named_parameters()]  # tied: once
     assert len(names) < len(one_w)
     for i, name in enumerate(names):
-        torch.testing.assert_close(one_w[name], _dcp_tensor(ck4 / "site-B", f"/sync/global_params/{i}"), rtol=0, atol=0)
+        torch.testing.assert_close(one_w[name], _dcp_tensor(ck4 / "site-B", f"/sync/globals/world/{i}"), rtol=0, atol=0)
     _one_model(one)
     # ... and it trains on from there in the new layout, the inner AdamW state resharded too
     on, _ = _run(

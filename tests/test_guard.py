@@ -113,14 +113,15 @@ def _eager_grads(site: int, rnd: int) -> list[torch.Tensor]:
 def _eager_rank(rank: int) -> list[float]:
     from geotrain.comm.session import rank_comm
     from geotrain.config import GuardConfig, SyncConfig
-    from geotrain.sync import UpdateGuard, build_sync
+    from geotrain.round import build_round
+    from geotrain.sync import UpdateGuard
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 5, bias=False)
     with rank_comm(uniform_topology(3, 1), "off") as (_groups, comm):
         inner = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = SyncConfig(algorithm="streaming", eager=True, H=_EAGER_H, fragments=1)
-        with build_sync(cfg, model, inner, comm, grad_clip=0.0, guard=UpdateGuard(GuardConfig(), comm)) as sync:
+        with build_round(cfg, model, inner, comm, grad_clip=0.0, guard=UpdateGuard(GuardConfig(), comm)) as sync:
             for rnd in range(1, _EAGER_ROUNDS + 1):
                 for grad in _eager_grads(rank, rnd):
                     model.weight.grad = grad.clone()

@@ -27,9 +27,9 @@ from geotrain.config import CODEC_BITS, load_config
 from geotrain.errors import ConfigError, LaunchError
 from geotrain.launch.local import launch_local
 from geotrain.plan.strategies import STAR, choose_round
-from geotrain.sync.merge import DelayedNesterov, dynamic_steps, weighted_mean
-from geotrain.sync.outer import outer_step_
-from geotrain.sync.syncer import FIELDS, Update, merge_weights
+from geotrain.round.merge import Update, dynamic_steps, merge_weights
+from geotrain.round.outer import DelayedNesterov, outer_step_, weighted_mean
+from geotrain.round.syncer import FIELDS
 from tests.helpers import TINY
 
 # timing-sensitive runs (relative speeds, time limits, measured links): the test command runs them

@@ -92,8 +92,9 @@ def test_an_update_for_no_such_fragment_or_of_the_wrong_size_is_left_out() -> No
     fragment's is left out of the merge (logged), so a bad message costs its site's round only."""
     from geotrain.comm.mailbox import Message
     from geotrain.config import SyncConfig
-    from geotrain.sync.merge import Update, averaging
-    from geotrain.sync.syncer import UPDATE, QuorumSyncer
+    from geotrain.round.merge import Update
+    from geotrain.round.outer import averaging
+    from geotrain.round.syncer import UPDATE, QuorumSyncer
 
     cfg = SyncConfig(algorithm="streaming", quorum={"sites": 1})
     assert cfg.quorum is not None

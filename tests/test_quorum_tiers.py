@@ -110,8 +110,8 @@ def test_a_world_contribution_of_the_wrong_size_or_not_finite_weighs_nothing() -
     the world round, never the run); a good one keeps its tokens and values."""
     from geotrain.comm.mailbox import Message
     from geotrain.config import SyncConfig
-    from geotrain.sync.merge import averaging
-    from geotrain.sync.quorum_world import WORLD, WorldTier
+    from geotrain.round.outer import averaging
+    from geotrain.round.world import WORLD, WorldTier
 
     theta = [torch.zeros(3), torch.zeros(2)]
     cfg = SyncConfig(quorum={"sites": 1}, region_every=2)

@@ -313,7 +313,7 @@ def test_a_peer_cannot_run_code_through_the_control_plane(tmp_path: Path) -> Non
                 line,
             ):
                 uses.append((f.relative_to(REPO).as_posix(), "group=self.intra" in line or "group=g.intra" in line))
-    assert uses == [("geotrain/elastic/member.py", True), ("geotrain/sync/quorum.py", True)], uses
+    assert uses == [("geotrain/elastic/member.py", True), ("geotrain/round/hub.py", True)], uses
 
 
 def test_the_round_store_serves_only_holders_of_the_key() -> None:

@@ -39,13 +39,13 @@ def _grads(site: int, rnd: int, step: int) -> list[torch.Tensor]:
 def _geotrain_rank(rank: int) -> list[list[float]]:
     from geotrain.comm.session import rank_comm
     from geotrain.config import SyncConfig
-    from geotrain.sync import build_sync
+    from geotrain.round import build_round
 
     model = Tensors()
     with rank_comm(uniform_topology(SITES, 1), "off") as (_groups, comm):
         inner = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = SyncConfig(algorithm="diloco", H=H, codec="sparseloco", sparse_fraction=FRACTION)
-        with build_sync(cfg, model, inner, comm, grad_clip=0.0) as sync:
+        with build_round(cfg, model, inner, comm, grad_clip=0.0) as sync:
             for rnd in range(ROUNDS):
                 for step in range(H):
                     for p, g in zip(model.ps, _grads(rank, rnd, step), strict=True):

@@ -1,5 +1,5 @@
 """The run of ``geotrain bench tiers`` where the wide-area link slows 10x mid-run and geotrain
-adapts (``sync.adapt``, :mod:`geotrain.sync.adapt`), with DiLoCo or (``--adapt-algorithm
+adapts (``sync.adapt``, :mod:`geotrain.round.adapt`), with DiLoCo or (``--adapt-algorithm
 streaming``) Streaming DiLoCo, whose fragment count is chosen too.
 
 Flat DiLoCo over the tiers benchmark's two regions of two sites (10 Gbit/s inside a region,

@@ -52,9 +52,9 @@ def _rank_parts(sites: int, workers: int, model_kw: dict[str, int], within: str,
     from geotrain.config import Config, load_config
     from geotrain.data import build_rank_data
     from geotrain.models import build_model
+    from geotrain.round import build_round
     from geotrain.run.fsdp import shard_model
     from geotrain.run.optim import build_optimizer
-    from geotrain.sync import build_sync
 
     sets = [f"model.{k}={v}" for k, v in model_kw.items() if k != "vocab"]
     cfg = load_config(None, [*sets, "train.batch_size=4", f"sync.within_site={within}", *sync])
@@ -70,7 +70,7 @@ def _rank_parts(sites: int, workers: int, model_kw: dict[str, int], within: str,
     if g.mesh is not None:
         shard_model(model, g.mesh, "fp32")
     opt, sched = build_optimizer(cfg.optim, model, 1000)
-    sync_alg = build_sync(cfg.sync, model, opt, comm, grad_clip=cfg.optim.grad_clip)
+    sync_alg = build_round(cfg.sync, model, opt, comm, grad_clip=cfg.optim.grad_clip)
     data = build_rank_data(cfg.data, g.me.rank, [workers] * sites, cfg.model.block_size, 4, 1, 0)
     return cfg, comm, model, opt, sync_alg, data
 

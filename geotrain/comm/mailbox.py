@@ -1,7 +1,7 @@
 """Messages between sites that do not wait for each other: a header and a payload, one sender,
 one receiver, no collective.
 
-The asynchronous quorum rounds (:mod:`geotrain.sync.quorum`) need a site to hand its update to
+The asynchronous quorum rounds (:mod:`geotrain.round.hub`) need a site to hand its update to
 the syncer and go on, whatever the other sites are doing; a ring collective would make every
 site wait for the slowest. A message is two point-to-point sends on the sites' leaders' group
 (:func:`geotrain.comm.groups.leaders_group`): a float64 header (the emulated arrival time, the

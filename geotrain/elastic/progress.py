@@ -1,4 +1,4 @@
-"""Quorum rounds in elastic mode (``sync.quorum``, :mod:`geotrain.sync.quorum_elastic`): a site's
+"""Quorum rounds in elastic mode (``sync.quorum``, :mod:`geotrain.round.membership`): a site's
 member, and how far each site is, for the end of the run.
 
 In quorum rounds a round holds only the sites that asked in time, so a site that has run its

@@ -168,7 +168,7 @@ def region_healers(
     from the region's own source: :func:`heal_source` among its members that have committed as
     many rounds as the round's ``source``. A region with no such member heals from ``source`` (its
     region model is lost: it restarts from the world model, see
-    :class:`geotrain.sync.tiers_elastic.ElasticTiers`). Healers are the region's members whose
+    :class:`geotrain.round.membership.ElasticTiers`). Healers are the region's members whose
     (committed, hash) differ from their source's, and restarted sites. A site that claims another
     tier than the round's does not heal: its state is valid, it sits the round out."""
     by = {m.site: m for m in members}

@@ -10,7 +10,7 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 :class:`LaunchError` names the site and rank that failed. With asynchronous quorum rounds
 (``sync.quorum``) a site other than the first that fails once training has started (or that
 ``fault.kill`` names) is lost instead: its ranks are killed and the others go on
-(:mod:`geotrain.sync.quorum`); so is a site the syncer loses for silence (stopped or hung): it
+(:mod:`geotrain.round.hub`); so is a site the syncer loses for silence (stopped or hung): it
 reports the loss in the run's store, and the launcher kills the site's processes. With
 ``fault.restart_after``, a site lost in any of these ways is started again that many seconds
 later, as a torch.distributed world of its own (its rendezvous store hosted here too), and

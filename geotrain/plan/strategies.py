@@ -21,7 +21,7 @@ Required bandwidth for a target ``u`` inverts these: the allowed communication t
 latency, divided into ``V``. Their Table 4 simulated a DAG of per-layer compute and communication
 on a discrete bandwidth grid; this closed form is printed beside it.
 
-The same formula steers a running job (``sync.adapt``, :mod:`geotrain.sync.adapt`):
+The same formula steers a running job (``sync.adapt``, :mod:`geotrain.round.adapt`):
 :func:`achieved_bps` turns measured all-reduces (bytes, seconds, latency) into the link's
 bandwidth in this model, :func:`streaming_effective_bps` turns Streaming DiLoCo's measured wait
 into the bandwidth that explains it, and :func:`choose_round` picks H, codec and (streaming) the

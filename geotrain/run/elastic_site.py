@@ -28,10 +28,10 @@ from geotrain.elastic.records import drain_file
 from geotrain.elastic.view import HealHooks
 from geotrain.errors import MembershipRefused, SiteDrained
 from geotrain.report.metrics import log
+from geotrain.round import RoundEngine
 from geotrain.run.checkpoint import atomic_write
 from geotrain.run.fsdp import local_tree, sharded_like
 from geotrain.run.state import RankObjects
-from geotrain.sync import ElasticQuorum, ElasticTiers, OuterSync
 
 
 def fault_file(folder: Path, site: str, step: int) -> Path:
@@ -88,7 +88,7 @@ def join_elastic(
         noise: site-level DP inside every round (``privacy.dp.unit=site``).
     """
     sync, data, groups = objs.sync, objs.data, objs.comm.groups
-    assert isinstance(sync, OuterSync)  # the config allows elastic mode with DiLoCo and Streaming DiLoCo
+    assert isinstance(sync, RoundEngine)  # the config allows elastic mode with DiLoCo and Streaming DiLoCo
     (out / "elastic").mkdir(parents=True, exist_ok=True)
 
     drain = drain_file(out, where.site)
@@ -133,10 +133,11 @@ def join_elastic(
             raise SiteDrained(f"site {where.site} drained after committed round {committed()} (step {step})")
 
     sharded = sync.sharded  # FSDP: each rank heals its own shards from the same local rank of the source
-    tiers = isinstance(sync, ElasticTiers)  # two tiers: region rounds sum over the region's sites
+    tiers = sync.tiers  # two tiers: region rounds sum over the region's sites
 
     def load(state: dict[str, Any]) -> None:
         objs.load_training(sharded_like(objs.model, objs.optimizer, state) if sharded else state)
+        sync.forget_feedback()  # the source's error feedback is its own: a healed site starts afresh
         if member.noise is not None:  # site-level DP: every committed round healed into held at most one update of ours
             member.noise.at_least(int(state["committed"]))
         if member.joining:  # a restarted site takes the source's step: its data stream catches up
@@ -157,7 +158,7 @@ def join_elastic(
         load=load,
     )
     quorum: dict[str, float] = {}
-    if isinstance(sync, ElasticQuorum):  # quorum rounds: a late site heals the global part only
+    if sync.cfg.quorum is not None:  # quorum rounds: a late site heals the global part only
         hooks.load_global = lambda state: sync.load_global_state(state["sync"])
         hooks.global_state = lambda: local_tree({"step": sync.local_steps, "committed": committed(), "sync": sync.global_state()})
         quorum = {"staleness_power": sync.staleness_power, "world_weight": sync.world(list(topology.workers))}
@@ -183,9 +184,9 @@ def join_elastic(
     if plan is not None:
         member.faults = plan
     member.masker, member.noise = masker, noise
-    member.paced = sync.paced  # adaptive pace: tokens weigh every update, the run ends on rounds
-    if getattr(sync, "adapter", None) is not None:  # sync.adapt: the exchange times a round trip; a healer's codec
-        member.ping, member.codec_for = True, sync.codec_for  # type: ignore[attr-defined]
+    member.paced = sync.clock.adaptive  # adaptive pace: tokens weigh every update, the run ends on rounds
+    if sync.adapter is not None:  # sync.adapt: the exchange times a round trip; a healer's codec
+        member.ping, member.codec_for = True, sync.codec_for
     if where.local_rank == 0:
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     sync.elastic = member

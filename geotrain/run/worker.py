@@ -56,13 +56,16 @@ from geotrain.privacy.masking import PairMasks
 from geotrain.report.metrics import MetricsSink, log, write_timeline
 from geotrain.report.summary import flops_per_token, rank_record, run_summary
 from geotrain.report.trackers import open_tracker
+from geotrain.round import RoundEngine, build_round
+from geotrain.round.hub import Rejoin
+from geotrain.round.schedule import fragment_count
 from geotrain.run import checkpoint as ckpt
 from geotrain.run.elastic_site import join_elastic, request_fault
 from geotrain.run.fsdp import copy_on, shard_model
 from geotrain.run.loop import Evaluator, StepWindow, load_parameters, train_loop
 from geotrain.run.optim import build_optimizer
 from geotrain.run.state import RankObjects, check_same_start
-from geotrain.sync import AsyncDiLoCo, Rejoin, UpdateGuard, build_sync, fragment_count
+from geotrain.sync import UpdateGuard
 
 ELASTIC_ENV = ("GEOTRAIN_SITE_INDEX", "GEOTRAIN_INCARNATION")
 
@@ -234,7 +237,7 @@ def _train(
     )
     closing.push(lambda _type, exc, _tb: privacy.close(failure=exc))  # the audit log's closing line
     outer = cfg.sync.algorithm != "ddp"  # guarded updates and NaN injection act on pseudo-gradients
-    sync = build_sync(
+    sync = build_round(
         cfg.sync,
         model,
         optimizer,
@@ -261,7 +264,7 @@ def _train(
     if began:
         log(where, start, began)
     if place.rejoined:  # heal from the syncer's model; data and schedule go on from the steps delivered
-        assert isinstance(sync, AsyncDiLoCo)
+        assert isinstance(sync, RoundEngine)
         start = sync.rejoin_run()
         data.train.skip(start * data.micro_batches)
         with warnings.catch_warnings():  # no optimizer step yet: torch warns about the order

@@ -216,7 +216,7 @@ class SyncAlgorithm:
         # mesh), FSDP averages gradients inside the site, and pseudo-gradients, outer state and
         # cross-site exchanges are per shard (local rank i holds the same part in every site)
         self.sharded = any(is_dtensor(p) for p in self.params)
-        self.resharded = False  # FSDP over sites of different sizes (:class:`~geotrain.sync.outer.OuterSync`)
+        self.resharded = False  # FSDP over sites of different sizes (:class:`~geotrain.round.outer.OuterSync`)
         self.local_steps = 0
         self.rounds = 0
         self.checkpoint_every = 0  # checkpoint.every (asynchronous quorum rounds plan a barrier round before each)
@@ -273,8 +273,10 @@ class SyncAlgorithm:
     def shards_in(saved: Any, flat: bool = False) -> Any:
         """The inverse of :meth:`shards_out` on what a checkpoint gave back (resharded by DCP to this
         rank's parts): the local tensors, or their flat concatenation when ``flat``."""
-        if not isinstance(saved, list) or not any(is_dtensor(t) for t in saved):
+        if not isinstance(saved, list) or not saved:
             return saved
+        if not any(is_dtensor(t) for t in saved):  # (a heal's shards arrive as local tensors)
+            return torch.cat([t.reshape(-1) for t in saved]) if flat else saved
         local = [local_tensor(t) for t in saved]
         return torch.cat([t.reshape(-1) for t in local]) if flat else local
 

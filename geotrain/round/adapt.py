@@ -31,7 +31,7 @@ link. Switching codecs keeps no state to carry: adaptation uses fixed-width code
 feedback (each codec gets its own reducer, made when first chosen, with its kernels loaded then:
 the next round's timing holds no kernel load).
 
-**Streaming DiLoCo** (:class:`~geotrain.sync.streaming.StreamingDiLoCo` calls :meth:`decide`
+**Streaming DiLoCo** (:class:`~geotrain.round.schedule.StreamingDiLoCo` calls :meth:`decide`
 in its exchange thread once per cycle of H steps) differs in five ways: a round has several
 exchanges, and the link counts those that carried at least half as much as the largest, each
 paying the latency term; the rtt is the shortest ping of the last ``PING_WINDOW`` rounds (the

@@ -1,6 +1,6 @@
 """The syncer of asynchronous quorum rounds: the global model, the outer optimizer and the merge
 rule, in a thread beside the first site's local rank 0 (what it does and why:
-:mod:`geotrain.sync.quorum`, docs/DESIGN.md §26).
+:mod:`geotrain.round.hub`, docs/DESIGN.md §26).
 
 It takes each site's update as it comes (site 0's from a queue in memory, the others' through
 :mod:`geotrain.comm.mailbox`), merges a round once a quorum is in (plus the grace window),
@@ -10,7 +10,7 @@ model, and treats a site whose connection closed as late forever. A lost site th
 the global model and where to go on from, and takes it back into the world round.
 
 In two tiers (``sync.region_every``) each region's first site holds a syncer for the region's
-sites, and the syncers run world rounds among themselves (:mod:`geotrain.sync.quorum_world`).
+sites, and the syncers run world rounds among themselves (:mod:`geotrain.round.world`).
 """
 
 from __future__ import annotations
@@ -28,20 +28,12 @@ from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message, Rejoins, StoreChannel
 from geotrain.config import QuorumConfig, SyncConfig
 from geotrain.errors import CorruptPayload, SyncerTimeout
-from geotrain.sync.merge import (
-    DelayedNesterov,
-    Update,
-    dynamic_steps,
-    first_round_steps,
-    mask_sites,
-    merge_weights,
-    site_mask,
-    weighted_mean,
-)
-from geotrain.sync.quorum_adapt import LinkReport, StarAdapter
-from geotrain.sync.quorum_world import WorldTier, last_from_hub
+from geotrain.round.merge import Update, dynamic_steps, first_round_steps, mask_sites, merge_weights, site_mask
+from geotrain.round.outer import DelayedNesterov, weighted_mean
+from geotrain.round.star import LinkReport, StarAdapter
+from geotrain.round.syncer_state import SyncerState
+from geotrain.round.world import WorldTier, last_from_hub
 from geotrain.sync.reducer import Codecs
-from geotrain.sync.syncer_state import SyncerState
 
 # CHECKPOINT: waits for every live site (a checkpoint's barrier); PING: answered at once, empty (sync.adapt)
 UPDATE, FINAL, CHECKPOINT, PING = 1.0, 2.0, 3.0, 4.0

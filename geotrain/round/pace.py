@@ -32,7 +32,7 @@ fastest claim (:attr:`RoundClock.claimed_fastest`); each site's tokens weigh its
 (:meth:`geotrain.elastic.view.Schedule.weight`). The run ends on rounds (the calibration round
 and ``ceil(steps / H)`` more): a site claims the rounds it still owes, a site that healed takes
 its source's round count, and a site done with its rounds stays in the others' rounds without an
-update until no admitted site owes one (:meth:`geotrain.sync.diloco.DiLoCo.finish`).
+update until no admitted site owes one (:meth:`geotrain.round.engine.DiLoCo.finish`).
 
 Nothing is measured before the first round, so the run opens with a short lock-step
 calibration round of ``max(1, H // 20)`` steps (``CALIBRATION``: the fast sites wait for the

@@ -1,4 +1,4 @@
-"""What a checkpoint keeps of the quorum syncer (:class:`geotrain.sync.syncer.QuorumSyncer`),
+"""What a checkpoint keeps of the quorum syncer (:class:`geotrain.round.syncer.QuorumSyncer`),
 taken at a checkpoint's barrier round, and how a resumed syncer takes it back."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from geotrain.sync.merge import DelayedNesterov
-from geotrain.sync.quorum_adapt import StarAdapter
+from geotrain.round.outer import DelayedNesterov
+from geotrain.round.star import StarAdapter
 
 
 class SyncerState:
-    """The syncer's checkpoint (a mixin of :class:`~geotrain.sync.syncer.QuorumSyncer`)."""
+    """The syncer's checkpoint (a mixin of :class:`~geotrain.round.syncer.QuorumSyncer`)."""
 
     theta: list[torch.Tensor]
     outer: DelayedNesterov

@@ -2,7 +2,7 @@
 ``sync.region_every`` and ``topology.regions``): synchronous inside a site, asynchronous between
 the sites of a region, and rarer merges across regions.
 
-Each region has its own syncer (:class:`geotrain.sync.syncer.QuorumSyncer`, beside the local
+Each region has its own syncer (:class:`geotrain.round.syncer.QuorumSyncer`, beside the local
 rank 0 of the region's first site, its **hub**), which merges its sites' updates as quorum rounds
 do. After every ``region_every`` merges, a region's syncer runs a **world round** with the other
 regions' syncers, over the slow links between regions:
@@ -40,8 +40,7 @@ from geotrain.comm.mailbox import Mailbox, Message
 from geotrain.comm.topology import Topology
 from geotrain.config import SyncConfig
 from geotrain.errors import CorruptPayload, SyncerTimeout
-from geotrain.sync.merge import weighted_mean
-from geotrain.sync.outer import outer_step_
+from geotrain.round.outer import outer_step_, weighted_mean
 
 WORLD = 5.0  # a message kind: one region's contribution to a world round
 # hub -> hub fields: [WORLD, world round, tokens, final, lost sites, sites ever lost, the region's rank-steps, encoded, 0, 0]
