@@ -39,7 +39,6 @@ def build_round(
     faults: FaultPlan | None = None,
     rejoin: Rejoin | None = None,
     elastic: bool = False,
-    timed: bool = False,
     region: str = "",
 ) -> SyncAlgorithm:
     """The run's round, hooked onto ``optimizer``, from the ``sync`` section and the parts the
@@ -52,7 +51,6 @@ def build_round(
         faults: failure injection (:class:`~geotrain.comm.faults.FaultPlan`).
         rejoin: asynchronous quorum rounds, a site that came back (its world is its own ranks).
         elastic: elastic membership (attached when the site joins).
-        timed: the run ends on ``train.max_seconds``.
         region: this site's region (elastic rounds in two tiers).
     """
     alg: SyncAlgorithm
@@ -64,7 +62,7 @@ def build_round(
         quorum = cfg.quorum is not None
         hub = quorum and not elastic  # a hub merges: it leaves non-finite updates out (the guard's test is collective)
         engine = RoundEngine(
-            model, optimizer, comm, grad_clip, cfg, members, timed=timed, private=private,
+            model, optimizer, comm, grad_clip, cfg, members, private=private,
             guard=None if hub else guard, delayed=quorum and elastic, region=region, hub=hub, rejoin=rejoin,
         )  # fmt: skip
         guard = engine.guard

@@ -13,59 +13,21 @@ steps) and takes one exact answer: every site ends on one model.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from geotrain.comm.collectives import Collectives
-from geotrain.comm.faults import FaultPlan
-from geotrain.comm.threads import DaemonPool
-from geotrain.config import SyncConfig
+from geotrain.round.core import EngineCore
 from geotrain.round.hub import Answer, Hub
-from geotrain.round.outer import Globals
-from geotrain.round.pace import RoundClock
 from geotrain.round.parts import WORLD, InFlight, Outcome, done
-from geotrain.round.schedule import Schedule
 from geotrain.round.syncer import Update
 from geotrain.sync.reducer import Codecs
 
 
-class HubRounds:
+class HubRounds(EngineCore):
     """Slots that end in a delivery to the hub, as a part of :class:`~geotrain.round.engine.RoundEngine`."""
 
-    hub: Hub | None = None
-    cfg: SyncConfig
-    comm: Collectives
-    schedule: Schedule
-    globals: Globals
-    clock: RoundClock
-    faults: FaultPlan
-    inflight: dict[int, InFlight]
-    streaming: bool
-    tau: int
-    alpha: float
-    local_steps: int
-    rounds: int
-    in_slot: int
-    slots: int
-    checkpoint_every: int
-    site_workers: int
-    _network: DaemonPool
     _round_compute: float = 0.0
     _barrier_passed = False
-
-    if TYPE_CHECKING:
-
-        @property
-        def H(self) -> int: ...
-        @property
-        def F(self) -> int: ...
-        def local_params(self) -> list[torch.Tensor]: ...
-        def _whole(self, delta: torch.Tensor, f: int) -> torch.Tensor: ...
-        def _own_values(self, wire: torch.Tensor, which: list[int]) -> list[torch.Tensor]: ...
-        def _wait(self, fut: Future[Any]) -> Any: ...
-        def _settle(self, f: int) -> None: ...
 
     def _held(self, f: int) -> torch.Tensor | None:
         """What this site holds of fragment ``f``'s global values, whole (an encoded answer is a
@@ -73,7 +35,7 @@ class HubRounds:
         values = torch.cat([g.reshape(-1) for g in self.globals.params(WORLD, f)])
         if not self.sharded:  # type: ignore[attr-defined]
             return values
-        return self._whole(values, f) if _encodes(self.hub) else None
+        return self._whole(values, self.schedule.fragments[f]) if _encodes(self.hub) else None
 
     @torch.no_grad()
     def _hub_slot(self) -> bool:
@@ -86,7 +48,7 @@ class HubRounds:
                 self._settle(g)
         t = self.local_steps
         steps = t - self.schedule.last_sync[f]
-        delta = self._whole(self.globals.delta(WORLD, f, self.local_params()), f)
+        delta = self._whole(self.globals.delta(WORLD, f, self.local_params()), self.schedule.fragments[f])
         self.faults.corrupt_update(delta, self.rounds)
         every = max(1, self.checkpoint_every // self.H)
         barrier = bool(self.checkpoint_every and not self.streaming and steps and (self.rounds + 1) % every == 0)
@@ -152,7 +114,9 @@ class HubRounds:
         t, answer = self.local_steps, None
         n = sum(self.params_whole(f) for f in range(self.F))
         held = [self._held(f) for f in range(self.F)]  # (collective under FSDP: every rank)
-        deltas = [self._whole(self.globals.delta(WORLD, f, self.local_params()), f) for f in range(self.F)]
+        deltas = [
+            self._whole(self.globals.delta(WORLD, f, self.local_params()), self.schedule.fragments[f]) for f in range(self.F)
+        ]
         for d in deltas:
             self.faults.corrupt_update(d, self.rounds)
         for f in range(self.F) if hub.leader else ():

@@ -28,72 +28,22 @@ for every schedule and tier:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from geotrain.comm.collectives import Collectives
-from geotrain.comm.faults import FaultPlan
-from geotrain.config import SyncConfig
 from geotrain.errors import ElasticTimeout, RoundFailed
-from geotrain.round.adapt import NetworkAdapter
-from geotrain.round.outer import Globals
-from geotrain.round.pace import RoundClock
+from geotrain.round.core import EngineCore
 from geotrain.round.parts import REGION, WORLD, InFlight, Outcome, done
-from geotrain.round.schedule import Schedule
-from geotrain.sync.base import RoundMembership
-from geotrain.sync.guard import UpdateGuard
-from geotrain.sync.reducer import SiteReducer
 
 SPLIT_ROUNDS = 10  # most rounds a run's end holds to heal a split last round (one does, unless sites keep failing)
 TIER = {REGION: 0, WORLD: 1}  # a part's tier on the wire
 
 
-class MemberRounds:
-    """The rounds of a healing membership, as a part of :class:`~geotrain.round.engine.RoundEngine`
-    (the attributes below are the engine's)."""
+class MemberRounds(EngineCore):
+    """The rounds of a healing membership, as a part of :class:`~geotrain.round.engine.RoundEngine`."""
 
-    elastic: RoundMembership | None = None  # attached when the site joins (geotrain.run.elastic_site)
     idle = False  # this site has run its steps: it takes part in the others' rounds without an update
-    cfg: SyncConfig
-    comm: Collectives
-    schedule: Schedule
-    globals: Globals
-    clock: RoundClock
-    adapter: NetworkAdapter | None
-    guard: UpdateGuard | None
-    faults: FaultPlan
-    inflight: dict[int, InFlight]
-    region_syncs: list[int]
-    tiers: bool
-    streaming: bool
-    every: int
-    tau: int
-    alpha: float
-    codec: str
-    local_steps: int
-    rounds: int
-    region_rounds: int
-    rounds_rolled_back: int
-    contributors: int
-    _finishing: bool
-    slots: int
-    _total_steps: int
-
-    if TYPE_CHECKING:  # the engine's methods this part calls
-
-        @property
-        def H(self) -> int: ...
-        @property
-        def F(self) -> int: ...
-        def local_params(self) -> list[torch.Tensor]: ...
-        def global_hash(self) -> str: ...
-        def reducer(self, f: int, tier: str = WORLD) -> SiteReducer: ...
-        def _settle(self, f: int) -> None: ...
-        def _key(self, f: int) -> int: ...
-        def _note_rollback(self, why: str) -> None: ...
-        def _privacy_allows_round(self) -> bool: ...
-        def _rebuild(self, H: int, F: int, t: int) -> None: ...
 
     def _claim(self, f: int) -> tuple[int, str] | None:
         """The part (fragment, tier) this site asks for in its next round of fragment ``f``; None: none."""
@@ -314,6 +264,44 @@ class MemberRounds:
     def _settled(self) -> bool:
         """Whether this site's state is one every site ends on (two tiers: the last committed round was a world round)."""
         return not self.tiers or not any(self.region_syncs)
+
+    @property
+    def staleness_power(self) -> float:
+        assert self.cfg.quorum is not None
+        return self.cfg.quorum.staleness_power
+
+    def world(self, workers: list[int]) -> float:
+        """The run's sites (``workers``: each one's ranks; this site's world is its own) for the
+        delayed momentum; returns every site's weight in a round of H steps, what a round's
+        weighted sum is divided by (as the syncer divides by a whole world round's tokens)."""
+        for d in self.globals.delayed.values():
+            d.sites = len(workers)
+        if not self.cfg.weight_by_tokens or len(set(workers)) == 1:
+            return float(len(workers))
+        return float(sum(w * self.H for w in workers))
+
+    def global_state(self) -> dict[str, Any]:
+        """What a late site takes in a heal: the global models, their steps and the round counts."""
+        keep = ("globals", "rounds", "rolled_back", "format")
+        return {k: v for k, v in self.checkpoint_state().items() if k in keep}
+
+    @torch.no_grad()
+    def load_global_state(self, state: dict[str, Any]) -> None:
+        """A late site's heal: the source's global models and round counts; the rest stays its own."""
+        self.globals.load_state_dict(state["globals"], self.shards_in, self.optim_in)
+        self.rounds, self.rounds_rolled_back = state["rounds"], state["rolled_back"]
+
+    def codec_for(self, claim: str) -> Any:
+        """``sync.adapt`` in elastic rounds: the encoder of the codec a site's link claim names (a
+        healer encodes its first round as its source does); the configured one for any other claim."""
+        assert self.adapter is not None
+        name = claim.partition("|")[0]
+        codec = name if name in self.adapter.codecs else self.cfg.codec
+        was, self.codec = self.codec, codec
+        try:
+            return self.reducer(0).codec
+        finally:
+            self.codec = was
 
 
 def _link_claim(codec: str, measured: str) -> str:

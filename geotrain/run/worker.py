@@ -249,7 +249,6 @@ def _train(
         faults=plan,
         rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
         elastic=place.elastic,
-        timed=bool(cfg.train.max_seconds),
         region=place.full.region_name(place.site_index),
     )
     closing.callback(sync.close)

@@ -269,6 +269,36 @@ class SyncAlgorithm:
             for t, p in zip(pieces, params, strict=True)
         ]
 
+    def _whole(self, delta: torch.Tensor, which: Sequence[int]) -> torch.Tensor:
+        """Values laid out like this rank's parts of the parameters ``which``, whole: under FSDP
+        gathered in the site (every rank together); else ``delta`` itself."""
+        if not self.sharded:
+            return delta
+        from torch.distributed.tensor import DTensor
+
+        local = [self.local_params()[i] for i in which]
+        params = [self.params[i] for i in which]
+        whole = [
+            DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            if isinstance(p, DTensor)
+            else t
+            for t, p in zip(views_like(delta, local), params, strict=True)
+        ]
+        return torch.cat([w.reshape(-1) for w in whole])
+
+    def _own_values(self, wire: torch.Tensor, which: Sequence[int]) -> list[torch.Tensor]:
+        """This rank's part of each of the parameters ``which`` in the whole flat ``wire`` (FSDP:
+        its shards, cut where FSDP cuts them, without communication)."""
+        params = [self.params[i] for i in which]
+        if not self.sharded:
+            return views_like(wire, params)
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        return [
+            distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None).to_local() if isinstance(p, DTensor) else w
+            for w, p in zip(views_like(wire, params), params, strict=True)
+        ]
+
     @staticmethod
     def shards_in(saved: Any, flat: bool = False) -> Any:
         """The inverse of :meth:`shards_out` on what a checkpoint gave back (resharded by DCP to this
