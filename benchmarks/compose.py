@@ -59,9 +59,9 @@ EVEN = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, 
 
 
 def pairs() -> dict[str, Any]:
-    from tests.test_compose import pairs as enumerate_pairs
+    from tests.test_combinations import combinations as enumerate_combinations
 
-    tried, refused = enumerate_pairs()
+    tried, refused = enumerate_combinations(2)
     return {"tried": tried, "refused": len(refused), "refusals": {f"{a} + {b}": why for (a, b), why in sorted(refused.items())}}
 
 

@@ -1,89 +1,20 @@
-"""Capabilities together: which pairs of the 16 settings a lab combines load, the refusals that
-remain are exactly those docs/COMPOSE.md gives a reason for, and elastic rounds carry codecs and
-sites of different sizes (real processes on 127.0.0.1, a site killed mid-round)."""
+"""Capabilities together, named: elastic rounds carry codecs and sites of different sizes, quorum
+rounds carry FSDP shards, secure aggregation and site DP meet elastic rounds, pace and
+adaptation (real processes on 127.0.0.1, a site killed mid-round). The whole matrix of pairs
+and triples: tests/test_combinations.py."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 
-from geotrain.config import CODEC_BITS, load_config
+from geotrain.config import CODEC_BITS
 from geotrain.plan.strategies import choose_round
-from tests.helpers import REPO, read_summary, train_cli
+from tests.helpers import read_summary, train_cli
 from tests.test_elastic import records, told
-
-# the 16 settings of issue 41, each loading alone on three sites of two workers
-SITES3 = "topology.sites=[{name: A, workers: 2}, {name: B, workers: 2}, {name: C, workers: 2}]"
-SETTINGS: dict[str, list[str]] = {
-    "streaming": ["sync.algorithm=streaming"],
-    "int8": ["sync.codec=int8"],
-    "sparseloco": ["sync.codec=sparseloco"],
-    "fsdp": ["sync.within_site=fsdp"],
-    "elastic": ["elastic.enabled=true"],
-    "quorum": ["sync.quorum={sites: 2}"],
-    "tiers": ["topology.regions=[{name: eu, sites: [A, B]}, {name: us, sites: [C]}]", "sync.region_every=2"],
-    "adapt": ["sync.adapt={target: 0.9}"],
-    "pace": ["sync.pace=adaptive"],
-    "unequal": ["topology.sites=[{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]"],
-    "secagg": ["privacy.secure_aggregation=true"],
-    "dp-example": ["privacy.dp.unit=example", "privacy.dp.noise_multiplier=1.0"],
-    "checkpoint": ["checkpoint.every=50"],
-    "muon": ["optim.name=muon"],
-    "bf16": ["train.precision=bf16"],
-    "compile": ["train.compile=true"],
-}
-
-
-def _refusal(overrides: list[str]) -> str | None:
-    try:
-        load_config(None, [SITES3, *overrides])
-    except ValueError as exc:
-        return str(exc).splitlines()[-1]
-    return None
-
-
-def pairs() -> tuple[int, dict[tuple[str, str], str]]:
-    """How many pairs of settings that each load alone were tried, and the refused ones with
-    their one-line errors (a pair that sets one field twice, like two codecs, is no pair)."""
-    tried, refused = 0, {}
-    for a, b in itertools.combinations(SETTINGS, 2):
-        fields = [{o.split("=")[0] for o in SETTINGS[x]} for x in (a, b)]
-        if fields[0] & fields[1]:
-            continue
-        tried += 1
-        why = _refusal(SETTINGS[a] + SETTINGS[b])
-        if why is not None:
-            refused[(a, b)] = why
-    return tried, refused
-
-
-def documented() -> set[tuple[str, str]]:
-    """The refused pairs docs/COMPOSE.md lists, each in a table row ``| a | b | reason |``."""
-    text = (REPO / "docs" / "COMPOSE.md").read_text()
-    section = text.split("## Pairs still refused", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([\w-]+)` \| `([\w-]+)` \|", section, flags=re.M)
-    return {(a, b) for a, b in rows}
-
-
-def test_every_setting_loads_alone() -> None:
-    assert {k: _refusal(v) for k, v in SETTINGS.items()} == dict.fromkeys(SETTINGS)
-
-
-def test_refused_pairs_are_exactly_the_documented_ones() -> None:
-    tried, refused = pairs()
-    assert tried == 119
-    assert set(refused) == documented(), sorted(set(refused) ^ documented())
-    # the count the docs state is the count the config refuses
-    text = (REPO / "docs" / "COMPOSE.md").read_text()
-    assert f"**{len(refused)} of the 119 pairs**" in text
-    for why in refused.values():  # every refusal is one line that starts with the field it names
-        assert re.match(r"[a-z_.]+: \S", why) and "\n" not in why, why
-
 
 THREE_UNEQUAL = "topology:\n  sites: [{name: A, workers: 2}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
 ELASTIC = ["elastic.enabled=true", "sync.H=10", "train.eval_every=0"]

@@ -98,8 +98,9 @@ def test_elastic_quorum_rounds_load_and_a_quorum_below_a_majority_is_refused() -
     assert cfg.elastic_rounds.min_sites == 2 and cfg.lighthouse_join_s == 0.0
     with pytest.raises(ValueError, match=r"^sync.quorum.sites: elastic rounds need more than half of the sites \(2 of 3\)"):
         load_config(None, [THREE, *BASE, "sync.quorum={sites: 1}"])
-    with pytest.raises(ValueError, match="^sync.algorithm: not combined with elastic quorum rounds yet"):
-        load_config(None, [THREE, *BASE, "sync.algorithm=streaming"])
+    load_config(None, [THREE, *BASE, "sync.algorithm=streaming"])  # (Streaming's fragments in quorum rounds too)
+    with pytest.raises(ValueError, match="^sync.eager: the eager variant leaves each site on its own global model"):
+        load_config(None, [THREE, *BASE, "sync.algorithm=streaming", "sync.eager=true"])
 
 
 @pytest.mark.slow

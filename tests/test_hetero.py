@@ -144,7 +144,7 @@ def test_adaptive_rounds_follow_measured_speed_and_end_on_one_model(tmp_path: Pa
     assert ad["rounds"] == 6 and 1 + 5 * 5 <= a["steps"] <= 1 + 5 * 12, a  # at most ceil(1.5 H) per round
     # about H/4 per round for B (1 to 4 here) once the rates are measured on budgeted rounds: the first
     # budget comes from the calibration round's one step, the run's first, whose warm-up can stretch
-    # it so far that both sites run to the cap (seen under a parallel test run; docs/HETERO.md)
+    # it so far that both sites run to the cap (seen under a parallel test run; docs/PACE.md)
     rounds = [p["steps"] for p in ad["pace"]]
     assert all(1 <= s[1] <= 4 and s[1] < s[0] for s in rounds[2:]), rounds
     assert 1 + 5 <= b["steps"] <= 1 + 12 + 4 * 4, b
@@ -235,13 +235,16 @@ def test_a_time_limit_ends_every_site_at_one_round_boundary(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["sync.pace=adaptive", "sync.algorithm=ddp"], "sync.algorithm: not combined with sync.pace yet"),
-        (["train.max_seconds=5", "sync.algorithm=ddp"], "sync.algorithm: not combined with train.max_seconds yet"),
-        (["sync.pace=adaptive", "sync.algorithm=streaming", "sync.eager=true"], "sync.eager: not combined with sync.pace yet"),
+        (["sync.pace=adaptive", "sync.algorithm=ddp"], "sync.algorithm: DDP exchanges every step: it has no rounds to pace"),
+        (["train.max_seconds=5", "sync.algorithm=ddp"], "sync.algorithm: DDP exchanges every step: it has no rounds to pace"),
+        (
+            ["sync.pace=adaptive", "sync.algorithm=streaming", "sync.eager=true"],
+            "sync.eager: the eager step applies this site's share",
+        ),
         (["topology.sites=[{name: A, workers: 1, compute_speed: 0}]"], "compute_speed"),
         (
             [UNEQUAL, "privacy.dp.unit=site", "privacy.dp.noise_multiplier=1"],
-            "privacy.dp.unit: not combined with sites of different sizes",
+            "privacy.dp.unit: site-level DP's noise is calibrated to one clipped update per site, and sites of different sizes",
         ),
     ],
 )
@@ -415,8 +418,8 @@ def test_the_guard_leaves_a_nan_update_out_of_its_region_round(tmp_path: Path) -
         ("[]", ["sync.region_every=2"], "sync.region_every: needs at least two topology.regions"),
         (
             "[{name: eu, sites: [A]}, {name: us, sites: [B]}]",
-            ["sync.region_every=2", "elastic.enabled=true", "sync.pace=adaptive"],
-            "sync.pace: not combined with elastic.enabled and sync.region_every together yet; use sync.pace=lockstep",
+            ["sync.region_every=2", "sync.codec=powersgd"],
+            "sync.codec: PowerSGD's low-rank factors are one sum over every site's matrices, and a region round sums a region's",
         ),
     ],
 )

@@ -462,7 +462,7 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
     rated = [m for m in merges if m["kind"] == "quorum" and all(r > 0 for r in m["rates"])]
     assert rated and all(abs(m["next_H"][2] - 160 * m["rates"][2] / max(m["rates"])) <= 1 for m in rated)
     # the rate C is measured at: about a quarter of the fastest alone on 2 cores; a parallel test
-    # run's stalls and wake-up waits make it read lower (docs/HETERO.md), never higher
+    # run's stalls and wake-up waits make it read lower (docs/PACE.md), never higher
     assert 0.03 < statistics.median(m["rates"][2] / max(m["rates"]) for m in rated) < 0.4
     c_steps = [m["steps"][i] for m in merges if m["kind"] == "quorum" for i, site in enumerate(m["sites"]) if site == 2]
     assert c_steps and all(k <= 80 for k in c_steps)  # C ran what it was given

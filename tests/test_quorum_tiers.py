@@ -13,11 +13,12 @@ import torch
 
 from geotrain.config import load_config
 from geotrain.launch.local import launch_local
+from geotrain.round.syncer import FIELDS
 from tests.helpers import TINY
 
 FOUR = "topology.sites=[{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]"
 REGIONS = "topology.regions=[{name: eu, sites: [A, B]}, {name: us, sites: [C, D]}]"
-HEADER = 12 * 8  # a mailbox message's float64 header (arrival, length, 10 fields)
+HEADER = (2 + FIELDS) * 8  # a mailbox message's float64 header (arrival, length, the fields)
 
 
 def _run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

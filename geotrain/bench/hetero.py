@@ -1,7 +1,7 @@
 """``geotrain bench hetero``: sites of different speeds for the same wall-clock time.
 
 Four sites of one worker on 1 Gbit/s, 20 ms links, emulated at compute speeds 1, 1, 0.5 and
-0.25 (``topology.sites[].compute_speed``: pacing, see docs/HETERO.md). Each mode trains the
+0.25 (``topology.sites[].compute_speed``: pacing, see docs/PACE.md). Each mode trains the
 default model with DiLoCo for ``seconds`` of training (``train.max_seconds``: every site stops
 at the same round boundary), then evaluates the global model:
 

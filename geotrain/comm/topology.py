@@ -11,7 +11,7 @@ site's worker count shards; shard k is carried by local rank k of every site (it
 group), and a larger site's other ranks get the result from the in-site all-gather. The
 smallest site must push its whole share through that many ranks whatever the others do, so
 spreading the others' share over more ranks would not make a ring across sites faster
-(docs/HETERO.md).
+(docs/PACE.md).
 """
 
 from __future__ import annotations

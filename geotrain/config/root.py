@@ -22,11 +22,12 @@ from geotrain.config.training import (
 )
 
 
-def _refuse(refused: list[tuple[bool, str, str]], combined: str, suffix: str = "") -> None:
-    """Raise, in one line, for the first ``(bad, field, fix)`` that is bad: FIELD is not combined with ``combined`` yet."""
-    for bad, field, fix in refused:
+def _refuse(refused: list[tuple[bool, str, str]]) -> None:
+    """Raise, in one line, for the first ``(bad, field, why)`` that is bad: ``field: why``. Every
+    refusal here has a reason of mathematics or physics (docs/COMPOSE.md lists them)."""
+    for bad, field, why in refused:
         if bad:
-            raise ValueError(f"{field}: not combined with {combined} yet; {fix}{suffix}")
+            raise ValueError(f"{field}: {why}")
 
 
 class Config(Section):
@@ -59,8 +60,17 @@ class Config(Section):
             raise ValueError("privacy.secure_aggregation: works on pseudo-gradients; use sync.algorithm=diloco or streaming")
         if p.dp.unit == "site" and self.sync.algorithm == "ddp":
             raise ValueError("privacy.dp.unit: 'site' protects pseudo-gradients; use sync.algorithm=diloco or streaming")
-        if (p.secure_aggregation or p.dp.unit == "site") and self.sync.codec != "none":
-            raise ValueError("sync.codec: secure aggregation and site-level DP send fixed-point/fp32 values; set sync.codec=none")
+        if p.secure_aggregation and self.sync.codec != "none":
+            raise ValueError(
+                "sync.codec: secure aggregation sums updates masked uniformly over 2^32, and a masked value carries no "
+                "structure a codec could compress (a codec before masking would need the unmasked update); set sync.codec=none"
+            )
+        if p.dp.unit == "site" and self.sync.codec != "none":
+            raise ValueError(
+                "sync.codec: site-level DP's accountant counts one noised release of each site's update per round, and a "
+                "codec's error feedback adds what the last round's encoding left out to this one's, so each release "
+                "mixes two rounds' updates; set sync.codec=none"
+            )
         if (p.secure_aggregation or p.dp.unit == "site") and self.sync.eager:
             raise ValueError("sync.eager: the eager variant uses each site's own share of the average; not with privacy")
         if p.secure_aggregation and p.threshold is not None and p.graph == "sparse":
@@ -78,13 +88,17 @@ class Config(Section):
                 else "train.compile"
             )
             raise ValueError(
-                f"{what}: not with privacy.dp.unit=example (its per-example gradient hooks need one eager micro-batch per step)"
+                f"{what}: privacy.dp.unit=example clips each example's gradient, which its hooks read from one eager "
+                "micro-batch's activations per step (accumulated, recomputed or compiled ones hide them); turn it off"
             )
         c = self.checkpoint
         if c.resume not in (None, "auto") and self.run.baseline not in ("none", self.sync.algorithm):
             raise ValueError("checkpoint.resume: a checkpoint path resumes one run; set run.baseline=none (or resume=auto)")
         if (c.every or c.resume) and self.sync.eager:
-            raise ValueError("checkpoint.every: checkpoints of the eager streaming variant are not supported")
+            raise ValueError(
+                "checkpoint.every: the eager variant's sites each hold a global model of their own until the run's end, "
+                "so no one state is the run's to resume; set checkpoint.every=0 (or sync.eager=false)"
+            )
         names = [s.name for s in self.topology.sites]
         for (site, _), _kind in p.injections().items():
             if site not in names:
@@ -156,29 +170,24 @@ class Config(Section):
         return next(((field, why) for bad, field, why in refused if bad), None)
 
     def _tiers_fit(self) -> None:
-        """sync.region_every: multi-tier DiLoCo, with what it is not combined with yet."""
+        """sync.region_every: rounds in two tiers (region rounds, rarer world rounds)."""
         if not self.sync.region_every:
             return
         if len(self.topology.regions) < 2:
             raise ValueError("sync.region_every: needs at least two topology.regions (or set sync.region_every=0)")
-        streaming = self.sync.algorithm == "streaming"  # each fragment's syncs in two tiers
-        refused = [
-            (self.sync.algorithm not in ("diloco", "streaming"), "sync.algorithm", "use sync.algorithm=diloco or streaming"),
-            (streaming and self.sync.eager, "sync.eager", "set sync.eager=false"),
-            (streaming and self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep with Streaming DiLoCo"),
-            (streaming and bool(self.train.max_seconds), "train.max_seconds", "set train.max_seconds=0 with Streaming DiLoCo"),
-            (streaming and self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset with Streaming DiLoCo"),
-            (self.sync.codec == "powersgd", "sync.codec", "use a byte codec or none"),
-            (self.privacy.dp.unit == "site", "privacy.dp.unit", "use none or example"),
-        ]
-        _refuse(refused, "sync.region_every")
-        e = self.elastic.enabled  # elastic rounds in two tiers (sync/tiers_elastic.py): DiLoCo's lock-step rounds
-        elastic = [
-            (e and streaming, "sync.algorithm", "use sync.algorithm=diloco"),
-            (e and self.sync.pace != "lockstep", "sync.pace", "use sync.pace=lockstep"),
-            (e and self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
-        ]
-        _refuse(elastic, "elastic.enabled and sync.region_every together")
+        _refuse([
+            (self.sync.algorithm == "ddp", "sync.algorithm",
+             "DDP has no rounds to put in two tiers (allowed with sync.region_every: diloco, streaming)"),
+            (self.sync.eager, "sync.eager",
+             "the eager step applies this site's own share of the average at once, and a world round averages the "
+             "regions' models, in which no site has a share of its own; set sync.eager=false"),
+            (self.sync.codec == "powersgd", "sync.codec",
+             "PowerSGD's low-rank factors are one sum over every site's matrices, and a region round sums a region's "
+             "only; use a byte codec or none"),
+            (self.privacy.dp.unit == "site", "privacy.dp.unit",
+             "site-level DP releases each update once per round, and in two tiers a site's update is released in its "
+             "region round and again, inside the region's model, in the world round; use none or example"),
+        ])  # fmt: skip
         if self.privacy.secure_aggregation:  # region rounds sum securely over each region's sites
             for region in self.topology.regions:
                 k = len(region.sites)
@@ -195,173 +204,112 @@ class Config(Section):
                     )
 
     def _adapt_fits(self) -> None:
-        """sync.adapt: lock-step rounds of DiLoCo or Streaming DiLoCo; what it is not combined with yet (docs/HETERO.md)."""
+        """sync.adapt: H, the codec (and Streaming's fragment count) follow the measured network."""
         if self.sync.adapt is None:
             return
-        p = self.privacy
-        refused = [
-            (self.sync.algorithm == "ddp", "sync.algorithm", "use sync.algorithm=diloco or streaming"),
-            (bool(self.train.max_seconds), "train.max_seconds", "set train.max_seconds=0 (adaptation plans rounds by steps)"),
-            (
-                self.sync.pace != "lockstep" and self.sync.algorithm == "streaming",
-                "sync.pace",
-                "use sync.pace=lockstep",
-            ),
-            (
-                self.elastic.enabled and (self.sync.algorithm == "streaming" or self.sync.pace != "lockstep"),
-                "elastic.enabled",
-                "set elastic.enabled=false, or adapt DiLoCo's lock-step rounds (elastic Streaming DiLoCo syncs fragments "
-                "at fixed steps; elastic adaptive pace budgets rounds from claimed rates)",
-            ),
-            (
-                p.dp.unit == "site",
-                "privacy.dp.unit",
-                "use none or example (site-level DP calibrates its noise to the planned rounds, which adaptation changes)",
-            ),
-            (
-                self.sync.algorithm == "streaming" and bool(self.checkpoint.every or self.checkpoint.resume),
-                "checkpoint.every",
-                "set checkpoint.every=0 and resume=none (Streaming DiLoCo's adapted fragments are not checkpointed)",
-            ),
-        ]
-        _refuse(refused, "sync.adapt")
+        _refuse([
+            (self.sync.algorithm == "ddp", "sync.algorithm",
+             "DDP exchanges every step and has no H to choose (allowed with sync.adapt: diloco, streaming)"),
+            (self.privacy.dp.unit == "site", "privacy.dp.unit",
+             "site-level DP calibrates its noise to the planned number of rounds, which adaptation changes; use none or example"),
+        ])  # fmt: skip
 
     def _quorum_fits(self, n: int) -> None:
-        """sync.quorum: asynchronous rounds of plain DiLoCo; what it is not combined with yet (docs/HETERO.md)."""
+        """sync.quorum: asynchronous quorum rounds (a hub, or elastic rounds of k of n sites)."""
         q = self.sync.quorum
         if q is None:
             return
         if q.sites > n:
             raise ValueError(f"sync.quorum.sites: {q.sites} is more than the {n} sites in topology.sites (allowed: 1..{n})")
-        p = self.privacy
-        if self.sync.algorithm == "ddp":
+        p, hub = self.privacy, not self.elastic.enabled
+        _refuse([
+            (self.sync.algorithm == "ddp", "sync.algorithm",
+             "quorum rounds merge the pseudo-gradients of rounds, and DDP has no rounds (allowed: diloco, streaming)"),
+            (self.sync.codec == "powersgd", "sync.codec",
+             "PowerSGD's low-rank factors are one sum over every site's matrices, and a quorum round merges whichever "
+             "updates have arrived; use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none"),
+            (hub and p.secure_aggregation, "privacy.secure_aggregation",
+             "a hub merges each site's update on its own, weighted by its staleness, and masked updates only cancel "
+             "when summed together; use elastic quorum rounds (elastic.enabled=true) or turn it off"),
+            (p.dp.unit == "site", "privacy.dp.unit",
+             "site-level DP calibrates its noise to a plain average of every site's update, and quorum rounds weigh "
+             "each update by its staleness; use none or example"),
+            (self.sync.eager, "sync.eager",
+             "the eager step applies this site's own share of a lock-step average at once, and a quorum round has no "
+             "fixed set of sites to take a share of; set sync.eager=false"),
+            (hub and self.topology.links.emulate == "kernel", "topology.links.emulate",
+             "kernel shaping puts the sites in network namespaces of one torch.distributed world, and a hub's sites "
+             "that come back join from a world of their own; use off or inprocess"),
+        ])  # fmt: skip
+        if self.elastic.enabled and q.sites <= n // 2:
             raise ValueError(
-                "sync.algorithm: quorum rounds merge the pseudo-gradients of rounds, and DDP has no rounds "
-                "(allowed: diloco, streaming)"
+                f"sync.quorum.sites: elastic rounds need more than half of the sites ({n // 2 + 1} of {n}): two rounds of "
+                f"disjoint sites would commit two models (allowed: {n // 2 + 1}..{n})"
             )
-        refused = [
-            (
-                self.sync.codec == "powersgd",
-                "sync.codec",
-                "use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none",
-            ),
-            (p.secure_aggregation or p.dp.unit == "site", "privacy", "turn privacy off"),
-            (self.topology.links.emulate == "kernel", "topology.links.emulate", "use off or inprocess"),
-        ]
-        _refuse(refused, "sync.quorum")
-        if self.elastic.enabled:  # quorum rounds as elastic rounds (sync/quorum_elastic.py)
-            self._elastic_quorum_fits(n)
-            return
-        if self.sync.algorithm == "streaming":  # each fragment's sync a delivery (sync/quorum_streaming.py)
-            s = self.sync
-            streaming = [
-                (
-                    s.eager,
-                    "sync.eager",
-                    "set sync.eager=false (its step applies this site's share at once, as 1/M of the average)",
-                ),
-                (bool(s.region_every), "sync.region_every", "set sync.region_every=0"),
-                (
-                    s.dynamic_quorum_steps,
-                    "sync.pace" if s.pace != "lockstep" else "sync.quorum.local_steps",
-                    "use fixed local steps at lock-step pace (the fragments' schedule is H)",
-                ),
-                (s.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
-                (s.within_site == "fsdp", "sync.within_site", "use sync.within_site=replicate"),
-                (bool(self.checkpoint.every or self.checkpoint.resume), "checkpoint.every", "set checkpoint.every=0"),
-            ]
-            _refuse(streaming, "Streaming DiLoCo in asynchronous quorum rounds")
-        if self.sync.region_every:  # a syncer per region, world rounds among them (sync/quorum_world.py)
-            tiers = [
-                (
-                    bool(self.checkpoint.every or self.checkpoint.resume),
-                    "checkpoint.every",
-                    "set checkpoint.every=0 and resume=none (a checkpoint's barrier round would need every region's at once)",
-                ),
-                (self.sync.adapt is not None, "sync.adapt", "leave sync.adapt unset (each region's syncer would choose alone)"),
-            ]
-            _refuse(tiers, "sync.quorum in two tiers (sync.region_every)")
-        if self.checkpoint.every and self.sync.dynamic_quorum_steps:
+        if hub and self.sync.region_every and (self.checkpoint.every or self.checkpoint.resume):
             raise ValueError(
-                "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same "
-                "step, and dynamic local steps (or sync.pace=adaptive) give each site its own; use fixed local steps or checkpoint.every=0"
+                "checkpoint.every: a checkpoint is one instant at which every site holds the state it resumes from; in two "
+                "tiers each region's hub runs its sites asynchronously and the hubs meet only in world rounds, so no such "
+                "instant exists short of stopping every region at once; set checkpoint.every=0 (or use elastic quorum "
+                "rounds, whose sites each checkpoint their own state)"
             )
-        if self.checkpoint.every and self.fault.site_faults():
+        if hub and self.checkpoint.every and self.fault.site_faults():
             raise ValueError(
                 "checkpoint.every: a checkpoint is written by every rank of the run together, and a site killed in "
                 "asynchronous rounds leaves the run's world for good; set checkpoint.every=0 or drop fault.kill"
             )
 
     def _pace_fits(self) -> None:
-        """sync.pace=adaptive and train.max_seconds end rounds by measurement: DiLoCo's rounds and Streaming DiLoCo's
-        slots (one fragment's sync each)."""
+        """sync.pace=adaptive and train.max_seconds end rounds by measurement."""
         what = "sync.pace" if self.sync.pace != "lockstep" else "train.max_seconds" if self.train.max_seconds else None
         if what is None:
             return
-        p = self.privacy
-        streaming = self.sync.algorithm == "streaming"  # each fragment's sync ends a slot of the clock
-        refused = [
-            (self.sync.algorithm not in ("diloco", "streaming"), "sync.algorithm", "use sync.algorithm=diloco or streaming"),
-            (
-                streaming and self.elastic.enabled,
-                "elastic.enabled",
-                "set elastic.enabled=false (elastic Streaming DiLoCo syncs fragments at fixed steps, and ends on them)",
-            ),
-            (
-                streaming and self.sync.eager,
-                "sync.eager",
-                "set sync.eager=false (its step applies this site's share at once, as 1/M of the average)",
-            ),
-            (
-                self.elastic.enabled and bool(self.train.max_seconds) and self.sync.quorum is None,
-                "elastic.enabled",
-                "set train.max_seconds=0 (elastic sites end on their steps or, with sync.pace=adaptive, on rounds; "
-                "in quorum rounds each on its own time)",
-            ),
-            (
-                p.dp.unit == "site",
-                "privacy.dp.unit",
-                "use none or example (site-level DP's noise is calibrated to one update per site per round, "
-                "and rounds of different lengths weigh sites differently)",
-            ),
-        ]
-        _refuse(refused, what)
+        _refuse([
+            (self.sync.algorithm == "ddp", "sync.algorithm",
+             "DDP exchanges every step: it has no rounds to pace or to end on time (use diloco or streaming)"),
+            (self.sync.eager, "sync.eager",
+             "the eager step applies this site's share at once as 1/M of the average, and paced rounds weigh sites by "
+             "their own steps; set sync.eager=false"),
+            (self.elastic.enabled and bool(self.train.max_seconds) and self.sync.quorum is None, "train.max_seconds",
+             "elastic sites are worlds of their own with clocks of their own, and a round holds only the sites that "
+             "asked, so no one elapsed time reaches every site; end on train.steps (or use quorum rounds, each site "
+             "on its own time)"),
+            (self.privacy.dp.unit == "site", "privacy.dp.unit",
+             "site-level DP's noise is calibrated to one update per site per round, and rounds of different lengths "
+             "weigh sites differently; use none or example"),
+        ])  # fmt: skip
 
     def _unequal_fits(self) -> None:
-        """What sites of different sizes are not combined with yet (docs/HETERO.md says why)."""
+        """Sites of different sizes (docs/PACE.md says why these two stay refused)."""
         workers = [s.workers for s in self.topology.sites]
         if len(set(workers)) == 1:
             return
-        p = self.privacy
-        refused = [
-            (p.dp.unit == "site", "privacy.dp.unit", "set privacy.dp.unit=none or example"),
-            (self.sync.eager, "sync.eager", "set sync.eager=false"),
-        ]
-        _refuse(refused, f"sites of different sizes {workers}")
-        if self.sync.within_site == "fsdp":  # each site's pseudo-gradient is gathered whole in DiLoCo's rounds
-            fsdp = [
-                (self.sync.algorithm != "diloco", "sync.algorithm", "use sync.algorithm=diloco"),
-                (self.elastic.enabled, "elastic.enabled", "set elastic.enabled=false"),
-                (bool(self.sync.region_every), "sync.region_every", "set sync.region_every=0"),
-                (p.secure_aggregation, "privacy.secure_aggregation", "set privacy.secure_aggregation=false"),
-            ]
-            _refuse(fsdp, f"sync.within_site=fsdp over sites of different sizes {workers}")
+        _refuse([
+            (self.privacy.dp.unit == "site", "privacy.dp.unit",
+             f"site-level DP's noise is calibrated to one clipped update per site, and sites of different sizes "
+             f"{workers} weigh by their tokens, which changes each site's sensitivity; use none or example"),
+            (self.sync.eager, "sync.eager",
+             f"the eager step applies this site's share as 1/M of the average, and sites of different sizes {workers} "
+             "weigh by their tokens; set sync.eager=false"),
+        ])  # fmt: skip
 
     def _fsdp_fits(self) -> None:
-        """What sync.within_site=fsdp is not combined with yet (docs/DESIGN.md §23 says why)."""
+        """sync.within_site=fsdp: each site's model sharded over its workers (docs/SCALE.md)."""
         if self.sync.within_site != "fsdp":
             return
-        p = self.privacy
-        if p.dp.unit == "example" and self.model.kind == "hf":
+        if self.privacy.dp.unit == "example" and self.model.kind == "hf":
             raise ValueError(
                 "privacy.dp.unit: example-level DP of a sharded model takes per-example norms of geotrain's GPT layers "
                 "(Linear, Embedding, LayerNorm); set model.kind=gpt or sync.within_site=replicate"
             )
-        refused = [
-            (self.sync.allreduce == "flat", "sync.allreduce", "use sync.allreduce=hierarchical"),
-            (self.sync.eager, "sync.eager", "set sync.eager=false"),
-        ]
-        _refuse(refused, "sync.within_site=fsdp", " (or sync.within_site=replicate)")
+        _refuse([
+            (self.sync.allreduce == "flat", "sync.allreduce",
+             "FSDP shards inside a site and sums across sites shard by shard, which is the hierarchical all-reduce; "
+             "use sync.allreduce=hierarchical"),
+            (self.sync.eager, "sync.eager",
+             "the eager step applies each site's own share of the whole pseudo-gradient at once, and under FSDP no "
+             "rank holds a whole one; set sync.eager=false"),
+        ])  # fmt: skip
 
     def _elastic_fits(self, n: int) -> None:
         e = self.elastic
@@ -369,50 +317,27 @@ class Config(Section):
             return
         if e.min_sites > n:
             raise ValueError(f"elastic.min_sites: {e.min_sites} is more than the number of sites ({n})")
-        if self.sync.algorithm not in ("diloco", "streaming"):
-            raise ValueError("sync.algorithm: elastic mode runs diloco or streaming (allowed: diloco, streaming)")
-        if self.sync.eager:
-            raise ValueError(
-                "sync.eager: the eager variant leaves each site on its own global model until the end, and an elastic "
-                "round heals and commits one global model; set sync.eager=false in elastic mode"
-            )
-        if self.sync.codec == "powersgd":
-            raise ValueError(
-                "sync.codec: PowerSGD's factors are all-reduced over a fixed world; in elastic mode use a byte codec "
-                "(bf16, fp16, int8, int4, fp4, topk, sparseloco) or none"
-            )
-        if self.privacy.inject:
-            raise ValueError(
-                "privacy.inject: drops secure-aggregation rounds of plain mode; in elastic mode a site drops out "
-                "for real (fault.kill or fault.hang)"
-            )
-        if self.checkpoint.resume not in (None, "auto"):
-            raise ValueError("checkpoint.resume: elastic sites resume from their own checkpoints; use auto (or none)")
-        if self.topology.links.emulate == "kernel":
-            raise ValueError("topology.links.emulate: elastic mode supports off or inprocess")
-
-    def _elastic_quorum_fits(self, n: int) -> None:
-        """Quorum rounds in elastic mode: the Lighthouse forms a round once sync.quorum.sites sites have
-        asked (docs/COMPOSE.md); what it is not combined with yet."""
-        q, s = self.sync.quorum, self.sync
-        assert q is not None
-        if q.sites <= n // 2:
-            raise ValueError(
-                f"sync.quorum.sites: elastic rounds need more than half of the sites ({n // 2 + 1} of {n}): two rounds of "
-                f"disjoint sites would commit two models (allowed: {n // 2 + 1}..{n})"
-            )
-        refused = [
-            (s.algorithm == "streaming", "sync.algorithm", "use sync.algorithm=diloco"),
-            (bool(s.region_every), "sync.region_every", "set sync.region_every=0"),
-            (s.dynamic_quorum_steps, "sync.pace" if s.pace != "lockstep" else "sync.quorum.local_steps", "use fixed local steps"),
-            (s.adapt is not None, "sync.adapt", "leave sync.adapt unset"),
-            (bool(self.checkpoint.every), "checkpoint.every", "set checkpoint.every=0"),
-        ]
-        _refuse(refused, "elastic quorum rounds")
+        _refuse([
+            (self.sync.algorithm == "ddp", "sync.algorithm",
+             "elastic membership meets once per round, and DDP has no rounds, only steps (allowed: diloco, streaming)"),
+            (self.sync.eager, "sync.eager",
+             "the eager variant leaves each site on its own global model until the end, and an elastic round heals and "
+             "commits one global model; set sync.eager=false in elastic mode"),
+            (self.sync.codec == "powersgd", "sync.codec",
+             "PowerSGD's factors are all-reduced over a fixed world; in elastic mode use a byte codec "
+             "(bf16, fp16, int8, int4, fp4, topk, sparseloco) or none"),
+            (bool(self.privacy.inject), "privacy.inject",
+             "drops secure-aggregation rounds of plain mode; in elastic mode a site drops out for real "
+             "(fault.kill or fault.hang)"),
+            (self.checkpoint.resume not in (None, "auto"), "checkpoint.resume",
+             "elastic sites resume from their own checkpoints; use auto (or none)"),
+            (self.topology.links.emulate == "kernel", "topology.links.emulate",
+             "elastic mode supports off or inprocess (each site is a world of its own, out of the kernel mode's namespaces)"),
+        ])  # fmt: skip
 
     @property
     def lighthouse_join_s(self) -> float:
-        """How long the Lighthouse waits for live sites that have not asked yet once a round has the
+        """How long the Lighthouse waits for live sites that have not asked so far once a round has the
         sites it needs: elastic quorum rounds wait sync.quorum.grace_s; other elastic rounds wait 60 s
         (for every live site); '.inf', a day (a dead site stops beating, so it is not waited for)."""
         return min(self.sync.quorum.grace_s, 86_400.0) if self.sync.quorum is not None and self.elastic.enabled else 60.0
@@ -438,27 +363,26 @@ class Config(Section):
         return self.elastic
 
     def with_algorithm(self, algorithm: str) -> Config:
-        """A copy of this config that trains with ``algorithm`` and no baseline."""
+        """A copy of this config that trains with ``algorithm`` and no baseline. A DDP baseline is
+        plain fp32 data parallelism over every rank (no codec, rounds, membership, faults or
+        pseudo-gradient privacy: what the rounds are measured against); another round algorithm
+        keeps every setting but the eager variant (Streaming DiLoCo's alone)."""
         data = self.model_dump()
         data["sync"]["algorithm"] = algorithm
         data["run"]["baseline"] = "none"
-        if algorithm != "diloco":  # time limits, tiers and quorums are DiLoCo's; adaptive pace DiLoCo's and Streaming's
-            if algorithm == "ddp" or self.elastic.enabled or self.sync.eager or self.sync.adapt is not None:
-                data["sync"]["pace"], data["train"]["max_seconds"] = "lockstep", 0
-            if algorithm == "ddp" or data["sync"]["pace"] != "lockstep" or data["train"]["max_seconds"] or self.sync.eager:
-                data["sync"]["region_every"] = 0  # (Streaming DiLoCo's tiers run lock-step slots)
-            data["sync"]["quorum"] = None
-        if algorithm == "ddp" or (algorithm == "streaming" and self.elastic.enabled):  # (elastic: DiLoCo's rounds only)
-            data["sync"]["adapt"] = None
-            if len({s.workers for s in self.topology.sites}) > 1:  # (HSDP sums shards rank by rank: one layout)
-                data["sync"]["within_site"] = "replicate"
-        if algorithm == "ddp" or (algorithm == "streaming" and self.sync.eager):  # no elastic rounds: it runs plain
+        if algorithm == "ddp":
+            data["sync"].update(pace="lockstep", region_every=0, quorum=None, adapt=None, codec="none", eager=False)
+            data["train"]["max_seconds"] = 0
             data["elastic"]["enabled"] = False
-            data["fault"].update(kill=[], hang=[], tamper=[], split=[], migrate=[])  # (each needs elastic rounds)
-        if algorithm == "ddp":  # a DDP baseline exchanges gradients: no pseudo-gradient privacy to apply
+            data["fault"].update(kill=[], hang=[], tamper=[], split=[], migrate=[], nan=[])  # (each needs rounds)
             data["privacy"]["secure_aggregation"] = False
+            data["privacy"]["inject"] = []
             if data["privacy"]["dp"]["unit"] == "site":
                 data["privacy"]["dp"]["unit"] = "none"
+            if data["topology"]["exchange"]["shape"] != "ring" or data["topology"]["exchange"]["region_shape"] != "ring":
+                data["topology"]["exchange"].update(shape="ring", region_shape="ring")
+        elif algorithm != "streaming":
+            data["sync"]["eager"] = False
         if data["checkpoint"]["dir"] is not None and self.run.baseline not in ("none", self.sync.algorithm):
             data["checkpoint"]["dir"] = str(Path(data["checkpoint"]["dir"]) / algorithm)  # one directory per run
         return Config.model_validate(data)

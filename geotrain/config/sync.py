@@ -16,7 +16,7 @@ STREAMING_HOLD = 0.05  # sync.adapt.hold's default with Streaming DiLoCo
 
 class AdaptConfig(Section):
     """Adaptation to the measured network (DiLoCo or Streaming DiLoCo, lock-step rounds;
-    docs/HETERO.md): after every round (streaming: every H steps, one cycle of its fragments) the
+    docs/PACE.md): after every round (streaming: every H steps, one cycle of its fragments) the
     link's achieved bandwidth and latency are measured, and H, the codec and (streaming) the
     fragment count are chosen with the planner's closed form
     (:func:`geotrain.plan.strategies.utilization`)."""
@@ -69,7 +69,7 @@ class AdaptConfig(Section):
 
 
 class QuorumConfig(Section):
-    """Asynchronous quorum rounds (DiLoCo, or Streaming DiLoCo's fragments; docs/HETERO.md): a syncer
+    """Asynchronous quorum rounds (DiLoCo, or Streaming DiLoCo's fragments; docs/QUORUM.md): a syncer
     beside the first site's local rank 0 (in two tiers, each region's first) merges pseudo-gradients when ``sites`` sites have delivered, plus ``grace_s``; a site
     whose update was computed from an older global model is not made to wait, and its update is
     merged later, discounted by its staleness."""
@@ -164,7 +164,7 @@ class SyncConfig(Section):
         description="How many inner steps each site runs per outer round: 'lockstep' (H everywhere: a fast site waits for the "
         "slowest at every round) or 'adaptive' (site s runs about H * rate_s / rate_max steps, from the step rates measured "
         "in the run and exchanged at each round boundary, so every site reaches the boundary at about the same time; "
-        "after a lock-step calibration round of max(1, H/20) steps the run lasts ceil(train.steps / H) rounds; docs/HETERO.md). "
+        "after a lock-step calibration round of max(1, H/20) steps the run lasts ceil(train.steps / H) rounds; docs/PACE.md). "
         "With sync.quorum: quorum.local_steps=dynamic.",
     )
     region_every: int = Field(
@@ -180,7 +180,7 @@ class SyncConfig(Section):
         description="Multi-tier: where the outer optimizer (sync.outer_lr, outer_momentum, nesterov) steps: 'region' (every "
         "H steps inside each region, with momentum per region; the world tier averages the regions' models), 'world' "
         "(regions average plainly every H steps; the outer step every region_every rounds across regions) or 'both' "
-        "(HALoS-like); measured in docs/HETERO.md.",
+        "(HALoS-like); measured in docs/PACE.md.",
     )
     adapt: AdaptConfig | None = Field(
         default=None,
@@ -299,7 +299,9 @@ class SyncConfig(Section):
                 )
             if self.codec not in a.codecs:
                 raise ValueError(
-                    f"codec: the first round's codec must be one of sync.adapt.codecs ({', '.join(a.codecs)}; got {self.codec})"
+                    f"codec: adaptation chooses among fixed-width codecs by their bits per value, and starts from one of "
+                    f"sync.adapt.codecs ({', '.join(a.codecs)}; got {self.codec}): a sparse codec's size depends on its "
+                    "density and its error feedback would be lost at every switch"
                 )
             if self.error_feedback:
                 raise ValueError("error_feedback: adaptation switches codecs between rounds; leave error_feedback unset")
@@ -308,7 +310,11 @@ class SyncConfig(Section):
                     raise ValueError(f"adapt.{name}: Streaming DiLoCo only (sync.algorithm=streaming); leave it unset")
             if self.algorithm == "streaming":
                 if self.eager:
-                    raise ValueError("eager: not combined with sync.adapt yet; set sync.eager=false")
+                    raise ValueError(
+                        "eager: the eager step owes each fragment the rest of its last round's average, and adaptation "
+                        "rebuilds the fragments when it changes H or their count, leaving those debts on fragments that "
+                        "are gone; set sync.eager=false"
+                    )
                 if a.fragments is not None and self.fragments not in a.fragments:
                     raise ValueError(
                         f"fragments: the first fragment count must be one of sync.adapt.fragments "

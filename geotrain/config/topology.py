@@ -161,7 +161,7 @@ class TopologyConfig(Section):
     regions: list[RegionConfig] = Field(
         default_factory=list,
         description="Optional groups of sites (site -> region -> world) for multi-tier sync (sync.region_every) and per-tier "
-        "links and byte counts; empty: one tier. When given, every site is in exactly one region (docs/HETERO.md).",
+        "links and byte counts; empty: one tier. When given, every site is in exactly one region (docs/TIERS.md).",
     )
 
     exchange: ExchangeConfig = Field(

@@ -127,6 +127,7 @@ class Exchange:
         self.group = group
         self.ping, self.ping_s = ping, 0.0  # sync.adapt: a round trip around the ring, timed, before the sum
         self.heal_blob: bytes | None = None  # set once the whole healing state has arrived
+        self.seconds = 0.0
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._done = self._abandoned = False
@@ -152,6 +153,7 @@ class Exchange:
     # ------------------------------------------------------------------ the exchange thread
 
     def _run(self) -> None:
+        t0 = time.monotonic()
         try:
             if self.group is None:
                 self.group = round_group(
@@ -174,6 +176,7 @@ class Exchange:
         except BaseException as exc:  # reported to the main thread
             self.error = exc
         finally:
+            self.seconds = time.monotonic() - t0  # the exchange alone (it may have run beside compute)
             with self._lock:
                 self._done = True
                 abandoned = self._abandoned

@@ -25,7 +25,6 @@ supervised by the launcher (:class:`geotrain.elastic.lighthouse.LighthouseProces
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import threading
 import time
@@ -36,7 +35,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from geotrain.comm.authstore import AuthStore, AuthStoreServer
+from geotrain.comm.authstore import AuthStoreServer
 from geotrain.comm.collectives import CommStats
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.faults import FaultPlan
@@ -46,15 +45,14 @@ from geotrain.config import ElasticConfig
 from geotrain.elastic import commit, roundstore
 from geotrain.elastic import view as views
 from geotrain.elastic.auth import RunKeys, SealedStore, load_secret
-from geotrain.elastic.commit import TRAILER, Contribution
+from geotrain.elastic.commit import Contribution
 from geotrain.elastic.coordinator import Coordinator
-from geotrain.elastic.exchange import Exchange, backstop
 from geotrain.elastic.hints import QuorumHints
 from geotrain.elastic.meeting import meet
-from geotrain.elastic.records import append_record
 from geotrain.elastic.roundstore import Monitor
-from geotrain.elastic.view import HealHooks, RoundView, Schedule, group_key, heal_source, same_initial_model
-from geotrain.errors import ROUND_FAILURES, ElasticTimeout, MembershipRefused, RoundFailed
+from geotrain.elastic.running import RunningRound, record
+from geotrain.elastic.view import HealHooks, RoundView, Schedule, heal_source, same_initial_model
+from geotrain.errors import ElasticTimeout, MembershipRefused, RoundFailed
 
 # --------------------------------------------------------------------------- one site's member
 
@@ -98,6 +96,7 @@ class SiteMember(Schedule):
         identity: Callable[[], Identity] | None = None,
         sharded: bool = False,
         tiers: bool = False,
+        collective: bool = False,
     ) -> None:
         self.cfg = cfg
         self.stats = stats if stats is not None else CommStats()
@@ -117,6 +116,9 @@ class SiteMember(Schedule):
         # two tiers (sync.region_every): each site's region; a round's part says its tier (REGION or WORLD)
         self.region_of = {s: topology.region_name(i) for i, s in enumerate(self.names)} if tiers else None
         self.sharded = sharded  # FSDP: each rank carries its own shard, and heals from the same local rank of the source
+        # the site's ranks read its state and hash together (FSDP; over sites of different sizes the
+        # site carries and heals whole vectors, as replicated sites do, but gathers them first)
+        self.collective = sharded or collective
         self.carriers = workers if sharded else topology.carriers
         Schedule.__init__(self, list(topology.workers), site_index)
         self._bytes_lock = threading.Lock()
@@ -166,7 +168,7 @@ class SiteMember(Schedule):
         the meeting (a replayed quorum entry cannot fake a mismatch). Every rank returns the sites
         present."""
         view = RoundView()
-        self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # (sharded: a collective)
+        self._hash = self.hooks.global_hash() if self.collective or self.local == 0 else ""  # (sharded: a collective)
         if self.local == 0:
             try:
                 present = self._present(sites, timeout)
@@ -282,43 +284,62 @@ class SiteMember(Schedule):
         sizes: list[int] | None = None,
         pace: int = 0,
         link: str = "",
-    ) -> int | None:
+        overlap: bool = False,
+    ) -> int | RunningRound | None:
         """Average ``delta`` (this site's pseudo-gradient, identical on its ranks) over the admitted
         sites in place, weighted (the arguments: :meth:`geotrain.sync.base.RoundMembership.round`);
         the number of sites that contributed, None if postponed (Lighthouse down). Error feedback
         ``residual`` changes only if the round commits. The round sums :attr:`part`; where that is
         not ``part`` (this site healed from a source on another schedule), the average is in
-        :attr:`average`, not in ``delta``.
+        :attr:`average`, not in ``delta``. With ``overlap``, a round in which no site heals returns
+        running (its exchange in a thread): the caller finishes it later (:meth:`RunningRound.finish`),
+        before its next round.
 
         Raises:
             RoundFailed: the round cannot commit on every participant; roll it back.
             MembershipRefused: this site failed authentication.
         """
-        t0, sent0, raw0, far0 = time.monotonic(), self.inter_bytes, self.raw_bytes, self.region_bytes
-        self._hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # only local rank 0 claims it
+        t0 = time.monotonic()
+        counters = (t0, self.inter_bytes, self.raw_bytes, self.region_bytes)
+        self._hash = self.hooks.global_hash() if self.collective or self.local == 0 else ""  # only local rank 0 claims it
         self._part, self._rest, self._sizes, self._pace, self._link = part, rest, sizes, pace, link
+        run = None
         try:
-            return self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual))
-        finally:  # the training thread was blocked on the wide area all along
-            seconds = time.monotonic() - t0
-            healed = bool(self._current.get("healers"))  # (healing traffic is no measure of the link)
-            self.measured = (
-                (0.0, 0.0) if healed else (seconds - self._current.get("quorum_s", 0.0), self._current.get("ping_s", 0.0))
-            )
-            st = self.stats
-            st.inter_bytes += self.inter_bytes - sent0
-            st.inter_raw_bytes += self.raw_bytes - raw0
-            st.inter_region_bytes += self.region_bytes - far0
-            st.comm_seconds += seconds
-            st.wan_wait_seconds += seconds
-            st.network_seconds += seconds
+            run = self._round(delta, can_postpone, t0, Contribution(contribute, weight, codec, residual), counters)
+            if run is None:
+                return None
+            run.blocked += time.monotonic() - t0
+            if overlap and not run.view.healers:
+                return run
+            return run.finish()
+        finally:
+            if run is None:  # postponed, or failed before its exchange
+                self._account(None, counters)
+
+    def _account(self, run: RunningRound | None, counters: tuple[float, int, int, int] | None = None) -> None:
+        """A round's bytes and the time the training thread waited on it, into the run's counters;
+        what ``sync.adapt`` measures of it (nothing from a round that healed a site)."""
+        t0, sent0, raw0, far0 = run.counters if run is not None else counters  # type: ignore[misc]
+        seconds = run.blocked if run is not None else time.monotonic() - t0
+        healed = bool(self._current.get("healers"))  # (healing traffic is no measure of the link)
+        took = self._current.get("exchange_s", seconds - self._current.get("quorum_s", 0.0))
+        self.measured = (0.0, 0.0) if healed else (took, self._current.get("ping_s", 0.0))
+        st = self.stats
+        st.inter_bytes += self.inter_bytes - sent0
+        st.inter_raw_bytes += self.raw_bytes - raw0
+        st.inter_region_bytes += self.region_bytes - far0
+        st.comm_seconds += seconds
+        st.wan_wait_seconds += seconds
+        st.network_seconds += seconds
 
     @property
     def carries(self) -> bool:
         """This local rank carries a part across sites: one of the first ``carriers`` (the smallest site's size)."""
         return self.local < self.carriers
 
-    def _round(self, delta: torch.Tensor, can_postpone: bool, t0: float, what: Contribution) -> int | None:
+    def _round(
+        self, delta: torch.Tensor, can_postpone: bool, t0: float, what: Contribution, counters: tuple[float, int, int, int]
+    ) -> RunningRound | None:
         view = RoundView()
         if self.local == 0:
             try:
@@ -348,148 +369,34 @@ class SiteMember(Schedule):
             raise RoundFailed(why)
         store = self._stores.get(view.meeting)
         if not self.carries:  # nothing crosses sites from this rank: no exchange, no heartbeats to watch
-            return self._exchange_and_vote(delta, view, store, None, what)
+            run = RunningRound(self, delta, view, store, None, lambda: None, what, counters)
+            run.start()
+            return run
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
         hb_client = roundstore.connect(view.meeting, self.keys.store, self.cfg.heartbeat_timeout_s)
         hb_store = SealedStore(hb_client, self.keys, f"round/{view.round_id}", self.log)
         monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
-        try:
-            return self._exchange_and_vote(delta, view, store, monitor, what)
-        finally:
+
+        def close() -> None:
             monitor.stop()
             hb_client.close()
             if monitor.culprit:
                 self._event(monitor.culprit, "heartbeat timeout")
 
-    def _exchange_and_vote(
-        self, delta: torch.Tensor, view: RoundView, store: AuthStore, monitor: Monitor | None, what: Contribution
-    ) -> int:
-        # the main thread prepares everything the exchange thread reads (it must not touch the model)
-        finite = what.contribute and bool(torch.isfinite(delta).all())
-        if not finite and what.weight == 0:
-            self.log("this site takes part in the round without an update (its steps are run, or synced in another tier)")
-        elif not finite:
-            self.log("pseudo-gradient withdrawn from this round (" + ("not finite)" if what.contribute else "update guard)"))
-        late = views.late_by(view, self.site) if self.stale_power is not None else 0  # quorum rounds: its update counts
-        contributes = finite and (self.site not in view.healers or late > 0)
-        what.weight *= (1.0 + late) ** -(self.stale_power or 0.0) if contributes else 1.0
-        lo, hi = (0, delta.numel()) if self.sharded else commit.span(delta.numel(), self.local, self.carriers)
-        ring = views.tier_ring(view, self.site, self.region_of, self.order)  # the round's sites in exchange order
-        carry = torch.zeros(hi - lo + TRAILER)  # Gloo: CPU, also under NCCL; then this site's weight and count
-        dp = commit.site_dp(self.noise, delta, contributes and what.weight > 0, self.sharded, self.intra)  # every rank
-        if self.carries:  # secure: a masked part's weight is its share of the largest site's tokens (at most 1)
-            factor = 1.0 if what.weight == 1.0 else self.workers[self.site_index] / max(self.workers)
-            part = dp(delta.detach().reshape(-1)[lo:hi].to("cpu", torch.float32))
-            where = (lo, self.site, view, self.local, ring)  # masks cancel over the sites summed
-            carry = commit.carried(part, what.weight, contributes, self.masker, factor, where)
-        outgoing = None
-        if view.healed_by(self.site) and (self.local == 0 or self.sharded):
-            buf = io.BytesIO()
-            only_late = self.hooks.global_state is not None and views.all_late(view, self.site)  # quorum rounds: the global part
-            torch.save(self.hooks.global_state() if only_late else self.hooks.state(), buf)  # type: ignore[misc]
-            outgoing = buf.getvalue()
-        round_store = SealedStore(store, self.keys, f"round/{view.round_id}", self.log)  # rendezvous and votes
-        ok, why, heal_blob = torch.ones(1), "", None
-        x: Exchange | None = None
-        if monitor is not None:
-            x = self._exchange(view, monitor, round_store, carry, outgoing, what, ring)
-            x.start()
-            finished = x.wait()
-            self._current["exchange_s"] = time.monotonic() - self._current["start"] - self._current["quorum_s"]
-            self._current["seal_s"] = x.seal_seconds
-            self._current["open_s"] = x.open_seconds
-            self._current["ping_s"] = x.ping_s
-            self.raw_bytes += x.raw_bytes
-            if not finished:
-                ok.zero_()
-                why = monitor.failed or "aborted"
-                self._drop_group()
-            else:
-                carry = commit.unmasked(self.masker, carry) if self.masker is not None and x.error is None else carry.float()
-                self._pg = (group_key(view, 1), x.group) if x.group is not None else None  # (for the next round)
-                if x.error is not None:
-                    ok.zero_()
-                    if isinstance(x.error, MembershipRefused) or not isinstance(x.error, ROUND_FAILURES):
-                        raise x.error  # refused, or a bug in the exchange: stop, do not roll back as if a peer failed
-                    first = str(x.error).splitlines()[0][:100] if str(x.error) else type(x.error).__name__
-                    why = str(x.error) if isinstance(x.error, RoundFailed) else f"collective failed ({first})"
-            heal_blob = x.heal_blob
-        if self.site in view.healers:  # complete: the source's state at the start of this round
-            heal_blob = commit.share_in_site(heal_blob, self.local, self.G, self.intra, own=self.sharded)
-            if heal_blob is not None:
-                self._load_healing(heal_blob, view.source_of(self.site), whole=not late)
-                if what.residual is not None and not late:  # a healed site starts its error feedback afresh
-                    what.residual.tensor = None
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.intra)
-        if ok.item() and self.G > 1 and not self.sharded:  # the site's ranks gather the carried parts
-            carry = commit.gather_site(carry, delta.numel(), self.carriers, self.G, self.intra)
-        committed, self.split = commit.vote(
-            round_store, view, monitor, bool(ok.item()), site=self.site, local=self.local, identity=self.identity,
-            intra=self.intra, timeout_s=self.cfg.collective_timeout_s, log=self.log, deaf=self.faults.splits(self.hooks.step()),
-        )  # fmt: skip
-        if not committed or self.split:  # on every site of the round alike (split: some committed): a new group next round
-            self._drop_group()
-        if not committed:
-            self._stores.forget(view.meeting)
-            reason = why or (monitor.failed if monitor is not None else None) or "a participant did not confirm the round"
-            if self.local == 0:
-                self.log(f"round {view.key} rolled back: {reason} (round store {view.meeting})")
-            raise RoundFailed(reason)
-        if x is not None and what.residual is not None and (self.site not in view.healers or late):
-            what.residual.keep(x.residual)  # the round committed: keep what its encoding left out
-        total, count = (float(v) for v in carry[-TRAILER:].tolist())
-        if (count < 0.5 or total <= 0) and not views.region_round(view, self.region_of):
-            raise RoundFailed("no site contributed to the round")  # (tiers: a region of sites that healed or sat out sums 0)
-        divisor = self.world_weight or (total if total > 0 else 1.0)  # quorum rounds: a whole world round's weight
-        self.average = delta.copy_(carry[:-TRAILER].to(delta.device).view_as(delta)).div_(divisor)
-        self._current.update(contributors=int(round(count)), weight=total, **({"late": late} if late else {}))
-        return self._current["contributors"]
+        run = RunningRound(self, delta, view, store, monitor, close, what, counters)
+        try:
+            run.start()
+        except BaseException:
+            close()
+            raise
+        return run
 
     def affords(self) -> bool:  # site-level DP: whether the ε budget allows one more noised update
         return self.noise is None or self.noise.affords()
 
-    def _exchange(
-        self, view: RoundView, monitor: Monitor, round_store: SealedStore, carry: torch.Tensor, outgoing: bytes | None,
-        what: Contribution, ring: list[str] | None,
-    ) -> Exchange:  # fmt: skip
-        members = group_key(view)
-        if self._pg is not None and self._pg[0] != members:
-            self._drop_group()  # a new membership gets a new group (a restarted site has a new store address)
-        residual = what.residual.tensor if what.residual is not None else None
-        if residual is not None and residual.numel() != carry.numel() - TRAILER:
-            raise ValueError(f"error-feedback residual of {residual.numel()} values for a part of {carry.numel() - TRAILER}")
-        return Exchange(
-            view, self.site, self.local, self.names, self.wan, monitor, round_store,
-            self._pg[1] if self._pg is not None else None, carry, outgoing,
-            lambda nbytes: backstop(self.slowest_link, self.cfg, nbytes, len(view.admitted)), self.cfg.collective_timeout_s, self._count,
-            self.on_mid_round, tamper=self.faults.tampers(self.hooks.step()), heals=self.local == 0 or self.sharded,
-            codec=what.codec, error_feedback=what.residual is not None, residual=residual,
-            add=self.masker.add_ if self.masker is not None else None, ping=self.ping, ring=ring,
-        )  # fmt: skip
-
-    def _load_healing(self, blob: bytes, source: str, whole: bool = True) -> None:
-        """Main thread: load the state a source sent. From now on this site holds a valid state (the
-        source's at the round's start, which a rollback returns to), so it is no longer joining: it
-        can be a heal source for others even if this round fails. Not ``whole`` (a late site of
-        quorum rounds): only the global part (``hooks.load_global``); its own steps go on."""
-        state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-        if whole or self.hooks.load_global is None:
-            self.hooks.load(state)
-            self.healed_at_step = int(state["step"])
-        else:
-            self.hooks.load_global(state)
-        self.joining = False
-        if self.local == 0:
-            what = "" if whole else " (its global model only: this site's update was late)"
-            self.log(f"healed from {source}: {state['committed']} committed rounds, step {state['step']}{what}")
-
     def note(self, outcome: str, reason: str, global_hash: str, committed: int, step: int) -> None:
         """Record the round's outcome (after the caller applied or rolled it back): one JSON line."""
-        rec = {**self._current, "end": time.monotonic(), "wall_end": time.time(), "outcome": outcome, "reason": reason}
-        rec.update(site=self.site, hash=global_hash, committed=committed, step=step)
-        self._current = {}
-        if self.record_file is not None:
-            append_record(self.record_file, rec)
+        record(self, outcome, reason, global_hash, committed, step)
 
     def close(self) -> None:
         if self.coordinator is not None:

@@ -178,7 +178,7 @@ class QuorumMember(SiteMember):
     def all_finished(self, total: int) -> bool:
         """Every live site has run its steps and holds this site's model (their stores say; every
         rank of the site gets local rank 0's answer). Raises ElasticTimeout as :meth:`Progress.all_done`."""
-        global_hash = self.hooks.global_hash() if self.sharded or self.local == 0 else ""  # (sharded: a collective)
+        global_hash = self.hooks.global_hash() if self.collective or self.local == 0 else ""  # (sharded: a collective)
         view = RoundView(postponed=True)  # postponed: not yet
         if self.local == 0:
             assert self.progress is not None

@@ -45,7 +45,8 @@ class PrivateAggregation:
         # the first `carriers` local ranks (the smallest site's size) carry the vector across sites;
         # under FSDP (sites of one size) every rank carries its own shard
         self.carries = g.me.local_rank < g.topology.carriers
-        self.sharded = g.mesh is not None
+        # (FSDP over sites of different sizes: the rounds hand over the site's whole vector, gathered in the site)
+        self.sharded = g.mesh is not None and len(set(g.topology.workers)) == 1
         self.site_names = list(g.topology.site_names)
         self.site = g.me.site_index
         self.site_dp = cfg.dp.unit == "site"

@@ -40,6 +40,7 @@ def build_round(
     rejoin: Rejoin | None = None,
     elastic: bool = False,
     region: str = "",
+    site_sizes: tuple[int, ...] = (),
 ) -> SyncAlgorithm:
     """The run's round, hooked onto ``optimizer``, from the ``sync`` section and the parts the
     composition root made (privacy, guard, failure injection, membership).
@@ -52,6 +53,7 @@ def build_round(
         rejoin: asynchronous quorum rounds, a site that came back (its world is its own ranks).
         elastic: elastic membership (attached when the site joins).
         region: this site's region (elastic rounds in two tiers).
+        site_sizes: every site's workers, where this process's world is not the whole run (elastic mode).
     """
     alg: SyncAlgorithm
     if cfg.algorithm == "ddp":
@@ -64,6 +66,7 @@ def build_round(
         engine = RoundEngine(
             model, optimizer, comm, grad_clip, cfg, members, private=private,
             guard=None if hub else guard, delayed=quorum and elastic, region=region, hub=hub, rejoin=rejoin,
+            site_sizes=site_sizes, heals=elastic,
         )  # fmt: skip
         guard = engine.guard
         engine.faults = faults

@@ -23,7 +23,8 @@ class Adaptation(EngineCore):
     def _adapter(self, cfg: SyncConfig) -> NetworkAdapter:
         """``sync.adapt``: its formula's P is the whole pseudo-gradient (under FSDP too: the site's
         shards carry all of it); Streaming chooses the fragment count as well (counts that leave no
-        fragment empty); with tiers it chooses the world tier's period and codec."""
+        fragment empty, and under a healing membership only the configured one); with tiers it
+        chooses the world tier's period and codec."""
         P = sum(p.numel() for p in self.params)
         assert cfg.adapt is not None
         if self.tiers:
@@ -33,6 +34,8 @@ class Adaptation(EngineCore):
         elif self.streaming:
             s = self.schedule
             counts = [f for f in cfg.adapt.fragment_choices(cfg.fragments) if all(s.__class__(s.names, s.sizes, 1, f).fragments)]
+            if self.heals:  # (a healer claims parts by the source's layout, which must be its own: F stays as configured)
+                counts = [s.F]
             a = NetworkAdapter(cfg.adapt, self.comm, P, cfg.H, cfg.codec, (s.F, sorted({*counts, s.F}), self.tau))
         else:
             a = NetworkAdapter(cfg.adapt, self.comm, P, cfg.H, cfg.codec)
@@ -80,3 +83,14 @@ class Adaptation(EngineCore):
             self._settle(f)
         self._rebuild(a.H, a.F, t)
         return True
+
+    def _rebuild(self, H: int, F: int, t: int) -> None:
+        """A new H and fragment count from step ``t`` (adaptation, or a checkpoint or heal of
+        another schedule): the schedule and each fragment's steps rebuilt, momentum carried over."""
+        self.schedule.build(H, F, t)
+        self.globals.build(self.schedule.fragments)
+        self._since = [[0] * self.num_sites for _ in range(F)]
+        self._since_world = [[0] * self.num_sites for _ in range(F)]
+        self.region_syncs = [0] * F
+        self.in_slot = 0
+        self.clock.H = self.clock.limit = self.schedule.length(1)

@@ -7,8 +7,7 @@ A round is made of parts chosen independently from the config (docs/ROUND.md):
   k mod F's sync (DiLoCo: F = 1);
 * the **pace** (:class:`geotrain.round.pace.RoundClock`): when a slot ends (its lock-step steps,
   a time budget under ``sync.pace=adaptive``, the boundary the sites agreed on, the hub's steps);
-* the **tiers** (``sync.region_every``): each slot's sync is a region round, every
-  ``region_every``-th of a fragment's also a world round;
+* the **tiers** (``sync.region_every``): a region round, every ``region_every``-th also a world round;
 * the **membership and exchange** (:class:`.fixed.FixedWorld`; elastic rounds; a hub): who sums
   the part's pseudo-gradient and how, through the part's codec (:class:`SiteReducer`);
 * the **outer step** (:class:`.outer.Globals`): DiLoCo's step and copy, or Streaming DiLoCo's
@@ -16,8 +15,7 @@ A round is made of parts chosen independently from the config (docs/ROUND.md):
 * the **policies** that read each round's outcome: pace, network adaptation (``sync.adapt``),
   token weights, the update guard.
 
-The engine is the only optimizer-hook class of rounds: the training loop stays
-``zero_grad -> backward -> step``, and the engine's hooks run the rounds.
+The only optimizer-hook class of rounds: the loop stays ``zero_grad -> backward -> step``.
 """
 
 from __future__ import annotations
@@ -79,9 +77,12 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
         region: str = "",
         hub: bool = False,
         rejoin: Rejoin | None = None,
+        site_sizes: tuple[int, ...] = (),
+        heals: bool = False,
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip)
         self.region_name = region  # elastic rounds of two tiers: this site's region (its world is its own site)
+        self.heals = heals
         self.cfg, self.members, self.name = cfg, members, cfg.algorithm
         self.private, self.guard = private, guard
         topo = comm.groups.topology
@@ -89,7 +90,7 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
         self.site_workers = topo.workers[self.me]
         # FSDP over sites of different sizes: each site gathers its pseudo-gradient whole in the
         # site and sums it across sites as replicated sites do, then cuts its shards back out
-        self.resharded = self.sharded and len(set(topo.workers)) > 1
+        self.resharded = self.sharded and len(set(site_sizes or topo.workers)) > 1  # (the run's sites, not this world's)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.schedule = Schedule(names, [p.numel() for p in self.params], cfg.H, fragment_count(cfg, len(self.params)))
         self.tiers = bool(cfg.region_every) and not hub  # (a hub runs the tiers of quorum rounds itself)
@@ -101,7 +102,9 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
         self.tau, self.eager = (cfg.tau, cfg.eager) if self.streaming else (0, False)
         self.alpha = cfg.alpha if self.streaming else 0.0
         self.codec: str = cfg.codec
-        self.overlaps = self.streaming  # its exchanges run beside compute, one thread in submission order
+        # Streaming's exchanges run beside compute, one thread in submission order (but not where a
+        # world round of two tiers gathers its Δ whole in the site: FSDP over sites of different sizes)
+        self.overlaps = self.streaming and not (self.tiers and self.resharded)
         self._network = DaemonPool(1, "wan-exchange")  # daemon: a failed rank exits mid-exchange
         self.clock = RoundClock(comm, self.schedule.length(1), cfg.pace == "adaptive" and not hub)  # (a hub paces quorum rounds)
         if self.overlaps:  # the exchange thread uses lane 0's site group: the slot vote takes the training thread's
@@ -305,6 +308,9 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
             self._settle_hub(f, x)
             return
         out = self._wait(x.future)
+        if self.elastic is not None and out.answer is not None:  # an elastic round that ran beside compute
+            self._settle_member(out.answer)
+            return
         local = self.local_params()
         if out.stepped:
             self.globals.merge(out.tier, f, local, self.alpha)
@@ -334,15 +340,6 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
             return fut.result()
         finally:
             self.comm.add_wait(time.perf_counter() - t0)
-
-    def _rebuild(self, H: int, F: int, t: int) -> None:
-        self.schedule.build(H, F, t)
-        self.globals.build(self.schedule.fragments)
-        self._since = [[0] * self.num_sites for _ in range(F)]
-        self._since_world = [[0] * self.num_sites for _ in range(F)]
-        self.region_syncs = [0] * F
-        self.in_slot = 0
-        self.clock.H = self.clock.limit = self.schedule.length(1)
 
     # ------------------------------------------------------------------ what the loop asks
 
@@ -397,7 +394,11 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
     def checkpoint_due(self, step: int, every: int) -> int | None:
         if self.hub is not None:  # after a checkpoint's barrier round, while every site is in the run's world
             passed, self._barrier_passed = self._barrier_passed, False
-            return step if passed and not self.world_broken else None
+            if not passed or self.world_broken:
+                return None
+            # (dynamic local steps: the sites are at different steps; the folder is named by the run's
+            # rank-steps at the barrier, the same on every site, and each rank's file holds its own step)
+            return self.hub.world_total if self.cfg.dynamic_quorum_steps else step
         if not self.clock.adaptive:
             return super().checkpoint_due(step, every)
         # at slot ends (the same slots on every site); the folder is named by the leading site's step

@@ -128,10 +128,11 @@ class Hub:
         self.ever_lost: list[int] = []  # sites lost at some point (the hub's last answer)
         self.lost_sites: list[int] = []
         self.world_total = 0
-        self.next_H = 0  # the steps the hub gave this site's next round (dynamic local steps)
+        self.next_H = cfg.H  # the steps the hub gave this site's next round (dynamic local steps, adaptation)
         self.done = False  # train.max_seconds passed (the answer's time)
         self.site_steps, self.elapsed = 0, 0.0  # the hub's last answer: this site's steps delivered, its seconds
         self.waits: list[float] = []
+        self.checkpoint = False
         self.t0: float | None = None
         self.max_seconds = 0.0
 
@@ -200,7 +201,7 @@ class Hub:
         payload, raw, encoded = self._encode(update.delta, update.fragment)
         kind = FINAL if update.final else CHECKPOINT if update.checkpoint else UPDATE
         fields = [kind, float(update.base), float(update.steps), float(update.workers), update.compute_s, encoded]
-        fields += [*self._link, float(update.fragment)]  # (sync.adapt: what this site measured last; zeros: nothing)
+        fields += [*self._link, float(update.fragment), 0.0]  # (sync.adapt: what this site measured last; zeros: nothing)
         ping, t0 = 0.0, time.perf_counter()
         if self.cfg.adapt is not None:  # an empty message to the hub and back: the link's round trip
             self._roundtrip([PING] + [0.0] * (FIELDS - 1), torch.zeros(0), None)
@@ -249,12 +250,14 @@ class Hub:
         leader) on every rank of the site: the global values (``values`` of them), and its version,
         world steps, next H, live and lost sites, this site's steps and seconds, the next codec."""
         g = self.comm.groups
-        control = torch.zeros(9, dtype=torch.float64)  # version, world steps, stop, H, live, lost, steps, seconds, codec
+        control = torch.zeros(
+            10, dtype=torch.float64
+        )  # version, world steps, stop, H, live, lost, steps, seconds, codec, checkpoint
         theta = torch.empty(values, dtype=torch.float32)
         if answer is not None:
             fields, theta = answer
             time_up = bool(self.max_seconds) and self.t0 is not None and time.perf_counter() - self.t0 >= self.max_seconds
-            control[:] = torch.tensor([fields[0], fields[1], float(time_up), *fields[2:7], fields[9]])
+            control[:] = torch.tensor([fields[0], fields[1], float(time_up), *fields[2:7], fields[9], fields[10]])
         if len(g.intra_ranks) > 1:  # the site's other ranks get the leader's answer
             for t in (control, theta):
                 dist.broadcast(t, g.intra_ranks[0], group=g.intra)
@@ -270,6 +273,7 @@ class Hub:
         self.site_steps, self.elapsed = int(control[6]), float(control[7])
         if control[8]:  # the codec the hub chose (sync.adapt; else the configured one)
             self.codec_name = self.coders.names[int(control[8]) - 1]
+        self.checkpoint = bool(control[9])  # this answer ended a checkpoint's barrier
         return theta
 
     def rejoin_answer(self, held: torch.Tensor | None, n: int) -> Answer | None:

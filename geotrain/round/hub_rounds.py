@@ -50,8 +50,7 @@ class HubRounds(EngineCore):
         steps = t - self.schedule.last_sync[f]
         delta = self._whole(self.globals.delta(WORLD, f, self.local_params()), self.schedule.fragments[f])
         self.faults.corrupt_update(delta, self.rounds)
-        every = max(1, self.checkpoint_every // self.H)
-        barrier = bool(self.checkpoint_every and not self.streaming and steps and (self.rounds + 1) % every == 0)
+        barrier = self._barrier_due(steps, t)
         update = Update(hub.site_index, hub.versions[f], steps, self.site_workers, delta if steps else delta[:0], False,
                         self._round_compute, barrier, fragment=f)  # fmt: skip
         held = self._held(f)
@@ -60,24 +59,53 @@ class HubRounds(EngineCore):
         self.schedule.slot += 1
         self.slots += 1
         self.in_slot = 0
-        if self.streaming:
+        if self.streaming and not barrier:
             fut = self._network.submit(_delivered, hub, update, held) if hub.leader else done(Outcome(True))
             self.inflight[f] = InFlight(t + self.tau, fut, delta)
             self.rounds += 1
             if self.tau == 0:
                 self._settle(f)
+            self._follow_H(f)
             self.clock.limit = self.schedule.length(self.schedule.slot + 1)
             return True
         t0 = time.perf_counter()
         answer = hub.deliver(update, held) if hub.leader else None
-        self._barrier_passed = barrier
-        self._take(answer, f)
+        if barrier and self.F > 1:  # a barrier's answer is exact: the whole model and every fragment's version
+            n = sum(self.params_whole(g) for g in range(self.F))
+            self._take(None if answer is None else hub.whole_answer(answer, n), None)
+        else:
+            self._take(answer, f)
+        self._barrier_passed = barrier and hub.checkpoint  # (not granted once a site has ended)
         self.comm.add_wait(time.perf_counter() - t0)
         hub.waits.append(time.perf_counter() - t0)
         self.rounds += int(bool(steps))
-        self.clock.limit = hub.next_H
+        if self.streaming:
+            self._follow_H(f)
+            self.clock.limit = self.schedule.length(self.schedule.slot + 1)
+        else:
+            self.clock.limit = hub.next_H
         self.clock.next_round(self.rounds)
         return True
+
+    def _barrier_due(self, steps: int, t: int) -> bool:
+        """Whether a slot ending at step ``t`` delivers a checkpoint's barrier: every site reaches it
+        at the same count of its rounds (with fixed local steps, at the same step: the first slot
+        end at or past each multiple of ``checkpoint.every``)."""
+        every = self.checkpoint_every
+        if not every or not steps:
+            return False
+        if self.cfg.dynamic_quorum_steps:
+            return (self.rounds + 1) % max(1, every // self.H) == 0
+        return t // every > (t - self.in_slot) // every
+
+    def _follow_H(self, f: int) -> None:
+        """Streaming DiLoCo in quorum rounds: the H the hub gave this site (adaptation, dynamic local
+        steps) takes effect from this step, where fragment ``f``'s slot ended (its fragments keep their turns)."""
+        assert self.hub is not None
+        if self.hub.next_H != self.H:
+            last = list(self.schedule.last_sync)
+            self.schedule.resume_after(self.hub.next_H, f, self.local_steps)
+            self.schedule.last_sync = last
 
     @torch.no_grad()
     def _take(self, answer: Answer | None, f: int | None) -> None:

@@ -35,6 +35,7 @@ import torch
 from geotrain.errors import ElasticTimeout, RoundFailed
 from geotrain.round.core import EngineCore
 from geotrain.round.parts import REGION, WORLD, InFlight, Outcome, done
+from geotrain.sync.base import Running
 
 SPLIT_ROUNDS = 10  # most rounds a run's end holds to heal a split last round (one does, unless sites keep failing)
 TIER = {REGION: 0, WORLD: 1}  # a part's tier on the wire
@@ -64,8 +65,10 @@ class MemberRounds(EngineCore):
         return (p // 2, REGION if p % 2 == 0 else WORLD) if self.tiers else (p, WORLD)
 
     def _part_sizes(self) -> list[int]:
-        local = self.local_params()
-        sizes = [sum(local[i].numel() for i in frag) for frag in self.schedule.fragments]
+        """Each part's values as they cross sites: this rank's (its shards under FSDP), or whole
+        (FSDP over sites of different sizes)."""
+        params = self.params if self.resharded else self.local_params()
+        sizes = [sum(params[i].numel() for i in frag) for frag in self.schedule.fragments]
         return [n for n in sizes for _ in range(2)] if self.tiers else sizes
 
     @torch.no_grad()
@@ -76,11 +79,12 @@ class MemberRounds(EngineCore):
         m = self.elastic
         assert m is not None
         t, local = self.local_steps, self.local_params()
-        if part is not None and part[0] in self.inflight:
-            self._settle(part[0])
+        for g in list(self.inflight):  # one round in flight: the last one is taken in first
+            self._settle(g)
         f, tier = part if part is not None else (0, WORLD)
         steps = self.every * self.H if self.tiers and tier == WORLD else t - self.schedule.last_sync[f] if part is not None else 0
-        delta = self.globals.delta(tier, f, local) if part is not None else torch.zeros(self._part_sizes()[0])
+        delta = self.globals.delta(tier, f, local) if part is not None else torch.zeros(0)
+        wire = self._wire(delta, f) if part is not None else torch.zeros(self._part_sizes()[0])  # (whole: unequal FSDP)
         idle = self.idle and not (
             self.tiers and tier == WORLD and part is not None
         )  # a finished site still brings its region's Δ₂
@@ -101,31 +105,62 @@ class MemberRounds(EngineCore):
         reducer = self.reducer(f, tier)
         if not (self.tiers and tier == WORLD):
             self.clock.exchange(steps)  # this site's steps and rate (its world is its own site: no communication)
+        # Streaming's exchange overlaps τ steps of compute unless a site heals (the round then ends at once)
+        overlap = self.streaming and self.tau > 0 and part is not None and not (self.idle or self.tiers or self._finishing)
         try:
-            got = m.round(delta, contribute=contribute, weight=weight, codec=reducer.codec, residual=reducer.residual, **extra)
+            got = m.round(
+                wire, contribute=contribute, weight=weight, codec=reducer.codec, residual=reducer.residual,
+                overlap=overlap, **extra,
+            )  # fmt: skip
         except RoundFailed as exc:
             p = self._from_wire(m.part) if m.part >= 0 else part
-            if p is not None and (not self.tiers or p == part):  # its part goes back where it was on every site
-                self._roll_back_part(p)
-            self._note_rollback(str(exc))
-            self.rounds += 1
-            self._member_note("rolled_back", str(exc))
-            if self.adapter is not None:
-                self.adapter.skip_round()
-            self._next_boundary()
+            self._member_failed(p, part, exc)
+            self._next_boundary(p)
             return True
         if got is None:
             return False
-        self.contributors = got
-        p, average = self._from_wire(m.part), m.average
-        assert average is not None
-        self._apply_round(p, average, got)
+        p = self._from_wire(m.part)
+        if isinstance(got, int):
+            self._member_committed(p, got, steps, None)
+        else:  # running: finished τ steps later, before the next round
+            self.schedule.synced(p[0], t)
+            self.inflight[p[0]] = InFlight(t + self.tau, done(Outcome(True, answer=(got, p, steps, t))), wire)
+        self._next_boundary(p)
+        return True
+
+    def _settle_member(self, answer: tuple[Running, tuple[int, str], int, int]) -> None:
+        """A running round taken in τ steps after it opened: its vote, then its step and merge."""
+        running, p, steps, at = answer
+        try:
+            got = running.finish()
+        except RoundFailed as exc:
+            self._member_failed(p, p, exc, at)
+            return
+        self._member_committed(p, got, steps, at, merge_now=True)
+
+    def _member_failed(
+        self, p: tuple[int, str] | None, claimed: tuple[int, str] | None, exc: RoundFailed, at: int | None = None
+    ) -> None:
+        if p is not None and (not self.tiers or p == claimed):  # its part goes back where it was on every site
+            self._roll_back_part(p)
+        self._note_rollback(str(exc))
         self.rounds += 1
-        self._member_note("committed", "")
+        self._member_note("rolled_back", str(exc), at)
+        if self.adapter is not None:
+            self.adapter.skip_round()
+
+    def _member_committed(self, p: tuple[int, str], got: int, steps: int, at: int | None, merge_now: bool = False) -> None:
+        m = self.elastic
+        assert m is not None and m.average is not None
+        self.contributors = got
+        average = m.average
+        if self.resharded:  # this rank's shards of the whole average
+            average = torch.cat([t.reshape(-1) for t in self._own_values(average, self.schedule.fragments[p[0]])])
+        self._apply_round(p, average, got, at, merge_now)
+        self.rounds += 1
+        self._member_note("committed", "", at)
         if self.adapter is not None and self._adapted_from_claims(steps):
             self._take_adaptation()
-        self._next_boundary()
-        return True
 
     def _roll_back_part(self, part: tuple[int, str]) -> None:
         """A failed round of ``part``: nothing of it is applied; the fragment's local steps since
@@ -136,10 +171,13 @@ class MemberRounds(EngineCore):
             return
         self.globals.merge(REGION if self.tiers else WORLD, f, self.local_params(), 0.0)
 
-    def _apply_round(self, part: tuple[int, str], average: torch.Tensor, contributors: int) -> None:
-        """A committed round of ``part``, on this site's state (healed already if it healed)."""
+    def _apply_round(
+        self, part: tuple[int, str], average: torch.Tensor, contributors: int, t: int | None, merge_now: bool = False
+    ) -> None:
+        """A committed round of ``part`` opened at step ``t`` (None: now), on this site's state
+        (healed already if it healed); ``merge_now``: it ran τ steps beside compute, its merge is due."""
         f, tier = part
-        t = self.local_steps
+        t = self.local_steps if t is None else t  # (a heal sets this site's step to its source's)
         self.schedule.synced(f, t)
         if self.tiers:
             if tier == REGION:
@@ -152,28 +190,40 @@ class MemberRounds(EngineCore):
                 self.region_syncs[f] = 0
             self.globals.merge(tier, f, self.local_params(), 0.0 if not self.streaming else self.alpha)
             return
-        if self.tau == 0 or self.idle:  # (a site that has run its steps merges at once)
-            self.globals.step(WORLD, f, average, contributors)
+        # the outer step at once: the round's state is then the one a heal sends (a late site takes
+        # the global models only) and its record's hash; the local fragment merges τ steps later
+        self.globals.step(WORLD, f, average, contributors)
+        if self.tau == 0 or self.idle or merge_now:  # (a site that has run its steps merges at once)
             self.globals.merge(WORLD, f, self.local_params(), self.alpha)
             return
-        self.inflight[f] = InFlight(t + self.tau, done(Outcome(True, average=average, contributors=contributors)), average)
+        self.inflight[f] = InFlight(t + self.tau, done(Outcome(True, stepped=True, tier=WORLD)), average)
 
-    def _member_note(self, outcome: str, reason: str) -> None:
+    def _member_note(self, outcome: str, reason: str, step: int | None = None) -> None:
+        """The round's record; ``step``: where it opened (a round that ran beside compute ends later)."""
         assert self.elastic is not None
-        self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, self.local_steps)
+        at = self.local_steps if step is None else step
+        self.elastic.note(outcome, reason, self.global_hash(), self.rounds - self.rounds_rolled_back, at)
 
-    def _next_boundary(self) -> None:
-        """After a round, committed or rolled back: the next round's end (see the module docstring)."""
+    def _next_boundary(self, done: tuple[int, str] | None) -> None:
+        """After a round of part ``done`` (None: none of this site's), committed or rolled back: the
+        next round's end (see the module docstring). Where the sites keep no shared boundary (quorum
+        rounds, adaptive pace) the next slot is the one after the fragment the round synced."""
         m = self.elastic
         assert m is not None
         self.in_slot = 0
+        s = self.schedule
+        if done is not None:
+            s.slot += 1 + (done[0] - s.next_fragment) % s.F
         if self.clock.adaptive:
             self.clock.claimed_fastest = m.fastest_seconds()
+            self.clock.H = max(1, s.length(s.slot + 1))
             self.clock.next_round(self.rounds)
+            if self.clock.max_steps and m.furthest(self.local_steps, 1 << 62) >= self.clock.max_steps:
+                self.clock.done = True  # (adapted H: the run ends once the round's furthest site has run the steps)
             return
         self.clock.next_round(self.rounds)
-        if self.cfg.quorum is not None:  # each site's own H steps per round (no shared boundary)
-            self.clock.limit = self.H
+        if self.cfg.quorum is not None:  # each site's own steps per slot (no shared boundary)
+            self.clock.limit = max(1, s.length(s.slot + 1))
             return
         k = self.schedule.slot_after(m.furthest(self.local_steps, self._total_steps))
         self.schedule.slot = k - 1
@@ -205,6 +255,10 @@ class MemberRounds(EngineCore):
         site shares whatever step it met at."""
         assert self.adapter is not None
         self.codec = self.adapter.codec
+        if self.tiers:  # the world tier's period, a whole number of region rounds
+            self.every = max(1, round(self.adapter.H / self.H))
+            self.adapter.H = self.every * self.H
+            return
         if (self.adapter.H, self.adapter.F) != (self.H, self.F):
             for f in list(self.inflight):
                 self._settle(f)
@@ -281,8 +335,9 @@ class MemberRounds(EngineCore):
         return float(sum(w * self.H for w in workers))
 
     def global_state(self) -> dict[str, Any]:
-        """What a late site takes in a heal: the global models, their steps and the round counts."""
-        keep = ("globals", "rounds", "rolled_back", "format")
+        """What a late site takes in a heal: the global models, their steps, the round counts and
+        (two tiers) the region rounds since the last world round, which decide the next world round."""
+        keep = ("globals", "rounds", "rolled_back", "format", "region_syncs", "region_rounds", "every")
         return {k: v for k, v in self.checkpoint_state().items() if k in keep}
 
     @torch.no_grad()
@@ -290,6 +345,7 @@ class MemberRounds(EngineCore):
         """A late site's heal: the source's global models and round counts; the rest stays its own."""
         self.globals.load_state_dict(state["globals"], self.shards_in, self.optim_in)
         self.rounds, self.rounds_rolled_back = state["rounds"], state["rolled_back"]
+        self.region_syncs, self.region_rounds, self.every = list(state["region_syncs"]), state["region_rounds"], state["every"]
 
     def codec_for(self, claim: str) -> Any:
         """``sync.adapt`` in elastic rounds: the encoder of the codec a site's link claim names (a

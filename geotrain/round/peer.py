@@ -79,9 +79,11 @@ class PeerRounds(EngineCore):
             if not world:
                 return Outcome(True, stepped=True, tier=REGION)
             across = self.globals.delta(WORLD, f, self.local_params())
+            wired = self._wire(across, f)  # (FSDP over sites of different sizes: gathered whole; such tiers block)
             sent, t0 = self._sent(), time.perf_counter()
             try:
-                self.members.sum(across, self.reducer(f, WORLD), since, ids[1] - 1, own=False)
+                self.members.sum(wired, self.reducer(f, WORLD), since, ids[1] - 1, own=False)
+                self._unwire(wired, across, f)
             except RoundFailed as exc:  # the regions keep their models; the next world round spans these steps too
                 self._note_rollback(f"world round {ids[1] - 1} (fragment {f}): {exc}")
                 if finishing:  # a failed last world round: every site on the last world model

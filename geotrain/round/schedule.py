@@ -71,6 +71,13 @@ class Schedule:
         self.slot = 0  # slots ended since ``base``
         self.last_sync = [min(self.param_sync[i] for i in frag) if frag else base for frag in self.fragments]
 
+    def resume_after(self, H: int, f: int, t: int) -> None:
+        """A new H from step ``t``, where fragment ``f``'s slot has just ended: the new cycle is laid
+        so that the next slot is the next fragment's (every fragment keeps its turn)."""
+        self.build(H, self.F, 0)
+        self.slot = f if f else self.F
+        self.base = t - self.end(self.slot) + self.base
+
     def fragment(self, k: int) -> int:
         """The fragment slot ``k`` ends with."""
         return k % self.F

@@ -6,6 +6,7 @@ counters. A state of an earlier geotrain (before the round engine) is refused in
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ class EngineState(EngineCore):
         averaged Δ and merge step are kept)."""
         if self.eager:
             raise ValueError("checkpoints of the eager streaming variant are not supported")
+        for f in [f for f, x in self.inflight.items() if x.future.done() and x.future.result().answer is not None]:
+            self._settle(f)  # (an elastic round running beside compute: taken in now, in the run that checkpoints)
         pending = {}
         for f, x in self.inflight.items():
             try:
@@ -59,6 +62,8 @@ class EngineState(EngineCore):
             "guard": None if self.guard is None else self.guard.state_dict(),
             "region": self.region_name,
             "hub": None if self.hub is None else self.hub.state_dict(),
+            # Streaming's adaptation: a choice measured but not yet applied (at its step, as in the uninterrupted run)
+            "decision": None if self._decision is None else (self._decision[0], self._wait(self._decision[1])),
         }
 
     @torch.no_grad()
@@ -90,6 +95,11 @@ class EngineState(EngineCore):
             self.adapter.load_state_dict(state["adapt"])
         if self.guard is not None and state["guard"] is not None:
             self.guard.load_state_dict(state["guard"])
+        if state.get("decision") is not None:
+            at, changed = state["decision"]
+            fut: Future[bool] = Future()
+            fut.set_result(bool(changed))
+            self._decision = (int(at), fut)
         if self.hub is not None and state.get("hub") is not None:
             self.hub.load_state_dict(state["hub"])
         if self.tiers and state.get("region", self.region_name) != self.region_name:

@@ -38,12 +38,13 @@ from geotrain.sync.reducer import Codecs
 # CHECKPOINT: waits for every live site (a checkpoint's barrier); PING: answered at once, empty (sync.adapt)
 UPDATE, FINAL, CHECKPOINT, PING = 1.0, 2.0, 3.0, 4.0
 # site → syncer: [kind, base, steps, workers, compute s, encoded, link bytes, link s, ping s (sync.adapt; 0: none),
-#                 the fragment (Streaming DiLoCo; else 0)]
+#                 the fragment (Streaming DiLoCo; else 0), 0]
 # syncer → site: [version, world steps, next H, live sites, sites ever lost, the site's steps so far, the syncer's
-#                 seconds, encoded, seconds the site's update waited here, the codec of its next update]
+#                 seconds, encoded, seconds the site's update waited here, the codec of its next update,
+#                 1 if the answer ends a checkpoint's barrier (every live site saves)]
 # encoded: 1 + the index, in the run's codecs (sync.adapt.codecs, else sync.codec), of the codec whose bytes the payload
 # is (the pseudo-gradient, or the change since the model the site holds); 0: fp32 (a pseudo-gradient, or the model)
-FIELDS = 10
+FIELDS = 11
 TICK = 0.05  # the syncer's longest wait for input: failed sends, silent sites and restarted sites are checked this often
 
 
@@ -253,10 +254,14 @@ class QuorumSyncer(SyncerState):
             barrier -= self.lost
             running = [s for s in self.sites if s not in finals and s not in self.lost and s not in barrier]
             if not running and barrier:  # a checkpoint: merge what is in, every waiting site gets the same model
-                self._merge(open_[0], "checkpoint")
-                self.snapshot = self.state_dict()
-                self._reply(sorted(barrier), exact=True)
-                open_, quorum_at, barrier = [[]], [None], set()
+                for f in range(F):
+                    self._merge(open_[f], "checkpoint", f)
+                # a site that has ended cannot save with the others (a checkpoint is written by every rank)
+                granted = not finals
+                if granted:
+                    self.snapshot = self.state_dict()
+                self._reply(sorted(barrier), exact=True, checkpoint=granted)
+                open_, quorum_at, barrier = [[] for _ in range(F)], [None] * F, set()
                 continue
             if not running:  # the final round: merge what is left, every live site gets the same model
                 for f in range(F):
@@ -421,12 +426,13 @@ class QuorumSyncer(SyncerState):
         self._note("rejoined", [], [], why, sites=[site])
         self._reply([site], exact=True)
 
-    def _reply(self, sites: Sequence[int], exact: bool = False, fragment: int = 0) -> None:
+    def _reply(self, sites: Sequence[int], exact: bool = False, fragment: int = 0, checkpoint: bool = False) -> None:
         """Answer ``sites`` with the global model: in fp32 to site 0 (in memory), with ``exact`` (the
         final round, a site that came back) and without a codec; else encoded, as the change from
         what the site holds, which this syncer then updates exactly as the site will (so the next
         answer carries what this one's encoding left out). Streaming DiLoCo: an answer carries
-        ``fragment``'s values, an exact one the whole model and then every fragment's version."""
+        ``fragment``'s values, an exact one the whole model and then every fragment's version.
+        ``checkpoint``: the answer ends a checkpoint's barrier (every live site saves its state)."""
         whole = torch.cat([t.reshape(-1) for t in self.theta])
         many, idx = len(self.fragments) > 1, self.index[fragment]
         theta = whole[idx] if many and not exact else whole
@@ -454,6 +460,7 @@ class QuorumSyncer(SyncerState):
                 0.0,
                 max(0.0, now - self._arrived[s]),
                 index,
+                float(checkpoint),
             ]
             if s == self.home:
                 self.outbox.put((fields, theta.clone()))

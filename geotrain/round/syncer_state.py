@@ -16,7 +16,7 @@ class SyncerState:
     """The syncer's checkpoint (a mixin of :class:`~geotrain.round.syncer.QuorumSyncer`)."""
 
     theta: list[torch.Tensor]
-    outer: DelayedNesterov
+    outers: list[DelayedNesterov]
     versions: list[int]
     world_steps: int
     H: list[int]
@@ -30,14 +30,13 @@ class SyncerState:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps, taken at a barrier (nothing in flight; every live site holds
-        the model exactly): the global model, the outer optimizer with its delayed momentum, the
-        version and the merge log, the sites' step counts and measured rates."""
+        the model exactly): the global model, each fragment's outer optimizer with its delayed
+        momentum and version, the merge log, the sites' step counts and measured rates."""
         return {
             "theta": [t.clone() for t in self.theta],
-            "optimizer": self.outer.optimizer.state_dict(),
-            "pending": [p.clone() for p in self.outer.pending],
-            "pending_updates": self.outer.pending_updates,
-            "version": self.versions[0],
+            "optimizers": [o.optimizer.state_dict() for o in self.outers],  # (Streaming DiLoCo: one per fragment)
+            "pendings": [o.state_dict() for o in self.outers],
+            "versions": list(self.versions),
             "world_steps": self.world_steps,
             "H": list(self.H),
             "rates": list(self.rates),
@@ -52,11 +51,10 @@ class SyncerState:
         assert not self._thread.is_alive()
         for t, v in zip(self.theta, state["theta"], strict=True):
             t.copy_(v)
-        self.outer.optimizer.load_state_dict(state["optimizer"])
-        for p, v in zip(self.outer.pending, state["pending"], strict=True):
-            p.copy_(v)
-        self.outer.pending_updates = state["pending_updates"]
-        self.versions[0], self.world_steps = state["version"], state["world_steps"]
+        for o, saved, pending in zip(self.outers, state["optimizers"], state["pendings"], strict=True):
+            o.optimizer.load_state_dict(saved)
+            o.load_state_dict(pending)
+        self.versions, self.world_steps = list(state["versions"]), state["world_steps"]
         self.H, self.rates, self.site_steps = list(state["H"]), list(state["rates"]), list(state["site_steps"])
         self.log = list(state["log"])
         if self.adapter is not None and state.get("adapt") is not None:

@@ -156,7 +156,19 @@ class WorldTier:
         mine, payload, raw, encoded = self._delta(theta)
         tokens = self.tokens if self.weight_by_tokens or not self.tokens else 1.0
         self.got[(self.region, self.round)] = Contribution(self.region, self.round, tokens, final, lost, ever_lost, steps, mine)
-        fields = [WORLD, float(self.round), tokens, float(final), float(lost), float(ever_lost), float(steps), encoded, 0.0, 0.0]
+        fields = [
+            WORLD,
+            float(self.round),
+            tokens,
+            float(final),
+            float(lost),
+            float(ever_lost),
+            float(steps),
+            encoded,
+            0.0,
+            0.0,
+            0.0,
+        ]
         for r, hub in enumerate(self.hubs):
             if r != self.region:
                 self.mailbox.send(hub, fields, payload, raw)

@@ -30,7 +30,7 @@ from geotrain.errors import MembershipRefused, SiteDrained
 from geotrain.report.metrics import log
 from geotrain.round import RoundEngine
 from geotrain.run.checkpoint import atomic_write
-from geotrain.run.fsdp import local_tree, sharded_like
+from geotrain.run.fsdp import from_whole, local_tree, sharded_like, whole_tree
 from geotrain.run.state import RankObjects
 
 
@@ -132,10 +132,18 @@ def join_elastic(
                 atomic_write(out / "elastic" / f"drained-{where.site}.{incarnation}.json", json.dumps(record).encode())
             raise SiteDrained(f"site {where.site} drained after committed round {committed()} (step {step})")
 
-    sharded = sync.sharded  # FSDP: each rank heals its own shards from the same local rank of the source
+    # FSDP: each rank heals its own shards from the same local rank of the source; over sites of
+    # different sizes local rank i holds other shards at each site, so the state crosses whole
+    whole = sync.resharded
+    sharded = sync.sharded and not whole
     tiers = sync.tiers  # two tiers: region rounds sum over the region's sites
+    mesh = groups.mesh
+    tree = whole_tree if whole else local_tree
 
     def load(state: dict[str, Any]) -> None:
+        if whole:
+            assert mesh is not None
+            state = from_whole(state, mesh)
         objs.load_training(sharded_like(objs.model, objs.optimizer, state) if sharded else state)
         sync.forget_feedback()  # the source's error feedback is its own: a healed site starts afresh
         if member.noise is not None:  # site-level DP: every committed round healed into held at most one update of ours
@@ -154,13 +162,13 @@ def join_elastic(
         committed=committed,
         global_hash=sync.global_hash,
         step=lambda: sync.local_steps,
-        state=lambda: local_tree({**objs.training_state(sync.local_steps), "committed": committed()}),
+        state=lambda: tree({**objs.training_state(sync.local_steps), "committed": committed()}),
         load=load,
     )
     quorum: dict[str, float] = {}
     if sync.cfg.quorum is not None:  # quorum rounds: a late site heals the global part only
         hooks.load_global = lambda state: sync.load_global_state(state["sync"])
-        hooks.global_state = lambda: local_tree({"step": sync.local_steps, "committed": committed(), "sync": sync.global_state()})
+        hooks.global_state = lambda: tree({"step": sync.local_steps, "committed": committed(), "sync": sync.global_state()})
         quorum = {"staleness_power": sync.staleness_power, "world_weight": sync.world(list(topology.workers))}
     member = (QuorumMember if quorum else SiteMember)(
         cfg,
@@ -179,6 +187,7 @@ def join_elastic(
         identity=_identity(cfg, where.site, keys),
         sharded=sharded,
         tiers=tiers,
+        collective=whole,
         **quorum,
     )
     if plan is not None:

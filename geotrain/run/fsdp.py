@@ -104,3 +104,35 @@ def sharded_like(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
         "model": {k: like(v, template.get(k)) for k, v in state["model"].items()},
         "optimizer": {**opt, "state": per_param},
     }
+
+
+WHOLE = "__whole__"  # a DTensor of a heal between sites of different sizes, sent whole
+
+
+def whole_tree(obj: Any) -> Any:
+    """``obj`` with every DTensor gathered whole (every rank of the site calls it together, in the
+    same order): what a site heals another of a different size from (its local rank i holds other
+    shards than the healer's)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return {WHOLE: obj.full_tensor()}
+    if isinstance(obj, dict):
+        return {k: whole_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(whole_tree(v) for v in obj)
+    return obj
+
+
+def from_whole(obj: Any, mesh: DeviceMesh) -> Any:
+    """The inverse of :func:`whole_tree` on the healer: each whole tensor cut into this rank's
+    shard where FSDP cuts it (dim 0 over the site's mesh), as a DTensor, without communication."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if isinstance(obj, dict) and set(obj) == {WHOLE}:
+        return distribute_tensor(obj[WHOLE], mesh, [Shard(0)], src_data_rank=None)
+    if isinstance(obj, dict):
+        return {k: from_whole(v, mesh) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_whole(v, mesh) for v in obj)
+    return obj

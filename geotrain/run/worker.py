@@ -250,6 +250,7 @@ def _train(
         rejoin=Rejoin(place.full, place.site_index) if place.rejoined else None,
         elastic=place.elastic,
         region=place.full.region_name(place.site_index),
+        site_sizes=place.full.workers,
     )
     closing.callback(sync.close)
     sync.checkpoint_every = cfg.checkpoint.every

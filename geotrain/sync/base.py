@@ -67,6 +67,18 @@ class PrivateAverage(Protocol):
         ...
 
 
+class Running(Protocol):
+    """An elastic round whose exchange runs beside compute (``overlap``): finished before the next round."""
+
+    def finish(self) -> int:
+        """Wait, agree, vote: the contributors (the average in the membership's ``average``).
+
+        Raises:
+            RoundFailed: roll the round back.
+        """
+        ...
+
+
 class RoundMembership(Protocol):
     """Elastic mode's cross-site round (:class:`geotrain.elastic.member.SiteMember`)."""
 
@@ -97,14 +109,16 @@ class RoundMembership(Protocol):
         sizes: list[int] | None = None,
         pace: int = 0,
         link: str = "",
-    ) -> int | None:
+        overlap: bool = False,
+    ) -> int | Running | None:
         """Average ``delta`` over the admitted sites, each weighted by ``weight``
         (``contribute=False``: this site withdraws its own and takes the others' average),
         encoded with ``codec`` and this rank's error feedback ``residual``; None when postponed.
         ``part``: which part of the model ``delta`` is (a fragment; -1: all of it, or none),
         ``sizes`` this rank's values of each part, ``rest`` the rounds this site still owes after
         this one once its steps are run, ``pace`` its compute microseconds per inner step (adaptive
-        pace), ``link`` what it measured in its last committed round (``sync.adapt``). The round
+        pace), ``link`` what it measured in its last committed round (``sync.adapt``). With
+        ``overlap`` a round in which no site heals comes back running (:class:`Running`). The round
         sums the part in :attr:`part`; its average is in :attr:`average` (``delta`` itself unless
         the part is another).
 
