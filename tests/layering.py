@@ -3,7 +3,8 @@
 A *part* is a folder under ``geotrain/`` (``comm``, ``sync``, ...) or a top-level module
 (``cli``, ``errors``, ``api``); the package's own ``__init__`` is the part ``geotrain``. Every
 import counts, lazy ones (inside functions, under ``TYPE_CHECKING``) and
-``importlib.import_module("...")`` included. The rules:
+``importlib.import_module("...")`` included, and ``from geotrain.p import m`` counts as an import
+of the package ``p`` (its ``__init__``, which Python runs first) as well as of ``p.m``. The rules:
 
 1. no import circle between modules, and none between parts;
 2. a part imports only the parts :data:`ALLOWED` lists for it (imports point one way);
@@ -75,8 +76,10 @@ def part_of(module: str) -> str:
     return module.split(".")[0] if module else ROOT
 
 
-def _imports(tree: ast.AST, source: str, is_package: bool, package: str, known: set[str]) -> Iterator[Import]:
-    """Every import in ``tree`` (``source``'s module), resolved to full names."""
+def _imports(tree: ast.AST, source: str, is_package: bool, package: str, known: set[str], packages: set[str]) -> Iterator[Import]:
+    """Every import in ``tree`` (``source``'s module), resolved to full names; ``from p import m``
+    of a sub-package ``p`` of ``package`` also yields ``p`` itself (the package's own root aside:
+    Python has run it before any module of it)."""
 
     def walk(node: ast.AST, lazy: bool) -> Iterator[tuple[ast.AST, bool]]:
         for child in ast.iter_child_nodes(node):
@@ -99,6 +102,9 @@ def _imports(tree: ast.AST, source: str, is_package: bool, package: str, known: 
                 for _ in range(node.level - 1):
                     anchor = anchor.rpartition(".")[0]
                 mod = f"{anchor}.{mod}" if mod else anchor
+            pkg = mod.removeprefix(f"{package}.")
+            if mod.startswith(f"{package}.") and pkg in packages and pkg != source:
+                yield Import(source, mod, node.lineno, lazy)  # the package's __init__ runs first
             for alias in node.names:
                 sub = f"{mod}.{alias.name}"
                 internal = sub.removeprefix(f"{package}.")
@@ -148,7 +154,10 @@ def check(root: Path, package: str = "geotrain") -> list[str]:
     files = _modules(root)
     known = set(files)
     trees = {m: ast.parse(f.read_text(), filename=str(f)) for m, f in files.items()}
-    imports = [imp for m, tree in trees.items() for imp in _imports(tree, m, files[m].name == "__init__.py", package, known)]
+    packages = {m for m, f in files.items() if f.name == "__init__.py"}
+    imports = [
+        imp for m, tree in trees.items() for imp in _imports(tree, m, files[m].name == "__init__.py", package, known, packages)
+    ]
     internal = {}  # module -> internal modules it imports
     for imp in imports:
         if imp.target == package or imp.target.startswith(f"{package}."):

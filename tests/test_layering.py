@@ -53,6 +53,14 @@ def test_a_clean_synthetic_tree_passes(tmp_path: Path) -> None:
             {"sync/a.py": "from geotrain.sync.b import f\n", "sync/b.py": "def f():\n    from geotrain.sync.a import g\n"},
             "import circle between modules: sync.a -> sync.b -> sync.a",
         ),
+        (  # a circle through a package's __init__: "from geotrain.codecs import kernels" runs it first
+            {
+                "codecs/__init__.py": "from geotrain.codecs.base import f\n",
+                "codecs/base.py": "def f():\n    from geotrain.codecs import kernels\n",
+                "codecs/kernels.py": "",
+            },
+            "import circle between modules: codecs -> codecs.base -> codecs",
+        ),
         (  # a circle between parts (under TYPE_CHECKING, which counts too)
             {"comm/x.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from geotrain.sync.ddp import build\n"},
             "import circle between parts: sync -> comm -> sync",
@@ -86,6 +94,7 @@ def test_a_clean_synthetic_tree_passes(tmp_path: Path) -> None:
     ],
     ids=[
         "module-circle-lazy",
+        "package-init-circle",
         "part-circle-type-checking",
         "direction-importlib",
         "models-dist",

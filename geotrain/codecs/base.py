@@ -34,7 +34,7 @@ def kept(fraction: float, m: int) -> int:
 def _kernels() -> ModuleType:
     """The compiled kernels, imported on first use: numba's import costs every rank a third of a
     second at start (measured), and a run without codecs never needs it."""
-    from geotrain.codecs import kernels
+    import geotrain.codecs.kernels as kernels  # the module, not the package's __init__ (which imports this one)
 
     return kernels
 

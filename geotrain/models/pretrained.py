@@ -23,8 +23,8 @@ from typing import Any
 
 import torch.nn as nn
 
+import geotrain.models.gpt2 as gpt2
 from geotrain.config import ModelConfig
-from geotrain.models import gpt2
 from geotrain.models.gpt import GPT, VOCAB_SIZE
 
 GPT_FORMAT = "geotrain-gpt/1"  # geotrain's own names; exports are now gpt2.FORMAT
