@@ -223,7 +223,12 @@ def test_a_bad_pool_is_refused_in_one_line(tmp_path: Path, change: dict[str, Any
     assert not (tmp_path / "x.yaml").exists()
 
 
-def test_the_shipped_pools_place() -> None:
+def test_the_shipped_pools_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each shipped pool places, and the config it writes passes the launcher's checks (its data
+    exists: a pool once named a corpus the repository did not have)."""
+    from geotrain.launch.preflight import preflight
+
+    monkeypatch.chdir(ROOT)
     for f in sorted((ROOT / "scenarios" / "place").glob("*.yaml")):
         pool = load_pool(f)
         base = load_config(None, pool.job.set)
@@ -233,6 +238,7 @@ def test_the_shipped_pools_place() -> None:
         if out["naive"]["hours"] <= (pool.job.deadline_h or math.inf):
             assert out["chosen"][key] <= out["naive"][key] * (1 + 1e-9), f.name
         assert cfg.topology.exchange.order == out["chosen"]["order"]
+        preflight(cfg)
 
 
 def test_an_elastic_base_config_gets_a_ring_in_the_order_that_avoids_the_slow_pair() -> None:
@@ -244,3 +250,33 @@ def test_an_elastic_base_config_gets_a_ring_in_the_order_that_avoids_the_slow_pa
     order = out["chosen"]["order"]
     assert out["chosen"]["shape"] == "ring" and cfg.elastic.enabled
     assert {frozenset(p) for p in zip(order, [*order[1:], order[0]], strict=True)}.isdisjoint({frozenset("AB")})
+
+
+def _place_cli(tmp_path: Path, pool: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "geotrain", "place", str(pool), "-o", str(tmp_path / "x.yaml"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_a_deadline_no_placement_meets_exits_1_and_writes_nothing(tmp_path: Path) -> None:
+    pool = ROOT / "scenarios" / "place" / "unequal.yaml"
+    r = _place_cli(tmp_path, pool, "--set", "job.deadline_h=0.001")
+    assert r.returncode == 1 and "no placement meets job.deadline_h 0.001 h" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.yaml").exists()
+    r = _place_cli(tmp_path, pool, "--set", "job.deadline_h=0.001", "--best-effort")
+    assert r.returncode == 0 and (tmp_path / "x.yaml").exists(), r.stderr
+
+
+def test_a_base_config_takes_the_best_placement_it_runs(tmp_path: Path) -> None:
+    """Secure aggregation needs three sites: the pool is checked with its own sites, and the
+    placements of two sites that would be faster are left out, not the whole pool refused."""
+    pool = load_pool(ROOT / "scenarios" / "place" / "regions.yaml")
+    sites = json.dumps([{"name": s.name, "workers": 1} for s in pool.sites])
+    base = load_config(None, [f"topology.sites={sites}", *pool.job.set, "privacy.secure_aggregation=true"])
+    out, cfg, _ = run_place(pool, 437_000, 256, base)
+    assert out["skipped"]["count"] > 0 and "secure_aggregation" in out["skipped"]["why"][0]
+    assert len(cfg.topology.sites) >= 3 and cfg.privacy.secure_aggregation
+    r = _place_cli(
+        tmp_path, ROOT / "scenarios" / "place" / "regions.yaml", "--set", 'job.set=["privacy.secure_aggregation=true"]'
+    )
+    assert r.returncode == 0 and "left out" in r.stdout, r.stdout + r.stderr
+    assert load_config(tmp_path / "x.yaml").privacy.secure_aggregation

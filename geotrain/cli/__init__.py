@@ -8,6 +8,7 @@ Torch is imported only once the config is valid, so bad input is rejected fast.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -210,8 +211,12 @@ def place(
         "placed.yaml"
     ),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the placement and its runner-ups as JSON here.")] = None,
+    best_effort: Annotated[
+        bool, typer.Option("--best-effort", help="Write the best placement even when none meets the deadline or budget.")
+    ] = False,
 ) -> None:
-    """Choose the sites, workers, tiers, ring order and exchange shape of a job from a pool; write its config."""
+    """Choose the sites, workers, tiers, ring order and exchange shape of a job from a pool; write its config.
+    Exit 1, writing nothing, when no placement meets the job's deadline or budget (unless --best-effort)."""
     from geotrain.plan.place_report import print_place, run_place
     from geotrain.plan.pool import load_pool
 
@@ -219,8 +224,9 @@ def place(
     base_path = pool.job.config
     if base_path is not None and not Path(base_path).is_absolute():
         base_path = str(pool_file.parent / base_path)
-    try:
-        base = load_config(base_path, pool.job.set)
+    pool_sites = json.dumps([{"name": s.name, "workers": 1} for s in pool.sites])
+    try:  # checked over the pool's sites (secure aggregation needs three, say), not the base's own
+        base = load_config(base_path, [f"topology.sites={pool_sites}", "topology.regions=[]", *pool.job.set])
     except ConfigError as exc:
         fail(f"scenario error: job.config: {exc}")
     params, tps = pool.job.params, pool.job.tokens_per_step

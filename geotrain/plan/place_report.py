@@ -123,8 +123,17 @@ def run_place(pool: Pool, params: int, tokens_per_step: int, base: Config) -> tu
     # a base config that allows no tree or hub gets the ring only (the codec is the placement's own)
     placer = Placer(pool, params, tokens_per_step, ("ring",) if base.ring_only(codec="none") else SHAPES)
     ranked = placer.search()
-    best = ranked[0]
-    config = place_config(pool, best, base)
+    config, skipped = None, []  # the best placement the base config runs with (elastic, privacy, ...)
+    for i, p in enumerate(ranked):
+        try:
+            config = place_config(pool, p, base)
+        except ConfigError as exc:
+            skipped.append(str(exc))
+            continue
+        best, ranked = p, ranked[i:]
+        break
+    if config is None:
+        raise ConfigError(f"no placement of the pool runs with the base config ({len(skipped)} tried): {skipped[0]}")
     ups: list[dict[str, Any]] = []
     seen = {(best.workers, best.pace, bool(best.regions))}
     for p in ranked[1:]:
@@ -139,6 +148,11 @@ def run_place(pool: Pool, params: int, tokens_per_step: int, base: Config) -> tu
         "pool_sites": {s.name: s.model_dump() for s in pool.sites},
         "searched": placer.searched,
         "chosen": describe(placer, best),
+        "skipped": {"count": len(skipped), "why": sorted(set(skipped))[:5]},
+        "meets": {
+            "budget": pool.job.budget is None or best.cost <= pool.job.budget,
+            "deadline": pool.job.deadline_h is None or best.hours <= pool.job.deadline_h,
+        },
         "runner_ups": ups,
         "naive": {**describe(placer, naive), "why": why_lost(placer, naive, best)},
         "train_steps": config.train.steps,
@@ -167,6 +181,13 @@ def print_place(out: dict[str, Any], console: Console) -> None:
         f"cost {c['cost']:.4g}"
         + ("" if c["meets_utilization"] else f" [yellow](below the {out['job']['utilization']:.0%} utilisation)[/yellow]")
     )
+    if out["skipped"]["count"]:
+        console.print(
+            f"{out['skipped']['count']} better placement(s) left out: the base config does not run them "
+            f"({out['skipped']['why'][0]})",
+            markup=False,
+            highlight=False,
+        )
     links = Table("link", "bytes per round")
     for k, v in sorted(c["link_bytes_per_round"].items(), key=lambda kv: -kv[1])[:12]:
         links.add_row(k, f"{v:,.0f}")
