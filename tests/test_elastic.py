@@ -309,12 +309,19 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_chaos_reports_every_round(tmp_path: Path) -> None:
-    (r,) = _chaos(tmp_path, "--failures", "2", "--seeds", "1")["runs"]
+    report = _chaos(tmp_path, "--failures", "2", "--seeds", "1")
+    (r,) = report["runs"]
     for key in ("rounds", "committed", "rolled_back", "failures_injected", "consistent", "seconds_lost_per_failure"):
         assert key in r
     assert r["failures_injected"] == 2 and r["consistent"] is True and r["seed"] == 1 and r["cpu_hogs"] == 0
     assert r["rounds"] == r["committed"] + r["rolled_back"] + r["split_then_healed"]
     assert r["committed"] >= 8
+    # the schedule it ran, and the goodput against a run of the same sites without failures
+    assert len(r["schedule"]) == r["failures_planned"] == 2 and {f["kind"] for f in r["schedule"]} <= {"kill", "hang"}
+    (ref,) = report["references"]
+    assert ref["failures_planned"] == 0 and ref["committed"] == ref["rounds"]
+    assert sum(ref["useful_site_steps"].values()) == 3 * 10 * 20  # every step of every site taken in
+    assert 0.2 < r["goodput"] < 1.2 and sum(r["useful_site_steps"].values()) < 3 * 10 * 20, r
 
 
 @pytest.mark.slow
@@ -322,7 +329,7 @@ def test_chaos_reports_every_round(tmp_path: Path) -> None:
 def test_chaos_soak_completes_with_every_core_busy(tmp_path: Path) -> None:
     """A short soak with one busy-looping process per core beside it (bounded, stopped by PID)."""
     hogs = os.cpu_count() or 2
-    report = _chaos(tmp_path, "--failures", "3", "--seeds", "2", "--cpu-hogs", str(hogs))
+    report = _chaos(tmp_path, "--failures", "3", "--seeds", "2", "--cpu-hogs", str(hogs), "--no-reference")
     (r,) = report["runs"]
     assert r["cpu_hogs"] == hogs and len(r["cpu_hog_pids"]) == hogs
     # a site killed late may still be restarting when the others finish: at least a quorum ends
@@ -386,6 +393,24 @@ def test_round_outcomes_flag_a_committed_round_with_two_models() -> None:
     assert out["consistent_history"] is False
     split = {"A": [rec("k1", "committed", 1, "x")], "B": [rec("k1", "rolled_back", 0, "w")]}
     assert round_outcomes(split)["split"] == 1
+
+
+def test_useful_steps_count_what_committed_rounds_took_in() -> None:
+    """The goodput's numerator: a rolled-back round discards its steps, a heal replaces the site's
+    own with its source's, and in two tiers only region rounds take steps in (a failed world round
+    loses nothing)."""
+    from geotrain.elastic.records import useful_steps
+
+    def rec(step: int, outcome: str = "committed", healers: tuple[str, ...] = (), part: int | None = None) -> dict[str, Any]:
+        return {"step": step, "outcome": outcome, "healers": list(healers), **({"part": part} if part is not None else {})}
+
+    a = [rec(10), rec(20, "rolled_back"), rec(30), rec(40)]
+    b = [rec(10), rec(30, healers=("B",)), rec(40)]  # killed after step 10, healed from A at step 30
+    assert useful_steps({"A": a, "B": b}) == {"A": 30, "B": 20}
+    # two tiers: region rounds (part 2f) and world rounds (part 2f + 1); fragment 1's region round too
+    tiers = [rec(10, part=0), rec(10, "rolled_back", part=1), rec(20, part=0), rec(25, part=2), rec(30, part=1)]
+    assert useful_steps({"A": tiers}, tiers=True) == {"A": 25}
+    assert useful_steps({"A": tiers}) == {"A": 30}  # read as one tier, the failed round would cost its 10 steps
 
 
 def test_a_round_sums_the_fragment_of_its_source_and_a_site_on_another_heals() -> None:

@@ -7,7 +7,10 @@ all-reduce, the rest during inner steps — and restarted ``restart_after`` seco
 heal from a live peer). The plan is drawn from ``seed`` before the run; a site is never hit
 again before it can have rejoined. The report says, from every site's round records, how many
 rounds committed or rolled back, whether every committed round maps to one global model and all
-survivors end identical, and how much wall time each failure cost the survivors.
+survivors end identical, how much wall time each failure cost the survivors, and the goodput:
+the steps whose work committed rounds took in, per second, as a share of what the same sites
+commit per second in a run of the same config without failures, under the same load (run
+beside the seeds; the failure schedule is written in each run's report).
 
 With ``cpu_hogs`` > 0, that many busy-looping processes run beside the soak (one per core to
 load the machine fully): each is bounded in time and stopped by its PID when the soak ends.
@@ -134,6 +137,7 @@ def run_chaos(
 ) -> dict[str, Any]:
     """Run the soak (with ``hogs`` busy-looping processes beside it); the report (also the
     summary's essentials)."""
+    from geotrain.elastic.records import read_rounds, useful_steps
     from geotrain.launch.local import launch_local
 
     cfg = chaos_config(sites, rounds, H, failures, seed, restart_after, spacing, workers, overrides)
@@ -141,6 +145,12 @@ def run_chaos(
         summary = launch_local(cfg, out, console_print=console_print)
     injected = [f for f in summary["failures"] if f["kind"] in ("kill", "hang")]
     lost = summary["seconds_lost"]
+    useful = useful_steps(read_rounds(out), tiers=cfg.topology.regions is not None and cfg.sync.region_every > 0)
+    schedule = [
+        {"site": s, "step": int(at), "kind": kind}
+        for kind in ("kill", "hang")
+        for s, at in (f.split("@") for f in getattr(cfg.fault, kind))
+    ]
     return {
         "seed": seed,
         "cpu_hogs": hogs,
@@ -152,6 +162,10 @@ def run_chaos(
         "H": H,
         "rounds_planned": rounds,
         "failures_planned": len(cfg.fault.kill) + len(cfg.fault.hang),
+        "schedule": sorted(schedule, key=lambda f: (f["step"], f["site"])),
+        "restart_after_s": restart_after,
+        "useful_site_steps": useful,
+        "useful_steps_per_second": sum(useful.values()) / summary["wall_seconds"],
         "rounds": summary["rounds"],
         "committed": summary["rounds"] - summary["rounds_rolled_back"] - summary["rounds_split"],
         "global_rounds_committed": summary["rounds_committed"],
@@ -179,10 +193,17 @@ def run_chaos(
     }
 
 
-def run_soaks(out: Path, seeds: list[int], hog_counts: list[int], **kwargs: Any) -> dict[str, Any]:
+def run_soaks(out: Path, seeds: list[int], hog_counts: list[int], reference: bool = True, **kwargs: Any) -> dict[str, Any]:
     """:func:`run_chaos` for every load in ``hog_counts`` and every seed (each run in its own
-    folder); the runs and, per load, the totals."""
+    folder), and per load (with ``reference``) one run of the same config without failures, the
+    goodput's denominator; the runs, the references and, per load, the totals."""
+    refs = {}
+    if reference:
+        refs = {h: run_chaos(out / f"reference-hogs{h}", hogs=h, **{**kwargs, "failures": 0}) for h in hog_counts}
     runs = [run_chaos(out / f"seed{s}-hogs{h}", seed=s, hogs=h, **kwargs) for h in hog_counts for s in seeds]
+    for r in runs:
+        ref = refs.get(r["cpu_hogs"])
+        r["goodput"] = r["useful_steps_per_second"] / ref["useful_steps_per_second"] if ref else None
     summary = []
     for h in hog_counts:
         rs = [r for r in runs if r["cpu_hogs"] == h]
@@ -200,9 +221,12 @@ def run_soaks(out: Path, seeds: list[int], hog_counts: list[int], **kwargs: Any)
                 "max_detection_seconds": max(r["max_detection_seconds"] for r in rs),
                 "max_excluded_after_seconds": max(r["max_excluded_after_seconds"] for r in rs),
                 "healed_before_excluded": sum(r["healed_before_excluded"] for r in rs),
+                "goodput": [r["goodput"] for r in rs],
+                "mean_goodput": statistics.mean(r["goodput"] for r in rs) if h in refs else None,
+                "reference_useful_steps_per_second": refs[h]["useful_steps_per_second"] if h in refs else None,
             }
         )
-    return {"runs": runs, "summary": summary}
+    return {"runs": runs, "references": list(refs.values()), "summary": summary}
 
 
 def chaos_table(report: dict[str, Any], title: str) -> Any:
@@ -210,11 +234,24 @@ def chaos_table(report: dict[str, Any], title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=title)
-    cols = ["cpu hogs", "seed", "rounds", "committed", "rolled back", "split", "failures", "consistent"]
-    for col in [*cols, "healed unexcluded", "s lost / failure", "max detection s"]:
+    cols = ["hogs", "seed", "rounds", "committed", "rolled back", "split", "failures", "consistent"]
+    for col in [*cols, "healed early", "s lost/failure", "max detect s", "goodput"]:
         table.add_column(col, justify="right")
-    for r in report["runs"]:
+    for r in [*report.get("references", []), *report["runs"]]:
         keys = ("cpu_hogs", "seed", "rounds", "committed", "rolled_back", "split_then_healed", "failures_injected", "consistent")
         cells = [str(r[k]) for k in (*keys, "healed_before_excluded")]
-        table.add_row(*cells, f"{r['seconds_lost_per_failure']:.2f}", f"{r['max_detection_seconds']:.2f}")
+        if "goodput" not in r:
+            cells[1] = "ref"
+        goodput = "(ref)" if "goodput" not in r else "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
+        table.add_row(*cells, f"{r['seconds_lost_per_failure']:.2f}", f"{r['max_detection_seconds']:.2f}", goodput)
     return table
+
+
+def schedule_lines(report: dict[str, Any]) -> list[str]:
+    """One line per run of :func:`run_soaks`' report: the failure schedule it ran."""
+    return [
+        f"seed {r['seed']}, {r['cpu_hogs']} hogs: "
+        + (", ".join(f"{f['kind']} {f['site']}@{f['step']}" for f in r["schedule"]) or "no failures")
+        + f"; each restarted {r['restart_after_s']:g} s later"
+        for r in report["runs"]
+    ]

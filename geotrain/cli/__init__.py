@@ -238,6 +238,15 @@ def place(
         tps = base.train.batch_size * base.train.grad_accum * base.model.block_size
     result, config, _ = scenario_step(run_place, pool, params, tps, base)
     print_place(result, wide(140))
+    missed = [k for k, ok in result["meets"].items() if not ok]
+    if missed and not best_effort:
+        c, job = result["chosen"], pool.job
+        limits = {"deadline": f"job.deadline_h {job.deadline_h or 0:g} h", "budget": f"job.budget {job.budget or 0:g}"}
+        fail(
+            f"no placement meets {' and '.join(limits[k] for k in missed)}: the best takes {c['hours']:.4g} h "
+            f"and costs {c['cost']:.4g}; nothing written (--best-effort writes it)",
+            1,
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
     console.print(f"wrote {out}: run it with geotrain train --config {out}")
@@ -320,11 +329,12 @@ def chaos(
     ] = "0",
     restart_after: Annotated[float, typer.Option(min=0, max=600, help="Seconds until a failed site restarts.")] = 1.0,
     workers: Annotated[int, typer.Option(min=1, max=8, help="Workers per site.")] = 1,
+    reference: Annotated[bool, typer.Option(help="Per load, one run without failures first: the goodput's denominator.")] = True,
     overrides: SetOpt = None,
 ) -> None:
-    """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency.
-    ``--set`` soaks any combination (e.g. ``--set sync.codec=int8``)."""
-    from geotrain.bench.chaos import chaos_config, chaos_table, run_soaks
+    """Soak elastic training under random site kills and hangs; report rounds, rollbacks, consistency,
+    seconds lost per failure and goodput. ``--set`` soaks any combination (e.g. ``--set sync.codec=int8``)."""
+    from geotrain.bench.chaos import chaos_config, chaos_table, run_soaks, schedule_lines
 
     seed_list, hog_list = ints(seeds, "--seeds", 0, 2**31), ints(cpu_hogs, "--cpu-hogs", 0, 64)
     try:
@@ -333,12 +343,14 @@ def chaos(
         fail(str(exc))
     try:
         kw = {"sites": sites, "rounds": rounds, "H": H, "failures": failures, "restart_after": restart_after}
-        report = run_soaks(out, seed_list, hog_list, console_print=None, workers=workers, overrides=overrides, **kw)
+        report = run_soaks(out, seed_list, hog_list, reference, console_print=None, workers=workers, overrides=overrides, **kw)
     except LaunchError as exc:
         fail(f"chaos run failed: {exc}", 1)
     extra = "".join(f", {o}" for o in overrides or [])
     table = chaos_table(report, f"chaos: {sites} sites x {workers}, {rounds} rounds of H={H}{extra}")
-    wide(120).print(table)
+    wide(160).print(table)
+    for line in schedule_lines(report):
+        console.print(line, markup=False, highlight=False)
     write_json(report, json_out or out / "chaos.json")
     if not all(r["consistent"] for r in report["runs"]):
         fail("survivors' global models differ", 1)

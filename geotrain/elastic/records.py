@@ -48,7 +48,7 @@ def round_outcomes(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             if r.get("key"):
                 by_key.setdefault(r["key"], set()).add(r["outcome"])
             if r["outcome"] == "committed":
-                scope = r.get("region", "") if r.get("part") == REGION else ""
+                scope = r.get("region", "") if r.get("part", 1) % 2 == REGION else ""
                 hashes.setdefault((r["committed"], scope), set()).add(r["hash"])
     committed = sum(1 for o in by_key.values() if o == {"committed"})
     rolled = sum(1 for o in by_key.values() if o == {"rolled_back"})
@@ -83,6 +83,29 @@ def seconds_lost(logs: dict[str, list[dict[str, Any]]]) -> float:
                 lost += max(0.0, r.get("quorum_s", 0.0) - usual.get(r.get("part"), 0.0))
         per_site.append(lost)
     return statistics.mean(per_site) if per_site else 0.0
+
+
+def useful_steps(logs: dict[str, list[dict[str, Any]]], tiers: bool = False) -> dict[str, int]:
+    """Per site, the inner steps whose work a committed round took in: walking a site's records,
+    a committed round of the lowest tier (the region's in two tiers) takes in its steps since the
+    site's previous round of that tier; a rolled-back one discards them, and a heal replaces them
+    with its source's state (a world round of two tiers that fails loses nothing: its regions
+    have committed that work). Streaming DiLoCo's fragment rounds come every H/F steps, so a
+    failed fragment costs H/F steps: its fragment's share of H steps of work."""
+    useful: dict[str, int] = {}
+    for site, recs in logs.items():
+        done = last = 0
+        for r in recs:
+            if site in r.get("healers", []):
+                last = r["step"]
+            elif tiers and r.get("part", 1) % 2 != REGION:  # the wire part: 2 x fragment + tier
+                continue
+            elif r["outcome"] == "committed":
+                done, last = done + max(0, r["step"] - last), r["step"]
+            else:
+                last = r["step"]
+        useful[site] = done
+    return useful
 
 
 def round_seconds(logs: dict[str, list[dict[str, Any]]]) -> float:
