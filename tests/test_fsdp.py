@@ -65,6 +65,10 @@ def test_fsdp_diloco_equals_replicated_over_rounds_with_the_same_wan_bytes(tmp_p
         assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-4)
     # each rank carries its own shard across sites: the same bytes as the replicated 1/G shards
     assert fs["inter_site_bytes"] == rep["inter_site_bytes"] > 0
+    # inside the site FSDP2's own collectives are counted: per step two all-gathers (forward, and
+    # backward's of the blocks) and a reduce-scatter, S/2 each on two workers, against the
+    # replicated all-reduce's S; evaluation gathers too
+    assert 1.2 * rep["intra_site_bytes"] < fs["intra_site_bytes"] < 3 * rep["intra_site_bytes"], (fs, rep)
     _one_model(fs)
     # the export holds the whole gathered model (in GPT-2's layout): it maps back to final_model.pt
     from safetensors.torch import load_file
@@ -92,6 +96,10 @@ def test_fsdp_over_sites_of_different_sizes_equals_replicated_and_resumes(tmp_pa
     fs, fs_w = _run(tmp_path, "fsdp", [*common, *FSDP, "checkpoint.every=5", f"checkpoint.dir={ck}"])
     _same(rep_w, fs_w, rtol=1e-4, atol=1e-5)
     assert fs["inter_site_bytes"] == rep["inter_site_bytes"] > 0
+    # inside the site FSDP2's own collectives are counted: per step two all-gathers (forward, and
+    # backward's of the blocks) and a reduce-scatter, S/2 each on two workers, against the
+    # replicated all-reduce's S; evaluation gathers too
+    assert 1.2 * rep["intra_site_bytes"] < fs["intra_site_bytes"] < 3 * rep["intra_site_bytes"], (fs, rep)
     _one_model(fs)
     resumed, resumed_w = _run(tmp_path, "resumed", [*common, *FSDP, f"checkpoint.resume={ck / 'step-00000005'}"])
     assert resumed["global_param_hash"] == fs["global_param_hash"]

@@ -7,7 +7,8 @@ freed after, its gradients reduce-scattered (averaged over the site) as backward
 stays on a rank between steps is its dim-0 shard of every parameter and gradient, the inner
 optimizer state of that shard, and (in :mod:`geotrain.sync`) the fp32 global copy and outer
 state of the same shard. ``train.precision=bf16`` becomes FSDP's mixed-precision policy: bf16
-parameters for compute, fp32 gradient reduction, fp32 shards kept.
+parameters for compute, fp32 gradient reduction, fp32 shards kept. FSDP2's collectives are
+counted in the rank's intra-site bytes (:mod:`geotrain.comm.fsdp_count`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from geotrain.comm.collectives import CommStats
+from geotrain.comm.fsdp_count import count_fsdp
 
 
 def block_list(model: nn.Module) -> nn.ModuleList:
@@ -34,7 +38,13 @@ def block_list(model: nn.Module) -> nn.ModuleList:
 
 
 def shard_model(
-    model: nn.Module, mesh: DeviceMesh, precision: str, *, reshard_root: bool = False, compile_blocks: bool = False
+    model: nn.Module,
+    mesh: DeviceMesh,
+    precision: str,
+    *,
+    reshard_root: bool = False,
+    compile_blocks: bool = False,
+    stats: CommStats | None = None,
 ) -> None:
     """Apply ``fully_shard`` to every block and then to the root, in place, on ``mesh``.
 
@@ -46,6 +56,7 @@ def shard_model(
         reshard_root: free the root's gathered parameters after forward too (for a model that only
             evaluates: nothing gathered outlives a forward, so shards written between forwards are
             always what the next one sees).
+        stats: count FSDP2's all-gathers and reduce-scatters in its ``intra_bytes``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: replicated runs never pay its import
 
@@ -57,7 +68,11 @@ def shard_model(
         if compile_blocks:
             block.forward = torch.compile(block.forward)  # type: ignore[method-assign]
         fully_shard(block, mesh=mesh, mp_policy=policy)
+        if stats is not None:
+            count_fsdp(block, stats)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_root or None)
+    if stats is not None:
+        count_fsdp(model, stats)
 
 
 def copy_on(model: nn.Module, device: str | torch.device) -> nn.Module:

@@ -194,8 +194,8 @@ def _train(
     template = copy_on(eval_model, "meta") if fsdp and me.rank == 0 and cfg.train.save_final else None
     if fsdp:  # HSDP: sharded over the site's workers (docs/SCALE.md); the evaluation copy too
         assert groups.mesh is not None
-        shard_model(model, groups.mesh, cfg.train.precision, compile_blocks=cfg.train.compile)
-        shard_model(eval_model, groups.mesh, cfg.train.precision, reshard_root=True)
+        shard_model(model, groups.mesh, cfg.train.precision, compile_blocks=cfg.train.compile, stats=comm.stats)
+        shard_model(eval_model, groups.mesh, cfg.train.precision, reshard_root=True, stats=comm.stats)
     own = cfg.topology.sites[where.site_index].corpus
     if own is not None and not Path(own).exists():  # checked here: it may exist on this site's machine only
         raise ConfigError(f"topology.sites[{where.site_index}].corpus: file or directory not found on this machine: {own}")
