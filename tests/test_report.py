@@ -190,6 +190,12 @@ def test_the_report_of_a_run_and_of_a_comparison_holds_their_own_numbers(tmp_pat
     assert "norm" in both or "non-finite" in both  # the guard's reason is shown
     assert "privacy.secure_aggregation" in both and "fault.nan" in both  # what differs between the configs
     assert both.count("step-0000000") == 2 and "complete" in both  # a's checkpoints at steps 4 and 8
+    # the CLI's verdict line, on the page; bytes shown in units, exact in data-value
+    from geotrain.report.tables import human_bytes, verdict
+
+    assert verdict(sa, sb, ("a", "b")) in both and "x more inter-site bytes" in verdict(sb, sa)  # b sends more
+    assert f'data-value="{sa["inter_site_bytes"]}">{human_bytes(sa["inter_site_bytes"])}<' in both
+    assert human_bytes(2_002_329_600) == "2.00 GB" and human_bytes(40_046_784) == "40.05 MB" and human_bytes(812) == "812 B"
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from geotrain.report.page import TEMPLATE
+from geotrain.report.tables import human_bytes, verdict
 from geotrain.report.trackers import flat_params
 
 WINDOW = 10  # steps per point of the per-site charts
@@ -279,9 +280,17 @@ def _charts(runs: list[dict[str, Any]]) -> dict[str, Any]:
         u.set_ylim(0, 105)
         charts["sites"].append(_done(fig, [u, w], "step", ["computing (%)", "wide-area wait per step (ms)"]))
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    for r in runs:
-        for site, ms in r["metrics"].items():
-            ax.plot([m["step"] for m in ms], [m.get("inter_site_bytes", 0) / 1e6 for m in ms], label=f"{r['label']} {site}")
+    styles = ["-", "--", ":", "-."]
+    for r in runs:  # sites of one run often send alike: each its own dash and width, so none hides another
+        for k, (site, ms) in enumerate(r["metrics"].items()):
+            ys = [m.get("inter_site_bytes", 0) / 1e6 for m in ms]
+            ax.plot(
+                [m["step"] for m in ms],
+                ys,
+                label=f"{r['label']} {site}",
+                linestyle=styles[k % len(styles)],
+                linewidth=2.6 - 0.6 * (k % 4),
+            )
     charts["bytes"] = _done(fig, [ax], "step", ["inter-site MB sent (site's first rank)"])
     charts["epsilon"] = None
     if any("epsilon" in m for r in runs for ms in r["metrics"].values() for m in ms):
@@ -299,7 +308,11 @@ def _cell(r: dict[str, Any], key: str, fmt: str = ",", src: dict[str, Any] | Non
     from markupsafe import Markup, escape
 
     v = (src if src is not None else r["values"]).get(key)
-    shown = "—" if v is None else format(v, fmt) if isinstance(v, int | float) and not isinstance(v, bool) else str(v)
+    number = isinstance(v, int | float) and not isinstance(v, bool)
+    if fmt == "bytes":
+        shown = human_bytes(float(v)) if number else "—" if v is None else str(v)  # type: ignore[arg-type]
+    else:
+        shown = "—" if v is None else format(v, fmt) if number else str(v)
     name = f"{scope}:{key}" if scope else key
     return Markup(
         f'<td data-run="{escape(r["label"])}" data-key="{escape(name)}" data-value="{escape(json.dumps(v))}">{escape(shown)}</td>'
@@ -315,6 +328,13 @@ def write_report(paths: list[Path], out: Path) -> Path:
     from jinja2 import Environment
 
     runs = collect(paths)
+    verdicts = [
+        verdict(r["record"], runs[0]["record"], (r["label"], runs[0]["label"]))
+        for r in runs[1:]
+        if all(x["record"].get(k) is not None for x in (r, runs[0]) for k in ("final_eval_loss", "wall_seconds"))
+    ]
+    if len(runs) == 2 and verdicts:  # a run and its baseline: the primary against the baseline, as the CLI says
+        verdicts = [verdict(runs[0]["record"], runs[1]["record"], (runs[0]["label"], runs[1]["label"]))]
     flat = [flat_params(r["config"]) for r in runs]
     keys = sorted({k for f in flat for k in f})
     differ = [(k, [f.get(k, "—") for f in flat]) for k in keys if len({f.get(k) for f in flat}) > 1]
@@ -326,6 +346,7 @@ def write_report(paths: list[Path], out: Path) -> Path:
         sections=SECTIONS,
         runs=runs,
         differ=differ,
+        verdicts=verdicts,
         charts=_charts(runs),
         window=WINDOW,
         cell=_cell,

@@ -36,10 +36,11 @@ the runs' <code>summary.json</code> and per-rank metrics; nothing on this page l
 <tr><th>run</th><th>algorithm</th><th>sites</th><th>steps</th><th>tokens</th><th>final eval loss</th>
 <th>inter-site bytes</th><th>compression</th><th>wall s</th><th>utilisation (min rank)</th><th>global models identical</th></tr>
 {% for r in runs %}<tr><td class="text">{{ r.label }}</td><td class="text">{{ r.algorithm }}</td><td class="text">{{ r.sites }}</td>
-{{ cell(r, "steps") }}{{ cell(r, "tokens") }}{{ cell(r, "final_eval_loss", ".4f") }}{{ cell(r, "inter_site_bytes") }}
+{{ cell(r, "steps") }}{{ cell(r, "tokens") }}{{ cell(r, "final_eval_loss", ".4f") }}{{ cell(r, "inter_site_bytes", "bytes") }}
 {{ cell(r, "compression_ratio", ".2f") }}{{ cell(r, "wall_seconds", ".1f") }}{{ cell(r, "utilization", ".1%") }}
 <td class="text">{{ "yes" if r.identical else "NO" }}</td></tr>
 {% endfor %}</table>
+{% for v in verdicts %}<p class="verdict"><strong>{{ v }}</strong></p>{% endfor %}
 <h3>What differs between the runs' configs</h3>
 {% if differ %}<table><tr><th>setting</th>{% for r in runs %}<th>{{ r.label }}</th>{% endfor %}</tr>
 {% for key, values in differ %}<tr><td class="text">{{ key }}</td>{% for v in values %}<td class="text">{{ v }}</td>{% endfor %}</tr>
@@ -64,9 +65,9 @@ rather than waiting on the wide-area network, and the wide-area wait per step.</
 is the fp32 bytes those sends stand for over the bytes sent.</p>
 {% for r in runs %}<h3>{{ r.label }}</h3><table><tr><th>site</th><th>inter-site bytes sent</th><th>fp32 bytes they stand for</th>
 <th>compression</th><th>intra-site bytes</th><th>utilisation</th></tr>
-{% for s in r.site_rows %}<tr><td class="text">{{ s.site }}</td>{{ cell(r, "inter_site_bytes", ",", s, "site:" ~ s.site) }}
-{{ cell(r, "inter_site_raw_bytes", ",", s, "site:" ~ s.site) }}{{ cell(r, "compression", ".2f", s, "site:" ~ s.site) }}
-{{ cell(r, "intra_site_bytes", ",", s, "site:" ~ s.site) }}{{ cell(r, "utilization", ".1%", s, "site:" ~ s.site) }}</tr>
+{% for s in r.site_rows %}<tr><td class="text">{{ s.site }}</td>{{ cell(r, "inter_site_bytes", "bytes", s, "site:" ~ s.site) }}
+{{ cell(r, "inter_site_raw_bytes", "bytes", s, "site:" ~ s.site) }}{{ cell(r, "compression", ".2f", s, "site:" ~ s.site) }}
+{{ cell(r, "intra_site_bytes", "bytes", s, "site:" ~ s.site) }}{{ cell(r, "utilization", ".1%", s, "site:" ~ s.site) }}</tr>
 {% endfor %}</table>{% endfor %}
 <div class="chart">{{ charts.bytes|safe }}</div>
 </section>
