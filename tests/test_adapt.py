@@ -209,22 +209,17 @@ def test_link_state_left_by_a_killed_launcher_does_not_reach_the_next_run(tmp_pa
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["sync.adapt={}", "sync.algorithm=ddp"], "sync.algorithm: not combined with sync.adapt yet"),
+        (["sync.adapt={}", "sync.algorithm=ddp"], "sync.algorithm: DDP exchanges every step and has no H to choose"),
         (["sync.adapt={fragments: [2]}"], "sync.adapt.fragments: Streaming DiLoCo only"),
         (["sync.adapt={hold: 0.05}"], "sync.adapt.hold: Streaming DiLoCo only"),
         (["sync.adapt={hold: 1.5}", "sync.algorithm=streaming"], "sync.adapt.hold"),
-        (["sync.adapt={}", "sync.algorithm=streaming", "sync.eager=true"], "sync.eager: not combined with sync.adapt yet"),
+        (["sync.adapt={}", "sync.algorithm=streaming", "sync.eager=true"], "sync.eager: the eager step owes each fragment"),
         (["sync.adapt={fragments: [1, 2]}", "sync.algorithm=streaming"], "sync.fragments: the first fragment count"),
         (["sync.adapt={fragments: [4, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count once"),
         (["sync.adapt={fragments: [0, 4]}", "sync.algorithm=streaming"], "sync.adapt.fragments: each count in 1..4096"),
         (["sync.adapt={H_min: 5}", "sync.algorithm=streaming", "sync.tau=5"], "sync.adapt.H_min: must exceed tau=5"),
-        (["sync.adapt={}", "train.max_seconds=5"], "train.max_seconds: not combined with sync.adapt yet"),
-        (
-            ["sync.adapt={}", "sync.algorithm=streaming", "checkpoint.every=5"],
-            "checkpoint.every: not combined with sync.adapt yet",
-        ),
         (["sync.adapt={H_min: 100}"], "sync.H: the first round's H must lie in"),
-        (["sync.adapt={codecs: [int8]}"], "sync.codec: the first round's codec must be one of sync.adapt.codecs"),
+        (["sync.adapt={codecs: [int8]}"], "sync.codec: adaptation chooses among fixed-width codecs by their bits per value"),
         (["sync.adapt={H_min: 300, H_max: 200}", "sync.H=250"], "sync.adapt.H_min: must be at most H_max=200"),
         (["sync.adapt={codecs: [none, none]}"], "sync.adapt.codecs: each codec once"),
         (["sync.adapt={codecs: [none, topk]}"], "sync.adapt.codecs[1]: Input should be"),
@@ -237,6 +232,20 @@ def test_bad_adaptation_configs_are_refused_in_one_line(overrides: list[str], me
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["sync.adapt={}", "train.max_seconds=5"],
+        ["sync.adapt={}", "sync.algorithm=streaming", "checkpoint.every=5"],
+    ],
+)
+def test_adaptation_loads_with_a_time_limit_and_checkpoints(overrides: list[str]) -> None:
+    """Once refused as 'not combined yet': the round engine ends an adapted run on time and keeps
+    the adapter's state in its checkpoints (tests/test_combinations.py runs them)."""
+    cfg = load_config(None, overrides)
+    assert cfg.sync.adapt is not None
 
 
 CODECS = {c: float(CODEC_BITS[c]) for c in ("none", "bf16", "int8", "fp4")}  # sync.adapt.codecs' default

@@ -1,5 +1,5 @@
 """Asynchronous quorum rounds in elastic mode (``sync.quorum`` with ``elastic.enabled``,
-sync/quorum_elastic.py): no syncer; a round holds the sites that asked in time, and a slow site's
+geotrain/round/membership.py): no syncer; a round holds the sites that asked in time, and a slow site's
 late update counts in its next round, discounted. The healing and end rules as pure functions,
 the progress stores over real sockets, and real runs on 127.0.0.1: a slow site never holds the
 others up and every site ends on one model, with a site killed and restarted too."""

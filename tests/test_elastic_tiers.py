@@ -1,4 +1,4 @@
-"""Two tiers in elastic mode (``elastic.enabled`` with ``sync.region_every``, sync/tiers_elastic.py):
+"""Two tiers in elastic mode (``elastic.enabled`` with ``sync.region_every``, the round engine, geotrain/round/):
 region rounds and world rounds are elastic rounds. Real processes on 127.0.0.1: without failures
 they end where lock-step tiers end, and a site of each region killed and restarted heals (from
 its own region where a site of it is alive) and every site ends on one model."""

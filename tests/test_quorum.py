@@ -478,22 +478,10 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
     [
         (["sync.quorum={sites: 5}"], "sync.quorum.sites: 5 is more than the 2 sites in topology.sites (allowed: 1..2)"),
         (["sync.quorum={sites: 1}", "sync.algorithm=ddp"], "sync.algorithm: quorum rounds merge the pseudo-gradients of rounds"),
-        (
-            ["sync.quorum={sites: 1}", "sync.algorithm=streaming", "sync.within_site=fsdp"],
-            "sync.within_site: not combined with Streaming DiLoCo in asynchronous quorum rounds yet",
-        ),
-        (
-            ["sync.quorum={sites: 1}", "sync.pace=adaptive", "checkpoint.every=10"],
-            "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same step",
-        ),
-        (["sync.quorum={sites: 1}", "sync.codec=powersgd"], "sync.codec: not combined with sync.quorum yet"),
+        (["sync.quorum={sites: 1}", "sync.codec=powersgd"], "sync.codec: PowerSGD's low-rank factors are one sum"),
         (
             ["sync.quorum={sites: 1}", "elastic.enabled=true"],
             "sync.quorum.sites: elastic rounds need more than half of the sites (2 of 2): two rounds of disjoint sites",
-        ),
-        (
-            ["sync.quorum={sites: 1, local_steps: dynamic}", "checkpoint.every=10"],
-            "checkpoint.every: a checkpoint of asynchronous rounds is taken at a round every site ends at the same step",
         ),
         (
             ["sync.quorum={sites: 1}", "fault.kill=[A@5]"],
@@ -517,7 +505,7 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
                 "sync.quorum={sites: 1}",
                 "checkpoint.every=10",
             ],
-            "checkpoint.every: not combined with sync.quorum in two tiers (sync.region_every) yet",
+            "checkpoint.every: a checkpoint is one instant at which every site holds the state it resumes from",
         ),
         (
             ["fault.kill=[B@5]"],
@@ -536,6 +524,20 @@ def test_bad_quorum_configs_are_refused_in_one_line(overrides: list[str], messag
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["sync.quorum={sites: 1}", "sync.algorithm=streaming", "sync.within_site=fsdp"],
+        ["sync.quorum={sites: 1}", "sync.pace=adaptive", "checkpoint.every=10"],
+        ["sync.quorum={sites: 1, local_steps: dynamic}", "checkpoint.every=10"],
+    ],
+)
+def test_quorum_rounds_load_with_fsdp_streaming_and_checkpoints(overrides: list[str]) -> None:
+    """Once refused: the round engine runs Streaming fragments over FSDP shards in quorum rounds,
+    and checkpoints each site's own state at a round (tests/test_combinations.py runs them)."""
+    assert load_config(None, overrides).sync.quorum is not None
 
 
 @pytest.mark.timeout(60)
