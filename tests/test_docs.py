@@ -1,5 +1,6 @@
 """What the README and the docs name exists: every ``geotrain.x.y`` import path resolves, every
-file path is there, and the README's file tree lists every source file (one line per file)."""
+file path is there, docs/DESIGN.md's file tree lists every source file (one line per file), and
+the README and DESIGN.md stay short (at most 250 and 400 lines)."""
 
 from __future__ import annotations
 
@@ -49,18 +50,27 @@ def test_file_paths_in_docs_exist() -> None:
     assert bad == []
 
 
-def test_readme_tree_lists_every_source_file() -> None:
+def test_design_tree_lists_every_source_file() -> None:
     tracked = subprocess.run(["git", "ls-files", *SOURCE_DIRS], cwd=REPO, capture_output=True, text=True, check=True).stdout
     untracked = subprocess.run(
         ["git", "ls-files", "--others", "--exclude-standard", *SOURCE_DIRS], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     files = sorted({f for f in (tracked + untracked).splitlines() if f.endswith(".py") and (REPO / f).exists()})
     assert files, "no source files found"
-    tree = (REPO / "README.md").read_text()
+    tree = (REPO / "docs" / "DESIGN.md").read_text()
     tree = tree[tree.index("## Files") :]
     listed = {line.split()[0] for line in tree.splitlines() if line.strip() and not line.startswith(("#", "`"))}
     missing = [f for f in files if f not in listed and f != "tests/__init__.py"]
-    assert missing == [], "README ## Files misses: " + ", ".join(missing)
+    assert missing == [], "docs/DESIGN.md ## Files misses: " + ", ".join(missing)
+    stale = sorted(f for f in listed if f.endswith(".py") and f not in files)
+    assert stale == [], "docs/DESIGN.md ## Files lists files that are gone: " + ", ".join(stale)
+
+
+def test_the_readme_and_the_design_stay_short() -> None:
+    """A newcomer reads the README (what geotrain is, a round, what combines, the quickstart, the
+    modes) and DESIGN.md (the decisions and the tree); history is in git."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+    assert len((REPO / "docs" / "DESIGN.md").read_text().splitlines()) <= 400
 
 
 def _lines(*paths: str) -> int:
