@@ -29,10 +29,14 @@
    an emulated 100 Mbit/s, 30 ms link, two seeds: lock-step DiLoCo, quorum rounds of 2 of 3 with a
    syncer, and the same as elastic rounds (no syncer): tokens, loss, utilisation, bytes, and how
    many of C's updates came late and still counted.
+9. **Elastic Streaming DiLoCo overlaps like lock-step** (``--only elastic-streaming``): two sites of
+   two workers (and of one), Streaming DiLoCo (H = 20, 2 fragments, tau = 2) on an emulated
+   100 Mbit/s, 30 ms link, lock-step against elastic rounds, two seeds: compute utilisation (the
+   target: within 5 points), wall time, final loss (equal: the rounds sum the same updates).
 
 Prints a table, writes JSON.
 
-    python benchmarks/compose.py [--steps 60] [--only pairs|codecs|example-dp|quorum-tiers|quorum-streaming|elastic-tiers|elastic-quorum]
+    python benchmarks/compose.py [--steps 60] [--only pairs|codecs|example-dp|quorum-tiers|quorum-streaming|elastic-tiers|elastic-quorum|elastic-streaming]
         [--json benchmarks/results/compose.json]
 """
 
@@ -230,10 +234,34 @@ def codec_runs(tmp: Path, base: list[str]) -> dict[str, Any]:
     return {"elastic_vs_lockstep": runs, "layouts": layouts}
 
 
+def elastic_streaming(tmp: Path, steps: int = 300) -> dict[str, Any]:
+    """Lock-step against elastic Streaming DiLoCo, each exchange beside tau steps of compute, at
+    100 Mbit/s and 30 ms (part 9): utilisation, wall time, final loss, per layout and seed."""
+    common = ["sync.algorithm=streaming", "sync.H=20", "sync.fragments=2", "sync.tau=2", f"train.steps={steps}"]
+    common += ["train.eval_every=0", "run.baseline=none", "topology.links.emulate=inprocess"]
+    common += ["topology.links.inter.bandwidth_bps=1e8", "topology.links.inter.latency_s=0.03"]
+    runs: dict[str, Any] = {}
+    for layout, workers, seeds in (("2x2", 2, (1234, 1235)), ("2x1", 1, (1234,))):
+        sites = f"topology.sites=[{{name: A, workers: {workers}}}, {{name: B, workers: {workers}}}]"
+        for seed in seeds:
+            for mode, extra in (("lockstep", []), ("elastic", ["elastic.enabled=true"])):
+                s = train(tmp / f"{layout}-{mode}-{seed}", [sites, *common, *extra, f"train.seed={seed}"])
+                runs[f"{layout}-{mode}-seed{seed}"] = {
+                    **row(s),
+                    "utilization": s["utilization"],
+                    "wall_seconds": s["wall_seconds"],
+                    "wan_wait_seconds": s.get("wan_wait_seconds"),
+                }
+            lock, el = runs[f"{layout}-lockstep-seed{seed}"], runs[f"{layout}-elastic-seed{seed}"]
+            el["utilization_gap_points"] = round(100 * (lock["utilization"] - el["utilization"]), 2)
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
     parts = ["pairs", "codecs", "example-dp", "quorum-tiers", "quorum-streaming", "elastic-tiers", "elastic-quorum"]
+    parts += ["elastic-streaming"]
     ap.add_argument("--only", choices=parts, default=None)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compose.json"))
     a = ap.parse_args()
@@ -258,6 +286,9 @@ def main() -> None:
     if a.only == "elastic-quorum":
         with tempfile.TemporaryDirectory() as tmp:
             result["elastic_quorum"] = elastic_quorum(Path(tmp))
+    if a.only == "elastic-streaming":
+        with tempfile.TemporaryDirectory() as tmp:
+            result["elastic_streaming"] = elastic_streaming(Path(tmp))
     if a.only is None:
         with tempfile.TemporaryDirectory() as tmp:
             result.update(codec_runs(Path(tmp), base))
@@ -309,6 +340,7 @@ def main() -> None:
             result["quorum_streaming"] = quorum_streaming(Path(tmp))
             result["elastic_tiers"] = elastic_tiers(Path(tmp), base)
             result["elastic_quorum"] = elastic_quorum(Path(tmp))
+            result["elastic_streaming"] = elastic_streaming(Path(tmp))
         print(f"{'run':34} {'final eval loss':>16} {'inter-site bytes':>17} {'compression':>12} {'one model':>10}")
         every = {
             **result["elastic_vs_lockstep"],
@@ -344,6 +376,12 @@ def main() -> None:
         print(
             f"{name:34} final eval loss {r['final_eval_loss']:.4f}, tokens {r['tokens']:,}, steps per site {r['steps']}, "
             f"utilisation {r['utilization']:.1%}, {r['inter_site_bytes']:,} B, one model {r['one_model']}{late}"
+        )
+    for name, r in result.get("elastic_streaming", {}).items():
+        gap = f", {r['utilization_gap_points']:.1f} points under lock-step" if "utilization_gap_points" in r else ""
+        print(
+            f"{name:34} final eval loss {r['final_eval_loss']:.5f}, utilisation {r['utilization']:.1%}{gap}, "
+            f"{r['wall_seconds']:.1f} s, one model {r['one_model']}"
         )
     for name, r in result.get("example_dp", {}).items():
         print(f"{name:34} final eval loss {r['final_eval_loss']:.6f}, compute {r['compute_s_per_step']:.3f} s/step")
