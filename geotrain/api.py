@@ -85,7 +85,7 @@ class Site:
         self.comm: Collectives = open_collectives(
             self.topology,
             backend=self.cfg.run.backend,
-            timeout_s=self.cfg.run.timeout_s,
+            timeout_s=self.cfg.liveness.group_timeout_s,
             lanes=self.cfg.sync.lanes,
             chunk_bytes=self.cfg.sync.chunk_bytes,
             emulate=mode,

@@ -60,7 +60,7 @@ class MembershipRefused(RuntimeError):
 
 
 class ElasticTimeout(RuntimeError):
-    """An elastic site went longer than ``elastic.wait_timeout_s`` without a round (the Lighthouse
+    """An elastic site went longer than ``liveness.wait_timeout_s`` without a round (the Lighthouse
     unreachable, or fewer than ``elastic.min_sites`` sites answering): it stops."""
 
 
@@ -77,5 +77,5 @@ class CoordinatorDown(RuntimeError):
 
 
 class SyncerTimeout(RuntimeError):
-    """Asynchronous quorum rounds: a site waited longer than ``sync.quorum.timeout_s`` for the
+    """Asynchronous quorum rounds: a site waited longer than ``liveness.hub_timeout_s`` for the
     syncer's answer; it stops."""

@@ -65,7 +65,7 @@ BAD = [
     (
         "trian:\n  steps: 3\n",
         [],
-        "trian: unknown key; allowed keys: checkpoint, data, elastic, fault, guard, model, optim, privacy, report, run, sync, topology, train",
+        "trian: unknown key; allowed keys: checkpoint, data, elastic, fault, guard, liveness, model, optim, privacy, report, run, sync, topology, train",
     ),
     (None, ["train.stpes=3"], "train.stpes: unknown key"),
     (None, ["topology.sites.0.workers=-2"], "topology.sites[0].workers: Input should be greater than or equal to 1"),
@@ -122,7 +122,11 @@ BAD = [
     (None, ["privacy.inject=[A@x:drop]"], "privacy.inject: item 0 ('A@x:drop'): expected SITE@ROUND:drop"),
     (None, ["privacy.secure_aggregation=true", "sync.algorithm=ddp"], "privacy.secure_aggregation: works on pseudo-gradients"),
     (None, ["fault.kill=[A@10]"], "fault.kill: failing a site this way needs elastic.enabled=true"),
-    (None, ["elastic.heartbeat_timeout_s=0.3"], "elastic.heartbeat_timeout_s: must exceed twice elastic.heartbeat_s"),
+    (None, ["liveness.heartbeat_timeout_s=0.3"], "liveness.heartbeat_timeout_s: must exceed twice heartbeat_s=0.25 (got 0.3)"),
+    (None, ["elastic.heartbeat_timeout_s=3"], "elastic.heartbeat_timeout_s: moved to liveness.heartbeat_timeout_s"),
+    (None, ["run.timeout_s=60"], "run.timeout_s: moved to liveness.group_timeout_s"),
+    (None, ["sync.quorum={sites: 1, lost_after_s: 30}"], "sync.quorum.lost_after_s: moved to liveness.hub_lost_after_s"),
+    ("elastic:\n  enabled: true\n  wait_timeout_s: 30\n", [], "elastic.wait_timeout_s: moved to liveness.wait_timeout_s"),
     (
         None,
         ["elastic.enabled=true", "sync.algorithm=ddp"],

@@ -104,7 +104,7 @@ def _waiting_rank(tmp_path: Path, fork: bool) -> tuple[Any, threading.Thread, Pa
     from geotrain.launch.spawn import spawn_rank, worker_args
 
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}]\nrun:\n  timeout_s: 60\n")
+    cfg.write_text("topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}]\nliveness:\n  group_timeout_s: 60\n")
     env = _rank_env(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env["GEOTRAIN_PARENT_PID"] = str(os.getpid())
     log = tmp_path / "rank.log"
@@ -219,7 +219,8 @@ topology:
   links: {inter: {bandwidth_bps: 1.5e4, latency_s: 0.02}}
 train: {steps: 1000, log_every: 1, threads: 1}
 sync: {algorithm: streaming, H: 200, fragments: 4, tau: 150, lanes: 2, chunk_bytes: 65536}
-run: {baseline: none, timeout_s: 300}
+run: {baseline: none}
+liveness: {group_timeout_s: 300}
 """
 
 

@@ -327,6 +327,10 @@ def test_a_codec_sends_both_ways_encoded_and_the_final_round_is_exact(tmp_path: 
     assert int8["final_eval_loss"] < int8["eval_curve"][0]["eval_loss"]
 
 
+# a hub that loses a silent site after 3 s (beats every 0.5 s), sites that wait for it up to 60 s
+LIVE = ["liveness.hub_timeout_s=60", "liveness.hub_heartbeat_s=0.5", "liveness.hub_lost_after_s=3"]
+
+
 def _start_three_sites(out: Path, quorum: str, *extra: str) -> tuple[threading.Thread, dict[str, Any], list[int]]:
     """Sites of 1, 2 and 1 workers (C slow) launched in a thread, once B is a few rounds in: the
     thread, the summary it will fill, and the ranks' PIDs (B's are 1 and 2)."""
@@ -381,11 +385,11 @@ def test_a_rank_killed_from_outside_comes_back_with_restart_after(tmp_path: Path
 @pytest.mark.timeout(150)
 def test_a_site_stopped_from_outside_goes_silent_is_lost_and_the_others_finish(tmp_path: Path) -> None:
     """Both of site B's ranks get a SIGSTOP from this test: their connections stay open, so only
-    their silent heartbeats tell. The syncer loses B after lost_after_s; A and C finish on one
+    their silent heartbeats tell. The syncer loses B after liveness.hub_lost_after_s; A and C finish on one
     model, at their time limit, and the launcher kills B's stopped ranks. Without the heartbeat the
-    final round would wait for B until timeout_s and the run would fail."""
-    quorum = "sync.quorum={sites: 1, grace_s: 0, timeout_s: 60, heartbeat_s: 0.5, lost_after_s: 3}"
-    runner, got, pids = _start_three_sites(tmp_path / "hung", quorum)
+    final round would wait for B until liveness.hub_timeout_s and the run would fail."""
+    quorum = "sync.quorum={sites: 1, grace_s: 0}"
+    runner, got, pids = _start_three_sites(tmp_path / "hung", quorum, *LIVE)
     b_ranks = pids[1:3]
     for pid in b_ranks:
         os.kill(pid, signal.SIGSTOP)
@@ -410,9 +414,9 @@ def test_a_site_stopped_from_outside_is_killed_and_comes_back_with_restart_after
     """B's ranks get a SIGSTOP from this test, with ``fault.restart_after``: the syncer loses B for
     silence and reports it in the run's store; the launcher kills B's stopped ranks (only it can)
     and starts B again 1 s later; B rejoins and every site ends on one model."""
-    quorum = "sync.quorum={sites: 1, grace_s: 0, timeout_s: 60, heartbeat_s: 0.5, lost_after_s: 3}"
+    quorum = "sync.quorum={sites: 1, grace_s: 0}"
     out = tmp_path / "hung-back"
-    runner, got, pids = _start_three_sites(out, quorum, "train.max_seconds=14", "fault.restart_after=1")
+    runner, got, pids = _start_three_sites(out, quorum, *LIVE, "train.max_seconds=14", "fault.restart_after=1")
     for pid in pids[1:3]:
         os.kill(pid, signal.SIGSTOP)
     runner.join(timeout=150)
@@ -514,10 +518,13 @@ def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: 
         (["sync.quorum={sites: 1, grace_s: -1}"], "grace_s"),
         (["sync.quorum={grace_s: 1}"], "sites"),
         (
-            ["sync.quorum={sites: 1, heartbeat_s: 2, lost_after_s: 4}"],
-            "sync.quorum.lost_after_s: must exceed twice heartbeat_s=2 (got 4)",
+            ["liveness.hub_heartbeat_s=2", "liveness.hub_lost_after_s=4"],
+            "liveness.hub_lost_after_s: must exceed twice hub_heartbeat_s=2 (got 4)",
         ),
-        (["sync.quorum={sites: 1, timeout_s: 30, lost_after_s: 30}"], "sync.quorum.lost_after_s: must be less than timeout_s=30"),
+        (
+            ["liveness.hub_timeout_s=30", "liveness.hub_lost_after_s=30"],
+            "liveness.hub_lost_after_s: must be less than hub_timeout_s=30",
+        ),
     ],
 )
 def test_bad_quorum_configs_are_refused_in_one_line(overrides: list[str], message: str) -> None:

@@ -91,7 +91,7 @@ def test_an_update_for_no_such_fragment_or_of_the_wrong_size_is_left_out() -> No
     does not exist decodes as an empty update of fragment 0, and an update whose length is not its
     fragment's is left out of the merge (logged), so a bad message costs its site's round only."""
     from geotrain.comm.mailbox import Message
-    from geotrain.config import SyncConfig
+    from geotrain.config import LivenessConfig, SyncConfig
     from geotrain.round.merge import Update
     from geotrain.round.outer import averaging
     from geotrain.round.syncer import UPDATE, QuorumSyncer
@@ -99,7 +99,8 @@ def test_an_update_for_no_such_fragment_or_of_the_wrong_size_is_left_out() -> No
     cfg = SyncConfig(algorithm="streaming", quorum={"sites": 1})
     assert cfg.quorum is not None
     theta = [torch.zeros(3), torch.zeros(2)]
-    syncer = QuorumSyncer(cfg.quorum, True, [1, 1], theta, averaging, cfg, object(), [0, 1], fragments=[[0], [1]])  # type: ignore[arg-type]
+    live = LivenessConfig()
+    syncer = QuorumSyncer(cfg.quorum, live, True, [1, 1], theta, averaging, cfg, object(), [0, 1], fragments=[[0], [1]])  # type: ignore[arg-type]
 
     def sent(fragment: float, n: int) -> Message:
         fields = [UPDATE, 0.0, 4.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, fragment]

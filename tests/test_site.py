@@ -20,7 +20,7 @@ import pytest
 
 from geotrain.comm.emulate import kernel as netns
 from geotrain.comm.procs import free_port
-from geotrain.config import ElasticConfig, load_config
+from geotrain.config import ElasticConfig, LivenessConfig, load_config
 from geotrain.errors import ConfigError, ElasticTimeout
 from tests.helpers import kernel_links_unavailable
 
@@ -73,25 +73,25 @@ def test_a_site_whose_lighthouse_never_answers_stops_within_the_wait_bound(cfg_f
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
     proc = _site(
-        cfg_file, "--site", "A", "--lighthouse", f"127.0.0.1:{port}", "--set", "elastic.wait_timeout_s=3",
+        cfg_file, "--site", "A", "--lighthouse", f"127.0.0.1:{port}", "--set", "liveness.wait_timeout_s=3",
         "--out", str(cfg_file.parent / "out"), env=SECRET,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "elastic wait timed out" in proc.stdout + proc.stderr and "elastic.wait_timeout_s=3" in proc.stdout + proc.stderr
+    assert "elastic wait timed out" in proc.stdout + proc.stderr and "liveness.wait_timeout_s=3" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert time.monotonic() - t0 < 90
 
 
 def test_coordinator_waits_are_bounded_postponed_or_not() -> None:
     """Rounds postponed while the Lighthouse is unreachable (DiLoCo.finish retries them) and the
-    start rendezvous both end with ElasticTimeout after elastic.wait_timeout_s."""
+    start rendezvous both end with ElasticTimeout after liveness.wait_timeout_s."""
     from geotrain.elastic.coordinator import Coordinator
 
-    cfg = ElasticConfig(enabled=True, heartbeat_s=0.05, heartbeat_timeout_s=0.5, wait_timeout_s=1.5)
-    c = Coordinator(cfg, f"127.0.0.1:{free_port()}", "A", 1, "127.0.0.1:1", lambda _: None)
+    live = LivenessConfig(heartbeat_s=0.05, heartbeat_timeout_s=0.5, wait_timeout_s=1.5)
+    c = Coordinator(ElasticConfig(enabled=True), f"127.0.0.1:{free_port()}", "A", 1, "127.0.0.1:1", lambda _: None, live)
     try:
         t0 = time.monotonic()
-        with pytest.raises(ElasticTimeout, match=r"elastic.wait_timeout_s=1.5.*Lighthouse .* unreachable"):
+        with pytest.raises(ElasticTimeout, match=r"liveness.wait_timeout_s=1.5.*Lighthouse .* unreachable"):
             while time.monotonic() - t0 < 30:
                 assert c.quorum(True, committed=0, joining=False, data={}) is None
                 time.sleep(0.05)
@@ -345,8 +345,8 @@ def test_a_long_round_of_inner_steps_is_not_a_wait(tmp_path: Path) -> None:
 
     lh = LighthouseProcess(0, ElasticConfig(), tmp_path / "lh.log")
     lh.start()
-    cfg = ElasticConfig(enabled=True, heartbeat_s=0.05, heartbeat_timeout_s=0.5, wait_timeout_s=1.0)
-    c = Coordinator(cfg, lh.address, "A", 1, "127.0.0.1:1", lambda _: None)
+    live = LivenessConfig(heartbeat_s=0.05, heartbeat_timeout_s=0.5, wait_timeout_s=1.0)
+    c = Coordinator(ElasticConfig(enabled=True), lh.address, "A", 1, "127.0.0.1:1", lambda _: None, live)
     try:
         for _ in range(2):
             assert c.quorum(False, committed=0, joining=False, data={}) is not None

@@ -67,7 +67,7 @@ class Heartbeat:
             if not self._stop.is_set():  # after stop() the store may be gone with the run: nothing to tell
                 print(
                     f"geotrain: rank {self.rank}'s heartbeat to the rendezvous store stopped ({exc}); "
-                    "its site will be lost after sync.quorum.lost_after_s",
+                    "its site will be lost after liveness.hub_lost_after_s",
                     file=sys.stderr,
                     flush=True,
                 )

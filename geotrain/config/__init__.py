@@ -16,7 +16,7 @@ from geotrain.config.base import Section
 from geotrain.config.load import format_error, load_config, load_yaml_model
 from geotrain.config.privacy import DPConfig, PrivacyConfig
 from geotrain.config.reference import markdown_reference
-from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig
+from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig, LivenessConfig
 from geotrain.config.root import Config
 from geotrain.config.sync import CODEC_BITS, STREAMING_HOLD, AdaptConfig, QuorumConfig, SyncConfig
 from geotrain.config.topology import LinkChangeConfig, LinkConfig, LinksConfig, PairLinkConfig, SiteConfig, TopologyConfig
@@ -43,6 +43,7 @@ __all__ = [
     "FaultConfig",
     "GuardConfig",
     "LinkChangeConfig",
+    "LivenessConfig",
     "LinkConfig",
     "LinksConfig",
     "ModelConfig",

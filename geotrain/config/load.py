@@ -97,8 +97,15 @@ def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
 
 
 def format_error(err: ValidationError, root: type[BaseModel]) -> str:
-    """The first validation error as one line: ``field.path: message (got value)``."""
-    e = err.errors(include_url=False)[0]
+    """The first validation error as one line: ``field.path: message (got value)``; a key that
+    moved (``root.moved_keys``) is named with its new key first."""
+    errors = err.errors(include_url=False)
+    moved: dict[str, str] = getattr(root, "moved_keys", {})
+    for e in errors:
+        if e["type"] == "extra_forbidden" and _loc_to_str(tuple(e["loc"])) in moved:
+            old = _loc_to_str(tuple(e["loc"]))
+            return f"{old}: moved to {moved[old]}"
+    e = errors[0]
     loc = tuple(e["loc"])
     field = _loc_to_str(loc)
     if e["type"] == "extra_forbidden":

@@ -1,4 +1,5 @@
-"""Sections for failure: guarded updates, failure injection, and elastic membership."""
+"""Sections for failure: guarded updates, failure injection, elastic membership, and the timing
+of failure detection and of every wait (liveness)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class FaultConfig(Section):
 
 class ElasticConfig(Section):
     """Elastic cross-site membership (geotrain.elastic): a quorum per outer round, rollback of
-    failed rounds, heartbeats, live healing, HMAC-authenticated joins."""
+    failed rounds, live healing, HMAC-authenticated joins (their heartbeats and timeouts: liveness)."""
 
     enabled: bool = Field(
         default=False,
@@ -95,29 +96,6 @@ class ElasticConfig(Section):
         description="HOST:PORT of a running membership coordinator (geotrain lighthouse); default: the launcher starts and "
         "supervises one on 127.0.0.1.",
     )
-    heartbeat_s: float = Field(default=0.25, gt=0, le=60, description="Seconds between heartbeats.")
-    heartbeat_timeout_s: float = Field(
-        default=2.0, gt=0, le=600, description="A site silent this long is declared failed and its round aborted."
-    )
-    quorum_timeout_s: float = Field(
-        default=5.0, gt=0, le=3600, description="Seconds one quorum request waits before it is retried (and logged)."
-    )
-    start_timeout_s: float = Field(
-        default=120.0,
-        gt=0,
-        le=86_400,
-        description="At the start, wait this long for every site before training without the missing ones.",
-    )
-    wait_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        le=86_400,
-        description="Longest a site waits for a quorum while the Lighthouse is unreachable or fewer than min_sites sites "
-        "answer (at the start, during training and for the last round; inner steps do not count); then it stops with an error.",
-    )
-    collective_timeout_s: float = Field(
-        default=120.0, gt=0, le=86_400, description="Backstop timeout of one cross-site operation (heartbeats abort sooner)."
-    )
     secret_env: str = Field(default="GEOTRAIN_SECRET", description="Environment variable holding the shared membership secret.")
     secret_file: str | None = Field(
         default=None, description="File holding the shared membership secret (instead of secret_env)."
@@ -131,9 +109,100 @@ class ElasticConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _timeouts(self) -> ElasticConfig:
-        if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
-            raise ValueError("heartbeat_timeout_s: must exceed twice elastic.heartbeat_s")
+    def _keys(self) -> ElasticConfig:
         if self.site_keys and not self.enabled:
             raise ValueError("site_keys: pins the sites' keys of elastic mode; set elastic.enabled=true (or unset it)")
         return self
+
+
+class LivenessConfig(Section):
+    """How failures are detected and how long every wait may last, for every kind of run
+    (docs/ELASTIC.md, docs/QUORUM.md). Two detectors read them: an elastic round's peers, whose
+    silent site costs that round (it rejoins and heals), and a quorum hub, whose lost site is late
+    forever, so the hub waits far longer before it gives a site up."""
+
+    heartbeat_s: float = Field(default=0.25, gt=0, le=60, description="Elastic runs: seconds between heartbeats.")
+    heartbeat_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="Elastic runs: a site silent this long is declared failed and its round aborted (it may rejoin).",
+    )
+    quorum_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="Elastic runs: seconds one quorum request waits before it is retried (and logged).",
+    )
+    start_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Elastic runs: at the start, wait this long for every site before training without the missing ones.",
+    )
+    wait_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="Elastic runs: longest a site waits for a quorum while the Lighthouse is unreachable or fewer than "
+        "elastic.min_sites sites answer (at the start, during training and for the last round; inner steps do not count); "
+        "then it stops with an error.",
+    )
+    collective_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Elastic runs: backstop timeout of one cross-site exchange (heartbeats abort sooner).",
+    )
+    group_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="Every run: the torch.distributed groups' collective timeout (inside a site; across sites in lock-step runs).",
+    )
+    hub_heartbeat_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Quorum rounds with a hub: every rank tells the run's rendezvous store it is alive this often (a counter).",
+    )
+    hub_lost_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="Quorum rounds with a hub: a site one of whose ranks has not beaten for this long (stopped, hung, its "
+        "machine gone) is lost: late forever, as a site that died. More than twice hub_heartbeat_s, less than hub_timeout_s.",
+    )
+    hub_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="Quorum rounds with a hub: longest a site waits for the hub's answer before the run stops with an error.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LivenessConfig:
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"heartbeat_timeout_s: must exceed twice heartbeat_s={self.heartbeat_s:g} (got {self.heartbeat_timeout_s:g})"
+            )
+        if self.hub_lost_after_s <= 2 * self.hub_heartbeat_s:
+            raise ValueError(
+                f"hub_lost_after_s: must exceed twice hub_heartbeat_s={self.hub_heartbeat_s:g} (got {self.hub_lost_after_s:g})"
+            )
+        if self.hub_lost_after_s >= self.hub_timeout_s:
+            raise ValueError(
+                f"hub_lost_after_s: must be less than hub_timeout_s={self.hub_timeout_s:g}, or the sites waiting for the final "
+                f"round give up before a silent site is lost (got {self.hub_lost_after_s:g})"
+            )
+        return self
+
+
+# keys that moved into liveness: an old key is refused in one line naming its new one
+MOVED_KEYS = {
+    **{f"elastic.{k}": f"liveness.{k}" for k in LivenessConfig.model_fields if not k.startswith(("hub_", "group_"))},
+    "run.timeout_s": "liveness.group_timeout_s",
+    "sync.quorum.heartbeat_s": "liveness.hub_heartbeat_s",
+    "sync.quorum.lost_after_s": "liveness.hub_lost_after_s",
+    "sync.quorum.timeout_s": "liveness.hub_timeout_s",
+}

@@ -93,42 +93,12 @@ class QuorumConfig(Section):
         description="A late update's weight is multiplied by (1 + staleness)^-power, staleness = merges since the global "
         "model it started from (FedAsync's polynomial rule; 0: no discount).",
     )
-    timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        le=86_400,
-        description="Longest a site waits for the syncer's answer before the run stops with an error.",
-    )
-    heartbeat_s: float = Field(
-        default=1.0,
-        gt=0,
-        le=60,
-        description="Every rank tells the run's rendezvous store it is alive this often (a counter; see lost_after_s).",
-    )
-    lost_after_s: float = Field(
-        default=60.0,
-        gt=0,
-        le=86_400,
-        description="A site one of whose ranks has not beaten for this long (stopped, hung, its machine gone) is lost: late "
-        "forever, as a site that died. More than twice heartbeat_s, less than timeout_s.",
-    )
     local_steps: Literal["fixed", "dynamic"] = Field(
         default="fixed",
         description="'fixed': every site runs sync.H inner steps per round. 'dynamic': each site runs about "
         "H x its measured steps per second / the fastest site's, at least 1, after a first round of max(1, H/10) steps "
         "(Async Local-SGD's dynamic local updates), so every site delivers about as often.",
     )
-
-    @model_validator(mode="after")
-    def _silence(self) -> QuorumConfig:
-        if self.lost_after_s <= 2 * self.heartbeat_s:
-            raise ValueError(f"lost_after_s: must exceed twice heartbeat_s={self.heartbeat_s:g} (got {self.lost_after_s:g})")
-        if self.lost_after_s >= self.timeout_s:
-            raise ValueError(
-                f"lost_after_s: must be less than timeout_s={self.timeout_s:g}, or the sites waiting for the final round "
-                f"give up before a silent site is lost (got {self.lost_after_s:g})"
-            )
-        return self
 
 
 class SyncConfig(Section):

@@ -188,7 +188,6 @@ class RunConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto", description="torch.distributed backend; auto = nccl with CUDA, else gloo."
     )
-    timeout_s: float = Field(default=300, gt=0, le=86400, description="Collective timeout in seconds.")
 
 
 class ReportConfig(Section):

@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from geotrain.comm.procs import oversubscribed
-from geotrain.config import ElasticConfig
+from geotrain.config import ElasticConfig, LivenessConfig
 from geotrain.errors import CoordinatorDown, ElasticTimeout, MembershipRefused
 
 
@@ -39,8 +39,16 @@ class Coordinator:
     """
 
     def __init__(
-        self, cfg: ElasticConfig, lighthouse: str, site: str, workers: int, store_address: str, log: Callable[[str], None]
+        self,
+        cfg: ElasticConfig,
+        lighthouse: str,
+        site: str,
+        workers: int,
+        store_address: str,
+        log: Callable[[str], None],
+        live: LivenessConfig | None = None,
     ) -> None:
+        self.live = live or LivenessConfig()
         self.cfg, self.site, self.workers, self.store_address, self.log = cfg, site, workers, store_address, log
         self.lighthouse = lighthouse if lighthouse.startswith("http") else f"http://{lighthouse}"
         self._client: Any = None
@@ -60,7 +68,7 @@ class Coordinator:
 
         try:
             return torchft_native().LighthouseClient(
-                self.lighthouse, connect_timeout=timedelta(seconds=self.cfg.heartbeat_timeout_s)
+                self.lighthouse, connect_timeout=timedelta(seconds=self.live.heartbeat_timeout_s)
             )
         except Exception as exc:
             raise CoordinatorDown(str(exc).splitlines()[0]) from None
@@ -82,10 +90,10 @@ class Coordinator:
     def _heartbeat(self, gen: int) -> None:
         """Heartbeat every ``heartbeat_s`` with this thread's own client, until replaced (``gen``)."""
         client = None
-        while gen == self._hb_gen and not self._hb_stop.wait(self.cfg.heartbeat_s):
+        while gen == self._hb_gen and not self._hb_stop.wait(self.live.heartbeat_s):
             try:
                 client = client or self._connect()
-                client.heartbeat(self.site, timeout=timedelta(seconds=self.cfg.heartbeat_timeout_s))
+                client.heartbeat(self.site, timeout=timedelta(seconds=self.live.heartbeat_timeout_s))
                 if gen == self._hb_gen:
                     self._hb_last_ok = time.monotonic()
                     self._set_down(False)
@@ -115,8 +123,8 @@ class Coordinator:
     def _is_down(self) -> bool:
         """Down, or its heartbeats are stale (then a fresh heartbeat thread replaces a hung one)."""
         now = time.monotonic()
-        stale = now - self._hb_last_ok > self.cfg.heartbeat_timeout_s
-        if stale and now - self._hb_started > 2 * self.cfg.heartbeat_timeout_s:
+        stale = now - self._hb_last_ok > self.live.heartbeat_timeout_s
+        if stale and now - self._hb_started > 2 * self.live.heartbeat_timeout_s:
             self._start_heartbeat()
         if stale:
             self._set_down(True)
@@ -132,23 +140,25 @@ class Coordinator:
             MembershipRefused: ``joining`` and no quorum within ``start_timeout_s``.
         """
         waited = 0.0
-        give_up = time.monotonic() + self.cfg.start_timeout_s
+        give_up = time.monotonic() + self.live.start_timeout_s
         if self._waiting_since is None:  # a postponed round's retries continue the same wait
             self._waiting_since = time.monotonic()
         while True:
             if joining and time.monotonic() > give_up:
-                raise MembershipRefused(f"no live site to heal from within elastic.start_timeout_s={self.cfg.start_timeout_s:g}s")
+                raise MembershipRefused(
+                    f"no live site to heal from within liveness.start_timeout_s={self.live.start_timeout_s:g}s"
+                )
             self._check_bound()
             try:
                 down = self._is_down()
-                settling = time.monotonic() - self._back_at < 4 * self.cfg.heartbeat_s
+                settling = time.monotonic() - self._back_at < 4 * self.live.heartbeat_s
                 if down:
                     self._why_waiting = f"the Lighthouse at {self.lighthouse} is unreachable"
                 if (down or settling) and can_postpone:
                     return None
                 q = self._main_client().quorum(
                     replica_id=self.site,
-                    timeout=timedelta(seconds=self.cfg.quorum_timeout_s),
+                    timeout=timedelta(seconds=self.live.quorum_timeout_s),
                     address=self.store_address,
                     store_address=self.store_address,
                     step=committed,
@@ -163,7 +173,7 @@ class Coordinator:
             except TimeoutError:
                 if once:
                     return None
-                waited += self.cfg.quorum_timeout_s
+                waited += self.live.quorum_timeout_s
                 self._why_waiting = f"fewer than elastic.min_sites={self.cfg.min_sites} live sites answer"
                 hint = oversubscribed()
                 self.log(
@@ -178,22 +188,22 @@ class Coordinator:
                 if can_postpone:
                     return None
                 self.log(f"Lighthouse unreachable ({first}); retrying")
-                time.sleep(self.cfg.heartbeat_s * 4)
+                time.sleep(self.live.heartbeat_s * 4)
 
     def _check_bound(self) -> None:
         """Raise :class:`ElasticTimeout` once this site has waited ``wait_timeout_s`` for a quorum
         (from its first request that got none; training between rounds does not count)."""
         waited = time.monotonic() - (self._waiting_since or time.monotonic())
-        if waited > self.cfg.wait_timeout_s:
+        if waited > self.live.wait_timeout_s:
             why = self._why_waiting or "no quorum"
-            raise ElasticTimeout(f"no round for {waited:.0f}s (elastic.wait_timeout_s={self.cfg.wait_timeout_s:g}): {why}")
+            raise ElasticTimeout(f"no round for {waited:.0f}s (liveness.wait_timeout_s={self.live.wait_timeout_s:g}): {why}")
 
     def close(self) -> None:
         """Stop heartbeating and wait (bounded) for the heartbeat threads to leave torchft's client:
         a thread still inside its native code when the interpreter shuts down aborts the process."""
         self._hb_stop.set()
         self._hb_gen += 1
-        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+        deadline = time.monotonic() + self.live.heartbeat_timeout_s
         for t in self._hb_threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._client = None

@@ -29,7 +29,7 @@ import torch
 from geotrain.comm.coded import GatherSum
 from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.groups import round_group
-from geotrain.config import ElasticConfig
+from geotrain.config import LivenessConfig
 from geotrain.elastic.auth import FrameCipher, SealedStore, sealed_size
 from geotrain.elastic.commit import TRAILER, Encoder
 from geotrain.elastic.roundstore import Monitor
@@ -41,7 +41,7 @@ PIECE_TAG = 16  # a frame's piece j travels with tag PIECE_TAG + 2j, its arrival
 PIECE = 4 << 20  # bytes of a frame sealed and sent at once
 
 
-def backstop(slowest_link: tuple[float, float], cfg: ElasticConfig, nbytes: int, sites: int) -> float:
+def backstop(slowest_link: tuple[float, float], cfg: LivenessConfig, nbytes: int, sites: int) -> float:
     """Seconds one wait of ``nbytes`` among ``sites`` may take before it fails on its own, over the
     slowest link (bandwidth, latency). Heartbeats detect a dead or hung peer sooner; this bounds
     how long an abandoned exchange thread can live."""

@@ -91,10 +91,11 @@ class LighthouseProcess:
     dies (on the same port). Port 0: the Lighthouse binds a port the kernel picks and reports it,
     so no other process can take it between choosing and binding. ``join_s``: how long a round
     that has the sites it needs waits for the live sites that have not asked yet (elastic quorum
-    rounds: ``sync.quorum.grace_s``)."""
+    rounds: ``sync.quorum.grace_s``); ``lost_after_s``: how long a site that stopped beating is
+    kept in quorums (``liveness.heartbeat_timeout_s``)."""
 
-    def __init__(self, port: int, cfg: ElasticConfig, log: Path, join_s: float = 60.0) -> None:
-        self.port, self.cfg, self.log, self.join_s = port, cfg, log, join_s
+    def __init__(self, port: int, cfg: ElasticConfig, log: Path, join_s: float = 60.0, lost_after_s: float = 2.0) -> None:
+        self.port, self.cfg, self.log, self.join_s, self.lost_after_s = port, cfg, log, join_s, lost_after_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
 
@@ -112,7 +113,7 @@ class LighthouseProcess:
             "--min-sites",
             str(self.cfg.min_sites),
         ]
-        cmd += ["--heartbeat-timeout", str(self.cfg.heartbeat_timeout_s), "--join-timeout", str(self.join_s)]
+        cmd += ["--heartbeat-timeout", str(self.lost_after_s), "--join-timeout", str(self.join_s)]
         # the Lighthouse never needs the run secret: it does not get it (a process that reads its
         # environment, or a crash dump of it, learns nothing)
         secret_vars = {"GEOTRAIN_SECRET", self.cfg.secret_env}

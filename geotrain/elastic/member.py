@@ -41,7 +41,7 @@ from geotrain.comm.emulate.inprocess import WanEmulator
 from geotrain.comm.faults import FaultPlan
 from geotrain.comm.identity import Identity
 from geotrain.comm.topology import Topology
-from geotrain.config import ElasticConfig
+from geotrain.config import ElasticConfig, LivenessConfig
 from geotrain.elastic import commit, roundstore
 from geotrain.elastic import view as views
 from geotrain.elastic.auth import RunKeys, SealedStore, load_secret
@@ -97,8 +97,9 @@ class SiteMember(Schedule):
         sharded: bool = False,
         tiers: bool = False,
         collective: bool = False,
+        live: LivenessConfig | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.live = cfg, live or LivenessConfig()  # (live: failure detection's timing, every wait's bound)
         self.stats = stats if stats is not None else CommStats()
         self.site, self.site_index, self.local, self.G = site, site_index, local_rank, workers
         self.names, self.order = list(topology.site_names), topology.ring_names
@@ -135,7 +136,7 @@ class SiteMember(Schedule):
         self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
         self._last_members: list[str] = []
-        self._stores = roundstore.Stores(self.keys.store, self.cfg.heartbeat_timeout_s)
+        self._stores = roundstore.Stores(self.keys.store, self.live.heartbeat_timeout_s)
         self.done = False  # this site has run its steps (it claims so)
         self.stale_power: float | None = None  # quorum rounds: a late site's update counts, times (1 + late)^-power
         self.world_weight = 0.0  # quorum rounds: what a round's weighted sum is divided by (every site's weight, on time)
@@ -154,11 +155,11 @@ class SiteMember(Schedule):
         if local_rank == 0:
             bind = os.environ.get("GEOTRAIN_BIND_ADDR", "127.0.0.1")
             self._host_store = AuthStoreServer(bind, self.keys.store, log=log)
-            self.coordinator = Coordinator(self.cfg, addr, site, workers, self._host_store.address, log)
+            self.coordinator = Coordinator(self.cfg, addr, site, workers, self._host_store.address, log, self.live)
 
     @property
     def retry_seconds(self) -> float:  # how long a postponed round waits before it is retried
-        return self.cfg.heartbeat_s
+        return self.live.heartbeat_s
 
     def rendezvous(self, sites: int, timeout: float) -> list[str]:
         """Before the first step of a fresh run: wait until all ``sites`` sites are in one quorum (or
@@ -180,7 +181,7 @@ class SiteMember(Schedule):
 
     def _present(self, sites: int, timeout: float) -> list[str]:  # local rank 0: the sites present (hints.rendezvous)
         return self.hints.rendezvous(
-            lambda: self._quorum(False), lambda: self._decide(False), sites, timeout, self.cfg.heartbeat_s
+            lambda: self._quorum(False), lambda: self._decide(False), sites, timeout, self.live.heartbeat_s
         )
 
     def _claims(self) -> dict[str, Any]:
@@ -229,7 +230,7 @@ class SiteMember(Schedule):
             view.error = str(exc)
             return view
         view, members = meet(
-            store, self.keys, view, self.site, names, self._claims(), self.identity, self.cfg.heartbeat_timeout_s,
+            store, self.keys, view, self.site, names, self._claims(), self.identity, self.live.heartbeat_timeout_s,
             self.cfg.min_sites, self.log, self.region_of,
         )  # fmt: skip
         if view.error:
@@ -239,7 +240,7 @@ class SiteMember(Schedule):
             try:
                 same_initial_model(self.site, self._hash, members)
             except MembershipRefused:  # peers still read this meeting (maybe from our store): stay so they refuse too
-                time.sleep(self.cfg.heartbeat_timeout_s)
+                time.sleep(self.live.heartbeat_timeout_s)
                 raise
         return view
 
@@ -373,9 +374,9 @@ class SiteMember(Schedule):
             run.start()
             return run
         peers = [f"{s}/{self.local}" for s in view.admitted if s != self.site]
-        hb_client = roundstore.connect(view.meeting, self.keys.store, self.cfg.heartbeat_timeout_s)
+        hb_client = roundstore.connect(view.meeting, self.keys.store, self.live.heartbeat_timeout_s)
         hb_store = SealedStore(hb_client, self.keys, f"round/{view.round_id}", self.log)
-        monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.cfg.heartbeat_s, self.cfg.heartbeat_timeout_s)
+        monitor = Monitor(hb_store, f"{self.site}/{self.local}", peers, self.live.heartbeat_s, self.live.heartbeat_timeout_s)
 
         def close() -> None:
             monitor.stop()

@@ -105,7 +105,7 @@ class Progress:
         elif time.monotonic() - self._since > self.wait_timeout_s:
             raise ElasticTimeout(
                 f"this site has run its steps and no other site progressed for {self.wait_timeout_s:g}s "
-                f"(elastic.wait_timeout_s): {', '.join(f'{s} {p}' for s, p in seen)}"
+                f"(liveness.wait_timeout_s): {', '.join(f'{s} {p}' for s, p in seen)}"
             )
         mine = {"done": True, "committed": committed, "hash": global_hash}
         return all(p == "null" or json.loads(p) == mine for _, p in seen)
@@ -127,7 +127,7 @@ class QuorumMember(SiteMember):
         if self.local == 0:
             assert self.coordinator is not None
             own = self.coordinator.store_address
-            self.progress = Progress(self.keys, self._stores, self.site, self.names, own, self.cfg.wait_timeout_s, self.log)
+            self.progress = Progress(self.keys, self._stores, self.site, self.names, own, self.live.wait_timeout_s, self.log)
 
     def _present(self, sites: int, timeout: float) -> list[str]:
         """Before the first step: ask for quorums until every one of the ``sites`` sites has been in
@@ -143,7 +143,7 @@ class QuorumMember(SiteMember):
             seen |= {m.site for m in hints}
             initial = {s: self.progress.initial(s) for s in sorted(seen - {self.site})}
             same_initial_model(self.site, self._hash, [Member(s, "", 0, h) for s, h in initial.items() if h is not None])
-            time.sleep(self.cfg.heartbeat_s)
+            time.sleep(self.live.heartbeat_s)
         self.log(f"rendezvous: {len(seen)} of {sites} sites present ({', '.join(sorted(seen))})")
         return sorted(seen)
 

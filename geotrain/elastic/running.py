@@ -100,7 +100,7 @@ class RunningRound:
         return Exchange(
             view, m.site, m.local, m.names, m.wan, self.monitor, self.round_store,
             m._pg[1] if m._pg is not None else None, carry, outgoing,
-            lambda nbytes: backstop(m.slowest_link, m.cfg, nbytes, len(view.admitted)), m.cfg.collective_timeout_s, m._count,
+            lambda nbytes: backstop(m.slowest_link, m.live, nbytes, len(view.admitted)), m.live.collective_timeout_s, m._count,
             m.on_mid_round, tamper=m.faults.tampers(self.step), heals=m.local == 0 or m.sharded,
             codec=what.codec, error_feedback=what.residual is not None, residual=residual,
             add=m.masker.add_ if m.masker is not None else None, ping=m.ping, ring=ring,
@@ -150,7 +150,7 @@ class RunningRound:
             carry = commit.gather_site(carry, self.delta.numel(), m.carriers, m.G, m.intra)
         committed, m.split = commit.vote(
             self.round_store, view, self.monitor, bool(ok.item()), site=m.site, local=m.local, identity=m.identity,
-            intra=m.intra, timeout_s=m.cfg.collective_timeout_s, log=m.log, deaf=m.faults.splits(self.step),
+            intra=m.intra, timeout_s=m.live.collective_timeout_s, log=m.log, deaf=m.faults.splits(self.step),
         )  # fmt: skip
         if not committed or m.split:  # on every site of the round alike (split: some committed): a new group next round
             m._drop_group()

@@ -83,7 +83,7 @@ def launch_local(
     kernel = _kernel_links(cfg, topo)
     # the rendezvous store is hosted here (no port race), except in kernel mode, where the ranks
     # rendezvous inside the first site's namespace, out of this process's network stack
-    store, agent = host_store(timeout_s=cfg.run.timeout_s) if kernel is None else (None, {})
+    store, agent = host_store(timeout_s=cfg.liveness.group_timeout_s) if kernel is None else (None, {})
     port = store.port if store is not None else free_port()
     # a launcher that was SIGKILLed could not remove its link state: one left on this port would
     # give this run its clock (scheduled link changes would fire early) and its busy links
@@ -178,7 +178,7 @@ def _launch(
         """Start ``site`` again: its ranks' world is the site alone; they find the run's store (and
         its link state) at the run's port, and rejoin the rounds through it."""
         incarnation[site] += 1
-        site_store, site_agent = host_store(timeout_s=cfg.run.timeout_s, attempt=incarnation[site])
+        site_store, site_agent = host_store(timeout_s=cfg.liveness.group_timeout_s, attempt=incarnation[site])
         stores.append(site_store)
         for local, rank in enumerate(topo.site_ranks(site)):
             env = own_world_env(topo, wan_mode, site, incarnation[site], local, site_store.port, wan_key=str(port))

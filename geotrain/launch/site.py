@@ -119,7 +119,7 @@ def run_site(
     drain_file(out, site).unlink(missing_ok=True)  # a drain asked of an earlier run here is not this one's
     # the site's own rendezvous and in-site Gloo traffic stay on loopback (its ranks all run here);
     # only the round store and the round groups, which other sites dial, live on --bind
-    store, agent = host_store("127.0.0.1", cfg.run.timeout_s, attempt=incarnation)
+    store, agent = host_store("127.0.0.1", cfg.liveness.group_timeout_s, attempt=incarnation)
     wan_key = f"site-{site}-{store.port}"
     state_path(wan_key).unlink(missing_ok=True)  # one left by a SIGKILLed launcher would lend this run its clock
     mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link

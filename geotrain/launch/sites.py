@@ -112,7 +112,9 @@ def launch_elastic(
         address = ecfg.lighthouse
     else:
         (out / "logs").mkdir(parents=True, exist_ok=True)
-        lighthouse = LighthouseProcess(0, ecfg, out / "logs" / "lighthouse.log", cfg.lighthouse_join_s)  # it reports its port
+        lighthouse = LighthouseProcess(
+            0, ecfg, out / "logs" / "lighthouse.log", cfg.lighthouse_join_s, cfg.liveness.heartbeat_timeout_s
+        )  # it reports its port
         lighthouse.start()
         address = lighthouse.address
     sites = [_Site(i, name) for i, name in enumerate(topo.site_names)]
@@ -131,7 +133,7 @@ def launch_elastic(
 
     def start(site: _Site) -> None:
         site.incarnation += 1
-        site.store, agent = host_store(timeout_s=cfg.run.timeout_s, attempt=site.incarnation)  # the site's rendezvous
+        site.store, agent = host_store(timeout_s=cfg.liveness.group_timeout_s, attempt=site.incarnation)  # the site's rendezvous
         site.procs = []
         for local in range(topo.workers[site.index]):
             env = site_env(
@@ -242,7 +244,7 @@ def launch_elastic(
         for t in pumps:
             t.join(timeout=GRACE_SECONDS)
         state_path(wan_key).unlink(missing_ok=True)
-    summary = merge_summaries(out, topo, injected + crashes, ecfg.heartbeat_timeout_s, time.monotonic() - t_start)
+    summary = merge_summaries(out, topo, injected + crashes, cfg.liveness.heartbeat_timeout_s, time.monotonic() - t_start)
     if summary is None:
         raise LaunchError(f"no site finished the run; logs under {out / 'logs'}")
     summary["faults_skipped"] = skipped

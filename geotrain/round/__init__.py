@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.faults import FaultPlan
-from geotrain.config import SyncConfig
+from geotrain.config import LivenessConfig, SyncConfig
 from geotrain.round.engine import RoundEngine
 from geotrain.round.fixed import FixedWorld
 from geotrain.round.hub import Rejoin
@@ -41,6 +41,7 @@ def build_round(
     elastic: bool = False,
     region: str = "",
     site_sizes: tuple[int, ...] = (),
+    liveness: LivenessConfig | None = None,
 ) -> SyncAlgorithm:
     """The run's round, hooked onto ``optimizer``, from the ``sync`` section and the parts the
     composition root made (privacy, guard, failure injection, membership).
@@ -54,6 +55,7 @@ def build_round(
         elastic: elastic membership (attached when the site joins).
         region: this site's region (elastic rounds in two tiers).
         site_sizes: every site's workers, where this process's world is not the whole run (elastic mode).
+        liveness: a hub's failure detection and wait bounds (default: liveness's defaults).
     """
     alg: SyncAlgorithm
     if cfg.algorithm == "ddp":
@@ -66,7 +68,7 @@ def build_round(
         engine = RoundEngine(
             model, optimizer, comm, grad_clip, cfg, members, private=private,
             guard=None if hub else guard, delayed=quorum and elastic, region=region, hub=hub, rejoin=rejoin,
-            site_sizes=site_sizes, heals=elastic,
+            site_sizes=site_sizes, heals=elastic, liveness=liveness,
         )  # fmt: skip
         guard = engine.guard
         engine.faults = faults

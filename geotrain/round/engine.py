@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from geotrain.comm.collectives import Collectives
 from geotrain.comm.threads import DaemonPool
-from geotrain.config import SyncConfig
+from geotrain.config import LivenessConfig, SyncConfig
 from geotrain.round.adapt import NetworkAdapter
 from geotrain.round.adaptation import Adaptation
 from geotrain.round.eager import EagerSteps
@@ -79,6 +79,7 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
         rejoin: Rejoin | None = None,
         site_sizes: tuple[int, ...] = (),
         heals: bool = False,
+        liveness: LivenessConfig | None = None,
     ) -> None:
         super().__init__(model, optimizer, comm, grad_clip)
         self.region_name = region  # elastic rounds of two tiers: this site's region (its world is its own site)
@@ -134,7 +135,7 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
             home = rejoin is None and self.me == (hubs[topo.region_of[self.me]] if hubs[1:] else 0)
             theta = self.full_tensors(self.global_params) if home else None  # (under FSDP: the hub holds whole tensors)
             self.hub = Hub(cfg, comm, theta, [p.shape for p in self.local_params()], sum(p.numel() for p in self.params),
-                           self.schedule.fragments, rejoin)  # fmt: skip
+                           self.schedule.fragments, rejoin, liveness or LivenessConfig())  # fmt: skip
 
     # ------------------------------------------------------------------ parts
 

@@ -14,7 +14,7 @@ Site 0 talks to the hub in memory; the others' leaders by messages (:class:`Mail
 that comes back after it was lost (its world is its own ranks) through the run's store
 (:class:`StoreChannel`). Encoded both ways with ``sync.codec`` (the answer as the change from
 what the site holds, so that a codec's error is carried into the next answer). Every wait is
-bounded by ``sync.quorum.timeout_s``.
+bounded by ``liveness.hub_timeout_s``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from geotrain.comm.collectives import Collectives
 from geotrain.comm.groups import leaders_group
 from geotrain.comm.mailbox import Mailbox, Message, StoreChannel, channel_keys, join_key, link_arrival
 from geotrain.comm.topology import Topology
-from geotrain.config import SyncConfig
+from geotrain.config import LivenessConfig, SyncConfig
 from geotrain.errors import SyncerTimeout
 from geotrain.round.merge import mask_sites
 from geotrain.round.outer import averaging, outer_sgd
@@ -67,6 +67,7 @@ class Hub:
         shapes: this rank's parameters' shapes (the codecs' tiles).
         fragments: the parameters merged together, each list with a version of its own.
         rejoin: this site came back after it was lost.
+        live: the hub's heartbeats, when a silent site is lost, and how long a site waits for it.
     """
 
     def __init__(
@@ -78,9 +79,10 @@ class Hub:
         params: int,
         fragments: list[list[int]],
         rejoin: Rejoin | None,
+        live: LivenessConfig,
     ) -> None:
         assert cfg.quorum is not None
-        self.cfg, self.quorum, self.comm, self.rejoin = cfg, cfg.quorum, comm, rejoin
+        self.cfg, self.quorum, self.comm, self.rejoin, self.live = cfg, cfg.quorum, comm, rejoin, live
         g = comm.groups
         self.full = g.topology if rejoin is None else rejoin.full  # the whole run
         self.site_index = g.me.site_index if rejoin is None else rejoin.site
@@ -111,7 +113,7 @@ class Hub:
             region_outer = cfg.tier_outer in ("region", "both") or one_tier
             plain = cfg.model_copy(update={"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False})
             self.syncer = QuorumSyncer(
-                cfg.quorum, cfg.weight_by_tokens, self.full.workers, theta,
+                cfg.quorum, live, cfg.weight_by_tokens, self.full.workers, theta,
                 outer_sgd(cfg) if region_outer else averaging, cfg if region_outer else plain,
                 self.mailbox, self.leaders, [self.full.site_ranks(i) for i in range(self.full.num_sites)],
                 rejoins=Rejoins(self._run_store, self._hub_channel), codecs=self.coders,
@@ -120,11 +122,12 @@ class Hub:
                 world=None if one_tier else WorldTier(
                     self.full.region_of[self.site_index], [self.leaders[s] for s in self.hubs], theta,
                     outer_sgd(cfg) if cfg.tier_outer in ("world", "both") else averaging, self.mailbox, cfg, self.coders,
+                    live.hub_timeout_s,
                 ),
                 fragments=fragments,
             )  # fmt: skip
         rank = self.full.first_rank(self.site_index) + g.me.local_rank
-        self.heartbeat = Heartbeat(rank, cfg.quorum.heartbeat_s)  # a site that stops beating is lost
+        self.heartbeat = Heartbeat(rank, live.hub_heartbeat_s)  # a site that stops beating is lost
         self.ever_lost: list[int] = []  # sites lost at some point (the hub's last answer)
         self.lost_sites: list[int] = []
         self.world_total = 0
@@ -141,7 +144,7 @@ class Hub:
         return bool(self.ever_lost) or self.rejoin is not None
 
     def _run_store(self) -> Any:
-        return run_store(self.quorum.timeout_s)
+        return run_store(self.live.hub_timeout_s)
 
     def _hub_name(self) -> str:
         return f"the syncer (site {self.full.site_names[self.hub_site]}'s local rank 0)"
@@ -185,7 +188,7 @@ class Hub:
     def deliver(self, update: Update, held: torch.Tensor | None, answer: bool = True) -> Answer | None:
         """Hand ``update`` to the hub (local rank 0); its answer, or None if not ``answer``.
         ``held``: what this site holds of the part (to decode an encoded answer)."""
-        timeout, who = self.quorum.timeout_s, self._hub_name()
+        timeout, who = self.live.hub_timeout_s, self._hub_name()
         if self.syncer is not None:
             self.syncer.inbox.put(replace(update, delta=update.delta.clone()))
             deadline = time.monotonic() + timeout
@@ -196,7 +199,7 @@ class Hub:
                     return self.syncer.outbox.get(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
                 except queue.Empty:
                     if time.monotonic() > deadline:
-                        raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s") from None
+                        raise SyncerTimeout(f"no answer from {who} within liveness.hub_timeout_s={timeout:g} s") from None
             return None
         payload, raw, encoded = self._encode(update.delta, update.fragment)
         kind = FINAL if update.final else CHECKPOINT if update.checkpoint else UPDATE
@@ -215,8 +218,8 @@ class Hub:
         return self._model_from(msg, held)
 
     def _roundtrip(self, fields: list[float], payload: torch.Tensor, raw: int | None, answer: bool = True) -> Message | None:
-        """Send one message to the hub and take its answer (bounded by sync.quorum.timeout_s)."""
-        timeout, who, mailbox = self.quorum.timeout_s, self._hub_name(), self.mailbox
+        """Send one message to the hub and take its answer (bounded by liveness.hub_timeout_s)."""
+        timeout, who, mailbox = self.live.hub_timeout_s, self._hub_name(), self.mailbox
         if self.channel is not None:  # a site that came back
             self.channel.send(fields, payload, raw)
             msg = self.channel.receive(timeout) if answer else None
@@ -227,7 +230,7 @@ class Hub:
         if not answer:
             return None
         if msg is None:
-            raise SyncerTimeout(f"no answer from {who} within sync.quorum.timeout_s={timeout:g} s")
+            raise SyncerTimeout(f"no answer from {who} within liveness.hub_timeout_s={timeout:g} s")
         if msg.lost:
             raise SyncerTimeout(f"lost {who}: its connection closed (the run cannot go on without the first site)")
         if mailbox is not None and self.channel is None:
@@ -281,7 +284,7 @@ class Hub:
         (the global model, where to go on from). Every rank then calls :meth:`take`.
 
         Raises:
-            SyncerTimeout: no answer within ``sync.quorum.timeout_s``.
+            SyncerTimeout: no answer within ``liveness.hub_timeout_s``.
         """
         assert self.rejoin is not None
         if not self.leader:
@@ -295,11 +298,11 @@ class Hub:
             arrival=lambda k: link_arrival(wan, self.hub_site, k),
             count=lambda k, raw: self.comm.count_far(k, raw, other_region=other_region),
         )  # fmt: skip
-        msg = self.channel.receive(self.quorum.timeout_s)
+        msg = self.channel.receive(self.live.hub_timeout_s)
         if msg is None:
             raise SyncerTimeout(
                 f"no answer from {self._hub_name()} to this site's rejoin within "
-                f"sync.quorum.timeout_s={self.quorum.timeout_s:g} s"
+                f"liveness.hub_timeout_s={self.live.hub_timeout_s:g} s"
             )
         return self.whole_answer(self._model_from(msg, held), n)
 
@@ -312,7 +315,7 @@ class Hub:
         dist.gather_object(record, mine if self.leader else None, dst=g.intra_ranks[0], group=g.intra)
         if not self.leader:
             return []
-        store = self._run_store()  # a get waits for its key up to sync.quorum.timeout_s
+        store = self._run_store()  # a get waits for its key up to liveness.hub_timeout_s
         if self.site_index:
             store.set(records_key(self.site_index), json.dumps(mine))
             return mine

@@ -296,7 +296,7 @@ class MemberRounds(EngineCore):
         no update and applies their average), until a round in which every site has run its steps
         (its rounds, with adaptive pace) and owes no other, and which every site decided alike (a
         split heals in one more round). Bounded: a quorum that never forms ends in ElasticTimeout
-        after elastic.wait_timeout_s."""
+        after liveness.wait_timeout_s."""
         m = self.elastic
         assert m is not None
         self.idle = m.done = True

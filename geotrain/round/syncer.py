@@ -26,7 +26,7 @@ import torch
 from geotrain.codecs import Codec
 from geotrain.comm.alive import SilenceWatch
 from geotrain.comm.mailbox import Mailbox, Message, Rejoins, StoreChannel
-from geotrain.config import QuorumConfig, SyncConfig
+from geotrain.config import LivenessConfig, QuorumConfig, SyncConfig
 from geotrain.errors import CorruptPayload, SyncerTimeout
 from geotrain.round.merge import Update, dynamic_steps, first_round_steps, mask_sites, merge_weights, site_mask
 from geotrain.round.outer import DelayedNesterov, weighted_mean
@@ -52,7 +52,8 @@ class QuorumSyncer(SyncerState):
     """The global model, the outer optimizer and the merge rule, in a thread (see the module docstring).
 
     Args:
-        cfg: the quorum settings; ``weight_by_tokens``: weight updates by tokens.
+        cfg: the quorum settings; ``live``: when a silent site is lost, how long a round waits;
+            ``weight_by_tokens``: weight updates by tokens.
         workers: every site's workers, in site order.
         theta: the initial global model (copied); ``make_optimizer``: the outer optimizer over a list of tensors.
         mailbox: messages to and from the other sites' local rank 0 (``leaders``, in site order).
@@ -61,6 +62,7 @@ class QuorumSyncer(SyncerState):
     def __init__(
         self,
         cfg: QuorumConfig,
+        live: LivenessConfig,
         weight_by_tokens: bool,
         workers: Sequence[int],
         theta: Sequence[torch.Tensor],
@@ -76,7 +78,7 @@ class QuorumSyncer(SyncerState):
         world: WorldTier | None = None,
         fragments: Sequence[Sequence[int]] = (),
     ) -> None:
-        self.cfg, self.weight_by_tokens, self.workers = cfg, weight_by_tokens, list(workers)
+        self.cfg, self.live, self.weight_by_tokens, self.workers = cfg, live, weight_by_tokens, list(workers)
         # the sites this syncer merges (two tiers: its region's; else every site), the first of which
         # (its home) holds it; the world tier with the other regions' syncers (None: one tier)
         self.sites = list(sites) or list(range(len(self.workers)))
@@ -84,7 +86,7 @@ class QuorumSyncer(SyncerState):
         # the other sites' ranks, watched for silence (a hung site is lost like a dead one); none: not watched
         self.site_ranks = [list(r) for r in site_ranks]
         watched = [r for s in self.sites[1:] if s < len(self.site_ranks) for r in self.site_ranks[s]]
-        self.watch = SilenceWatch(watched, cfg.heartbeat_s, cfg.lost_after_s)
+        self.watch = SilenceWatch(watched, live.hub_heartbeat_s, live.hub_lost_after_s)
         self.max_H, self.dynamic = sync_cfg.H, sync_cfg.dynamic_quorum_steps
         # every site's next round (H, or dynamic: a first one of max(1, H/10)), and its smoothed steps per compute second
         self.H, self.rates = [first_round_steps(sync_cfg)] * len(self.workers), [0.0] * len(self.workers)
@@ -218,7 +220,7 @@ class QuorumSyncer(SyncerState):
                 self._lose(s, "its connection closed")
             self._check_sends()
             for s in self._silent_sites(finals):
-                self._lose(s, f"silent for over sync.quorum.lost_after_s={self.cfg.lost_after_s:g} s (stopped or hung)")
+                self._lose(s, f"silent for over liveness.hub_lost_after_s={self.live.hub_lost_after_s:g} s (stopped or hung)")
                 if self.rejoins is not None:
                     self.rejoins.report_silent(s)
             for _, u in due:
@@ -297,7 +299,7 @@ class QuorumSyncer(SyncerState):
         assert self.world is not None
         lost, ever = site_mask(self.lost), site_mask(self.ever_lost)
         self.world.contribute(self.theta, final, self.world_steps, int(lost), int(ever))
-        deadline = time.monotonic() + self.cfg.timeout_s
+        deadline = time.monotonic() + self.live.hub_timeout_s
         while self.world.missing():
             if time.monotonic() > deadline:
                 raise self.world.timeout()

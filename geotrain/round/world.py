@@ -10,7 +10,7 @@ regions' syncers, over the slow links between regions:
 1. it sends every other hub its region's change since the last world model,
    Δ_r = θ_world − θ_r, with the tokens its merges took in since then (rank-steps; its weight
    with ``sync.weight_by_tokens``, else 1), and waits for every other region's contribution to
-   the same world round (bounded by ``sync.quorum.timeout_s``);
+   the same world round (bounded by ``liveness.hub_timeout_s``);
 2. every hub takes the same weighted mean of the regions' Δ in region order, and the world step
    θ_world ← step(θ_world, Δ̄) (``sync.tier_outer``: plain averaging, or the outer optimizer),
    so every hub computes the same world model bit for bit; then θ_r ← θ_world, and the region's
@@ -84,8 +84,9 @@ class WorldTier:
         region: this region's index; ``hubs``: each region's hub (global rank), in region order.
         theta: the initial model (the world model starts as a copy).
         step: the world step's optimizer over a list of tensors (averaging or the outer optimizer).
-        cfg: ``sync.region_every``, ``weight_by_tokens``, ``quorum.timeout_s``, and ``sync.codec``
-            (from ``codecs``; with error feedback where the codec uses it).
+        cfg: ``sync.region_every``, ``weight_by_tokens`` and ``sync.codec``
+            (from ``codecs``; with error feedback where the codec uses it). ``timeout_s``: how long a
+            world round waits for the other regions (``liveness.hub_timeout_s``).
     """
 
     def __init__(
@@ -97,12 +98,13 @@ class WorldTier:
         mailbox: Mailbox | None,
         cfg: SyncConfig,
         codecs: Mapping[str, Codec | None],
+        timeout_s: float = 600.0,
     ) -> None:
         assert mailbox is not None and cfg.quorum is not None
         self.region, self.hubs, self.every = region, list(hubs), cfg.region_every
         self.anchor = [t.detach().clone() for t in theta]
         self.optimizer = step(self.anchor)
-        self.mailbox, self.weight_by_tokens, self.timeout_s = mailbox, cfg.weight_by_tokens, cfg.quorum.timeout_s
+        self.mailbox, self.weight_by_tokens, self.timeout_s = mailbox, cfg.weight_by_tokens, timeout_s
         names = list(codecs)
         self.codec = codecs.get(cfg.codec)
         self.encoded = float(1 + names.index(cfg.codec)) if cfg.codec in names else 0.0
@@ -214,5 +216,5 @@ class WorldTier:
     def timeout(self) -> SyncerTimeout:
         names = ", ".join(str(r) for r in self.missing())
         return SyncerTimeout(
-            f"world round {self.round}: no contribution from region(s) {names} within sync.quorum.timeout_s={self.timeout_s:g} s"
+            f"world round {self.round}: no contribution from region(s) {names} within liveness.hub_timeout_s={self.timeout_s:g} s"
         )

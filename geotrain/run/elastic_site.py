@@ -20,7 +20,7 @@ import torch.distributed as dist
 from geotrain.comm.faults import FaultPlan
 from geotrain.comm.identity import Identity, site_key
 from geotrain.comm.topology import RankInfo, Topology
-from geotrain.config import ElasticConfig
+from geotrain.config import ElasticConfig, LivenessConfig
 from geotrain.elastic.commit import Masker, Noise
 from geotrain.elastic.member import SiteMember
 from geotrain.elastic.progress import QuorumMember
@@ -71,6 +71,7 @@ def join_elastic(
     masker: Masker | None = None,
     plan: FaultPlan | None = None,
     noise: Noise | None = None,
+    live: LivenessConfig | None = None,
 ) -> tuple[SiteMember, Callable[[int], None]]:
     """Join the elastic membership (:mod:`geotrain.elastic`); a restarted site (``incarnation`` > 0)
     heals from a live peer first. Returns the member and the per-step failure-injection hook.
@@ -188,6 +189,7 @@ def join_elastic(
         sharded=sharded,
         tiers=tiers,
         collective=whole,
+        live=live,
         **quorum,
     )
     if plan is not None:
@@ -199,27 +201,27 @@ def join_elastic(
     if where.local_rank == 0:
         member.record_file = out / "elastic" / f"rounds-{where.site}.jsonl"
     sync.elastic = member
-    live = out / "elastic" / f"live-{where.site}.{incarnation}"  # tells the launcher this site takes part
+    present = out / "elastic" / f"live-{where.site}.{incarnation}"  # tells the launcher this site takes part
     try:
         if not incarnation:
-            member.rendezvous(topology.num_sites, cfg.start_timeout_s)
+            member.rendezvous(topology.num_sites, member.live.start_timeout_s)
         else:  # restarted: heal from a live peer at the next round boundary, before any step
             member.joining = True
             note(f"incarnation {incarnation}: joining the run and healing from a live peer")
-            deadline = time.monotonic() + cfg.start_timeout_s
+            deadline = time.monotonic() + member.live.start_timeout_s
             while member.healed_at_step is None:
                 sync.join_round()
                 if member.healed_at_step is None:
                     if time.monotonic() > deadline:
                         raise MembershipRefused(
-                            f"no live site to heal from within elastic.start_timeout_s={cfg.start_timeout_s:g}s"
+                            f"no live site to heal from within liveness.start_timeout_s={member.live.start_timeout_s:g}s"
                         )
-                    time.sleep(cfg.heartbeat_s)
+                    time.sleep(member.live.heartbeat_s)
     except BaseException:
         member.close()  # its heartbeat thread must not outlive the interpreter
         raise
     if where.local_rank == 0:
-        live.touch()
+        present.touch()
     return member, inject
 
 

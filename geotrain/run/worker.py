@@ -157,7 +157,7 @@ def train(cfg: Config, out: Path) -> dict[str, Any] | None:
     comm = open_collectives(
         place.world,
         backend=cfg.run.backend,
-        timeout_s=cfg.run.timeout_s,
+        timeout_s=cfg.liveness.group_timeout_s,
         lanes=cfg.sync.lanes,
         chunk_bytes=cfg.sync.chunk_bytes,
         emulate=mode,
@@ -251,6 +251,7 @@ def _train(
         elastic=place.elastic,
         region=place.full.region_name(place.site_index),
         site_sizes=place.full.workers,
+        liveness=cfg.liveness,
     )
     closing.callback(sync.close)
     sync.checkpoint_every = cfg.checkpoint.every
@@ -281,7 +282,18 @@ def _train(
         keys = keys_dir(cfg.privacy)
         masks = PairMasks(cfg.privacy.update_bound, place.full.num_sites) if cfg.privacy.secure_aggregation else None
         member, inject = join_elastic(
-            cfg.elastic_rounds, place.full, faults, out, where, place.incarnation, objs, keys, masks, plan, privacy.round_noise
+            cfg.elastic_rounds,
+            place.full,
+            faults,
+            out,
+            where,
+            place.incarnation,
+            objs,
+            keys,
+            masks,
+            plan,
+            privacy.round_noise,
+            cfg.liveness,
         )
         closing.callback(member.close)  # its heartbeat thread must not outlive the interpreter
         start = member.healed_at_step if member.healed_at_step is not None else start
