@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 THREE = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}]\n"
 TWO = "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}]\n"
 ELASTIC = ["elastic.enabled=true", "sync.H=10", "train.eval_every=0"]
-BACKSTOP = 120.0  # elastic.collective_timeout_s default: what would end a wait nobody detected
+BACKSTOP = 120.0  # liveness.collective_timeout_s default: what would end a wait nobody detected
 
 
 def records(out: Path, site: str) -> list[dict[str, Any]]:
@@ -112,7 +112,7 @@ def test_hang_is_detected_then_the_site_heals_and_all_agree(tmp_path: Path) -> N
     (too few sites), and carry on when B's new incarnation has healed from a peer."""
     out = tmp_path / "hang"
     overrides = [*ELASTIC, "train.steps=150", 'fault.hang=["B@30"]', "fault.restart_after=4", "elastic.min_sites=3"]
-    proc = train_cli(out, [*overrides, "elastic.quorum_timeout_s=1"], THREE)
+    proc = train_cli(out, [*overrides, "liveness.quorum_timeout_s=1"], THREE)
     s = read_summary(out)
     assert s["survivors"] == ["A", "B", "C"]
     (hang,) = s["failures"]
@@ -171,10 +171,10 @@ def test_a_site_that_healed_in_a_failed_round_heals_the_others(tmp_path: Path) -
     the last site never restarted, dies too. B (and C, healed in the next failed round) hold a
     valid state although no round with them committed: they must heal A, and all finish alike.
     Before the fix every remaining site counted as 'joining', nobody could be a heal source, and
-    all gave up after elastic.start_timeout_s."""
+    all gave up after liveness.start_timeout_s."""
     out = tmp_path / "deadlock"
     faults = ['fault.kill=["B@30", "C@40", "A@50"]', "fault.restart_after=0.5", "elastic.min_sites=3"]
-    proc = train_cli(out, [*ELASTIC, "train.steps=80", *faults, "elastic.start_timeout_s=40"], THREE, timeout=200)
+    proc = train_cli(out, [*ELASTIC, "train.steps=80", *faults, "liveness.start_timeout_s=40"], THREE, timeout=200)
     s = read_summary(out)
     assert "no live site to heal from" not in proc.stdout + proc.stderr
     assert s["survivors"] == ["A", "B", "C"] and s["consistent"], (s.get("failures"), told(out))
@@ -322,6 +322,8 @@ def test_chaos_reports_every_round(tmp_path: Path) -> None:
     assert ref["failures_planned"] == 0 and ref["committed"] == ref["rounds"]
     assert sum(ref["useful_site_steps"].values()) == 3 * 10 * 20  # every step of every site taken in
     assert 0.2 < r["goodput"] < 1.2 and sum(r["useful_site_steps"].values()) < 3 * 10 * 20, r
+    beyond = (r["seconds_lost"] - ref["seconds_lost"]) / 2
+    assert r["seconds_lost_per_failure_beyond_reference"] == pytest.approx(beyond)
 
 
 @pytest.mark.slow
