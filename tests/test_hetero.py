@@ -311,9 +311,10 @@ def test_tiers_with_adaptive_pace_weigh_each_site_by_its_own_steps(tmp_path: Pat
     slow_d = "topology.sites.3.compute_speed=0.25"
     s, _ = _tiered(tmp_path, "paced", ["sync.region_every=2", "sync.pace=adaptive", "sync.H=8", "train.steps=48", slow_d])
     pace = s["pace"]
-    # a calibration round and 48 / 8 budgeted ones: 7 region rounds, then one of no steps and a
-    # world round to close the run (7 is not a world round: one every 2)
-    assert len(pace) == s["region_rounds"] == 8 and pace[-1]["steps"] == [0, 0, 0, 0] and s["rounds"] == 4
+    # a calibration round and 48 / 8 budgeted ones: 7 region rounds; world rounds after the 2nd,
+    # 4th and 6th, and one to close the run after the 7th (the round engine closes it at once: the
+    # engine before it ran an 8th region round of no steps first)
+    assert len(pace) == s["region_rounds"] == 7 and all(sum(p["steps"]) > 0 for p in pace) and s["rounds"] == 4
     assert any(p["steps"][3] < p["steps"][2] for p in pace[1:]), pace  # D ran fewer steps than C
     a, b, c, d = (p["steps"] for p in s["per_site"])
     assert [sum(p["steps"][i] for p in pace) for i in range(4)] == [a, b, c, d] and d < c
