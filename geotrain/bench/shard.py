@@ -95,7 +95,8 @@ def memory_rank(rank: int, within: str) -> dict[str, Any]:
             _step(model, opt, x, y)
         params = [p for p in model.parameters()]
         grads = [p.grad for p in params if p.grad is not None]
-        outer = list(sync.global_parameters()) + _state_tensors(sync.outer_optimizer)  # type: ignore[attr-defined]
+        # the round engine's global model and its outer optimizers' state (one per fragment and tier)
+        outer = list(sync.global_parameters()) + [t for o in sync.globals.steps.values() for t in _state_tensors(o)]
         parts = {
             "parameters": held_bytes(params),
             "gradients": held_bytes(grads),
