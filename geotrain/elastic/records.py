@@ -48,7 +48,7 @@ def round_outcomes(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             if r.get("key"):
                 by_key.setdefault(r["key"], set()).add(r["outcome"])
             if r["outcome"] == "committed":
-                scope = r.get("region", "") if r.get("part", 1) % 2 == REGION else ""
+                scope = r.get("region", "") if _region_round(r) else ""
                 hashes.setdefault((r["committed"], scope), set()).add(r["hash"])
     committed = sum(1 for o in by_key.values() if o == {"committed"})
     rolled = sum(1 for o in by_key.values() if o == {"rolled_back"})
@@ -59,6 +59,11 @@ def round_outcomes(logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "split": len(by_key) - committed - rolled,
         "consistent_history": all(len(h) == 1 for h in hashes.values()),
     }
+
+
+def _region_round(r: dict[str, Any]) -> bool:
+    """Whether a round record of two tiers is a region round (its wire part: 2 x fragment + tier)."""
+    return bool(r.get("part", 1) % 2 == REGION)
 
 
 def seconds_lost(logs: dict[str, list[dict[str, Any]]]) -> float:
@@ -98,7 +103,7 @@ def useful_steps(logs: dict[str, list[dict[str, Any]]], tiers: bool = False) -> 
         for r in recs:
             if site in r.get("healers", []):
                 last = r["step"]
-            elif tiers and r.get("part", 1) % 2 != REGION:  # the wire part: 2 x fragment + tier
+            elif tiers and not _region_round(r):
                 continue
             elif r["outcome"] == "committed":
                 done, last = done + max(0, r["step"] - last), r["step"]

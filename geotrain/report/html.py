@@ -328,13 +328,13 @@ def write_report(paths: list[Path], out: Path) -> Path:
     from jinja2 import Environment
 
     runs = collect(paths)
+    # a run and its baseline: the primary against the baseline, as the CLI says; more runs: each against the first
+    pairs = [(runs[0], runs[1])] if len(runs) == 2 else [(r, runs[0]) for r in runs[1:]]
     verdicts = [
-        verdict(r["record"], runs[0]["record"], (r["label"], runs[0]["label"]))
-        for r in runs[1:]
-        if all(x["record"].get(k) is not None for x in (r, runs[0]) for k in ("final_eval_loss", "wall_seconds"))
+        verdict(a["record"], b["record"], (a["label"], b["label"]))
+        for a, b in pairs
+        if all(x["record"].get(k) is not None for x in (a, b) for k in ("final_eval_loss", "wall_seconds"))
     ]
-    if len(runs) == 2 and verdicts:  # a run and its baseline: the primary against the baseline, as the CLI says
-        verdicts = [verdict(runs[0]["record"], runs[1]["record"], (runs[0]["label"], runs[1]["label"]))]
     flat = [flat_params(r["config"]) for r in runs]
     keys = sorted({k for f in flat for k in f})
     differ = [(k, [f.get(k, "—") for f in flat]) for k in keys if len({f.get(k) for f in flat}) > 1]
