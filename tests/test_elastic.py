@@ -308,6 +308,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # (goodput is a ratio of wall times: beside another test the reference run can be the slower)
 def test_chaos_reports_every_round(tmp_path: Path) -> None:
     report = _chaos(tmp_path, "--failures", "2", "--seeds", "1")
     (r,) = report["runs"]
