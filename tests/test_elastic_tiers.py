@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from geotrain.comm.topology import REGION, WORLD
-from geotrain.elastic.view import Member, region_healers
+from geotrain.elastic.view import Member, region_healers, whole_regions
 from tests.helpers import read_summary, train_cli
 from tests.test_elastic import records, told
 
@@ -129,3 +129,53 @@ def test_secure_aggregation_masks_each_elastic_tier_over_the_sites_it_sums(tmp_p
     assert masked["inter_region_bytes"] == pytest.approx(plain["inter_region_bytes"], rel=0.01)
     assert [r["contributors"] for r in records(tmp_path / "masked", "D")] == [1, 1, 4] * 2
     assert [r["contributors"] for r in records(tmp_path / "masked", "A")] == [3, 3, 4] * 2
+
+
+PAIRS = (
+    "topology:\n  sites: [{name: A, workers: 1}, {name: B, workers: 1}, {name: C, workers: 1}, {name: D, workers: 1}]\n"
+    "  regions: [{name: eu, sites: [A, B]}, {name: us, sites: [C, D]}]\n"
+)
+
+
+def test_elastic_quorum_rounds_of_two_tiers_take_a_region_whole_and_a_world_round_every_region() -> None:
+    """whole_regions: a region takes part in a quorum round whole or not at all (only its sites
+    hold its model); where a region is not whole, the sites that claim a world round (odd wire
+    parts) wait too, and a site that has run its steps (part -1) still takes part."""
+    region = {"A": "eu", "B": "eu", "C": "us", "D": "us"}
+    claims = {"A": 0, "B": 0, "C": 0, "D": 0}
+
+    def members() -> list[Member]:
+        return [Member(s, s.lower(), 3, "h", part=p) for s, p in claims.items()]
+
+    assert whole_regions(members(), ["A", "B", "C"], region) == ["A", "B"]
+    assert whole_regions(members(), ["A", "B", "C", "D"], region) == ["A", "B", "C", "D"]
+    claims.update(A=1, B=-1)  # A claims a world round, B has run its steps
+    assert whole_regions(members(), ["A", "B", "D"], region) == ["B"]
+    assert whole_regions(members(), ["A", "B", "C", "D"], region) == ["A", "B", "C", "D"]
+    # a region's source is then its member with the most committed rounds (all of it is there)
+    ms = [Member("A", "a", 9, "h9"), Member("B", "b", 9, "h9"), Member("C", "c", 5, "h5"), Member("D", "d", 0, "", joining=True)]
+    healers, sources = region_healers(ms, "A", ["A", "B", "C", "D"], region, whole=True)
+    assert healers == ["D"] and sources == {"D": "C"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_elastic_quorum_rounds_in_two_tiers_run_each_region_on_its_own_and_end_on_one_model(tmp_path: Path) -> None:
+    """Elastic quorum rounds (3 of 4) over two regions of two: a round holds whole regions (a site
+    whose region mate is not in it waits for the next), world rounds hold every site, the round history is consistent,
+    every site ends on one model and the eval loss falls; then with C killed and restarted."""
+    base = [*BASE, "elastic.enabled=true", "sync.quorum={sites: 3}", "train.steps=120", "train.eval_every=40"]
+    for name, extra in (("quiet", []), ("killed", ['fault.kill=["C@45"]', "fault.restart_after=0.5"])):
+        out = tmp_path / name
+        train_cli(out, [*base, *extra], PAIRS)
+        s = read_summary(out)
+        assert s["survivors"] == ["A", "B", "C", "D"] and s["consistent"], told(out)
+        assert len(set(s["global_param_hash"].values())) == 1, told(out)
+        a = [r for r in records(out, "A") if r["outcome"] == "committed"]
+        whole = (["A", "B"], ["C", "D"], ["A", "B", "C", "D"])  # a region round holds whole regions
+        assert all(r["admitted"] in whole for r in a if r["part"] == REGION), told(out)
+        assert all(r["admitted"] == ["A", "B", "C", "D"] for r in a if r["part"] == WORLD), told(out)
+        assert sum(r["part"] == WORLD for r in a) >= 2, told(out)
+        curve = [p["eval_loss"] for p in s["runs"][0]["eval_curve"]]
+        assert curve[-1] < curve[0], curve
+    assert any("healed from D" in f.read_text() for f in (tmp_path / "killed" / "logs").glob("*.log")), told(out)

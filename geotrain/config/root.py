@@ -22,6 +22,8 @@ from geotrain.config.training import (
     TrainConfig,
 )
 
+WORLD_JOIN_S = 1.0  # elastic quorum rounds of two tiers: the least the Lighthouse waits for the sites not asking yet
+
 
 def _refuse(refused: list[tuple[bool, str, str]]) -> None:
     """Raise, in one line, for the first ``(bad, field, why)`` that is bad: ``field: why``. Every
@@ -251,14 +253,6 @@ class Config(Section):
                 f"sync.quorum.sites: elastic rounds need more than half of the sites ({n // 2 + 1} of {n}): two rounds of "
                 f"disjoint sites would commit two models (allowed: {n // 2 + 1}..{n})"
             )
-        if self.elastic.enabled and self.sync.region_every:
-            raise ValueError(
-                "sync.region_every: elastic quorum rounds in two tiers are refused for a defect, not for a reason: a "
-                "round of k of n sites may hold only some of a region's sites, and a site that missed its region's "
-                "rounds then has no source of its region's model in the round and heals from another region's "
-                "(measured: the world model stopped at step 1,600 of 6,000 and the eval loss ended at 3.29, against 2.11 "
-                "for plain elastic rounds, docs/COMPOSE.md); use hub quorum rounds (elastic.enabled=false) or one tier"
-            )
         if hub and self.sync.region_every and (self.checkpoint.every or self.checkpoint.resume):
             raise ValueError(
                 "checkpoint.every: a checkpoint is one instant at which every site holds the state it resumes from; in two "
@@ -352,8 +346,13 @@ class Config(Section):
     def lighthouse_join_s(self) -> float:
         """How long the Lighthouse waits for live sites that have not asked so far once a round has the
         sites it needs: elastic quorum rounds wait sync.quorum.grace_s; other elastic rounds wait 60 s
-        (for every live site); '.inf', a day (a dead site stops beating, so it is not waited for)."""
-        return min(self.sync.quorum.grace_s, 86_400.0) if self.sync.quorum is not None and self.elastic.enabled else 60.0
+        (for every live site); '.inf', a day (a dead site stops beating, so it is not waited for). In
+        two tiers at least WORLD_JOIN_S: a world round holds every site, and a quorum formed the
+        instant k sites ask would never hold the last one (it asks a moment after the others)."""
+        if self.sync.quorum is None or not self.elastic.enabled:
+            return 60.0
+        grace = min(self.sync.quorum.grace_s, 86_400.0)
+        return max(grace, WORLD_JOIN_S) if self.sync.region_every else grace
 
     def quorum_hubs(self) -> list[str]:
         """The sites whose local rank 0 holds a quorum syncer: the first site, or in two tiers the

@@ -84,7 +84,7 @@ class QuorumConfig(Section):
         default=0.0,
         ge=0,
         description="Seconds a round stays open for more deliveries once it has its quorum ('.inf': until every running "
-        "site has delivered).",
+        "site has delivered; elastic rounds of two tiers: at least 1 s, so that a world round holds every site).",
     )
     staleness_power: float = Field(
         default=0.5,

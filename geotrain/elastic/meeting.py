@@ -29,7 +29,16 @@ from geotrain.elastic.auth import (
     round_digest,
 )
 from geotrain.elastic.roundstore import wait_keys
-from geotrain.elastic.view import Member, RoundView, heal_source, healers, member_from_claims, region_healers, round_part
+from geotrain.elastic.view import (
+    Member,
+    RoundView,
+    heal_source,
+    healers,
+    member_from_claims,
+    region_healers,
+    round_part,
+    whole_regions,
+)
 from geotrain.errors import ROUND_FAILURES, MembershipRefused
 
 
@@ -45,11 +54,13 @@ def meet(
     min_sites: int,
     log: Callable[[str], None],
     region_of: dict[str, str] | None = None,
+    whole: bool = False,
 ) -> tuple[RoundView, list[Member]]:
     """Meet in ``store`` for the round ``view.key`` with the sites ``names``; ``claims``: what this
     site holds now; ``region_of``: each site's region in two tiers (healers heal from their own
     region's source, :func:`~geotrain.elastic.view.region_healers`, and the round is a region
-    round if any site claims one). Returns the round's view (``error`` set if it cannot go ahead:
+    round if any site claims one; ``whole``: quorum rounds, where a region takes part whole or
+    not at all, :func:`~geotrain.elastic.view.whole_regions`). Returns the round's view (``error`` set if it cannot go ahead:
     every site that met rolls back) and the members as they described themselves in the meeting.
 
     Raises:
@@ -81,6 +92,11 @@ def meet(
     if len(admitted) < min_sites:  # the quorum had enough sites, but not all of them answered
         view.error = f"round {view.key}: {len(admitted)} site(s) authenticated, fewer than elastic.min_sites={min_sites}"
         return view, members
+    if region_of is not None and whole:  # elastic quorum rounds of two tiers: regions take part whole
+        admitted = whole_regions(members, admitted, region_of)
+        if site not in admitted:
+            return RoundView(postponed=True), members
+        members = [m for m in members if m.site in admitted]
     source = heal_source(members)
     if source is None:  # every member is a restarted site without a state: nobody to heal from (yet)
         return RoundView(postponed=True), members
@@ -96,7 +112,7 @@ def meet(
     if region_of is None:
         healing, part = healers(members, source, admitted), round_part(members, source, admitted)
     else:  # two tiers: a region round if any site has steps to bring to its region (the part is the tier)
-        healing, sources = region_healers(members, source, admitted, region_of)
+        healing, sources = region_healers(members, source, admitted, region_of, whole)
         part = min((m.part for m in members if m.part >= 0), default=-1)
     done = RoundView(
         key=view.key,

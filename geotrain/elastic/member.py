@@ -132,6 +132,7 @@ class SiteMember(Schedule):
         self.ping, self.measured = False, (0.0, 0.0)  # sync.adapt: ping the ring first; (seconds after the meeting, ping)
         self.split = False  # the last round that reached its vote committed on some sites only: a finished site stays
         self.codec_for: Callable[[str], commit.Encoder | None] | None = None  # sync.adapt: the codec a link claim names
+        self.top = 0  # the most committed rounds a member of the last round held
         self.part, self.average = -1, cast("torch.Tensor | None", None)  # the last round's part (view.round_part), average
         self._hash = ""  # the global model's hash, taken by every rank before rank 0 claims it (sharded: a collective)
         self._pg: tuple[tuple[str, ...], Any] | None = None
@@ -231,7 +232,7 @@ class SiteMember(Schedule):
             return view
         view, members = meet(
             store, self.keys, view, self.site, names, self._claims(), self.identity, self.live.heartbeat_timeout_s,
-            self.cfg.min_sites, self.log, self.region_of,
+            self.cfg.min_sites, self.log, self.region_of, self.stale_power is not None,
         )  # fmt: skip
         if view.error:
             self._stores.forget(meeting)
@@ -354,6 +355,9 @@ class SiteMember(Schedule):
         if self.codec_for is not None and self.site in view.healers:  # sync.adapt: a healer encodes as its source does
             what.codec = self.codec_for(next(m.link for m in view.members if m.site == view.source_of(self.site)))
         self.part = view.part
+        self.top = max(
+            (m.committed for m in view.members), default=0
+        )  # (quorum rounds of two tiers: a world round aligns the counts)
         sizes = self._sizes if self.region_of is None else [delta.numel()] * 2  # two tiers: parts 0 and 1 are tiers
         if sizes is not None and not -1 <= view.part < len(sizes):  # a claim no site of this run makes
             view.error = f"round {view.key}: it sums part {view.part}, which this run does not have"

@@ -160,8 +160,26 @@ def healers(members: list[Member], source: str, admitted: list[str]) -> list[str
     return [s for s in admitted if (by[s].committed, by[s].hash) != ref or by[s].joining or other_part(s)]
 
 
+def whole_regions(members: list[Member], admitted: list[str], region_of: dict[str, str]) -> list[str]:
+    """Elastic quorum rounds of two tiers: the admitted sites that take part. A region's model is
+    held only by its sites, so a region takes part in a round whole or not at all: a round of k
+    of n sites that held some of a region's sites would move their region model and leave the
+    others' behind, and a later round of only those others would hold no copy of it. A world
+    round needs every region (the world tier is lock-step, as the hubs' is): where a region is
+    not whole, the sites that claim a world round wait for the next round as well."""
+    by = {m.site: m for m in members}
+    regions: dict[str, list[str]] = {}
+    for s, r in region_of.items():
+        regions.setdefault(r, []).append(s)
+    whole = {r for r, sites in regions.items() if all(s in admitted for s in sites)}
+    kept = [s for s in admitted if region_of[s] in whole]
+    if len(whole) < len(regions):
+        kept = [s for s in kept if by[s].part < 0 or by[s].part % 2 == REGION]
+    return kept
+
+
 def region_healers(
-    members: list[Member], source: str, admitted: list[str], region_of: dict[str, str]
+    members: list[Member], source: str, admitted: list[str], region_of: dict[str, str], whole: bool = False
 ) -> tuple[list[str], dict[str, str]]:
     """Two tiers (elastic mode with ``sync.region_every``): the healers of a round and each one's
     source. A site's state is its region's model as well as the world's, so a region's sites heal
@@ -170,14 +188,16 @@ def region_healers(
     region model is lost: it restarts from the world model, see
     :class:`geotrain.round.membership.ElasticTiers`). Healers are the region's members whose
     (committed, hash) differ from their source's, and restarted sites. A site that claims another
-    tier than the round's does not heal: its state is valid, it sits the round out."""
+    tier than the round's does not heal: its state is valid, it sits the round out. With ``whole``
+    (:func:`whole_regions`) a region's source is its member with the most committed rounds."""
     by = {m.site: m for m in members}
     top = by[source].committed
     healing: list[str] = []
     sources: dict[str, str] = {}
     for region in sorted({region_of[s] for s in admitted}):
         mine = [by[s] for s in admitted if region_of[s] == region]
-        src = heal_source([m for m in mine if m.committed == top]) or source
+        # (regions taking part whole: every site of the region is here, the one with the most rounds holds its model)
+        src = heal_source(mine if whole else [m for m in mine if m.committed == top]) or source
         ref = (by[src].committed, by[src].hash)
         for m in mine:
             if m.site != src and ((m.committed, m.hash) != ref or m.joining):

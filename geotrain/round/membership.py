@@ -157,6 +157,8 @@ class MemberRounds(EngineCore):
         if self.resharded:  # this rank's shards of the whole average
             average = torch.cat([t.reshape(-1) for t in self._own_values(average, self.schedule.fragments[p[0]])])
         self._apply_round(p, average, got, at, merge_now)
+        if self.tiers and self.cfg.quorum is not None and p[1] == WORLD:  # regions ran their rounds on their own:
+            self.rounds = max(self.rounds, self.rounds_rolled_back + m.top)  # a world round (every site) aligns the counts
         self.rounds += 1
         self._member_note("committed", "", at)
         if self.adapter is not None and self._adapted_from_claims(steps):
@@ -239,8 +241,26 @@ class MemberRounds(EngineCore):
             return False
         self.slots += 1
         if self.tiers and part[1] == REGION and (nxt := self._claim(part[0])) is not None and nxt[1] == WORLD:
-            self._member_round(nxt)  # a region round is followed at once by the world round when one is due
+            if self.cfg.quorum is not None:
+                self._world_round(nxt)
+            else:
+                self._member_round(nxt)  # a region round is followed at once by the world round when one is due
         return True
+
+    def _world_round(self, part: tuple[int, str]) -> None:
+        """Quorum rounds of two tiers: the regions run their rounds on their own and meet in world
+        rounds, lock-step (a region takes part in a round whole, and a world round holds every
+        region: :func:`geotrain.elastic.view.whole_regions`); a region that is due waits for the
+        others, as a region's hub does. Bounded by ``liveness.wait_timeout_s``."""
+        m = self.elastic
+        assert m is not None
+        deadline = time.monotonic() + m.live.wait_timeout_s
+        while self._claim(part[0]) == part:
+            if time.monotonic() > deadline:
+                raise ElasticTimeout(
+                    f"no world round for {m.live.wait_timeout_s:g}s (liveness.wait_timeout_s): a region did not come"
+                )
+            self._member_round(part)  # (asked again at once: the round forms when every site is asking)
 
     def join_round(self) -> None:
         """A restarted site's first round: it syncs nothing of its own and heals."""

@@ -27,6 +27,7 @@ from geotrain.comm.collectives import Collectives
 from geotrain.comm.control import all_gather_json
 from geotrain.comm.faults import FaultPlan
 from geotrain.comm.groups import is_dtensor
+from geotrain.config import LivenessConfig
 from geotrain.sync.guard import UpdateGuard
 
 
@@ -90,6 +91,8 @@ class RoundMembership(Protocol):
     average: torch.Tensor | None  # the last round's average
     split: bool  # the last round that reached its vote committed on some sites only (the next one heals them)
     done: bool  # this site has run its steps and takes part in the others' rounds only (it says so in its claims)
+    top: int  # the most committed rounds a member of the last round held
+    live: LivenessConfig  # failure detection's timing, every wait's bound
 
     @property
     def retry_seconds(self) -> float:
