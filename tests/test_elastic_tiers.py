@@ -139,8 +139,8 @@ PAIRS = (
 
 def test_elastic_quorum_rounds_of_two_tiers_take_a_region_whole_and_a_world_round_every_region() -> None:
     """whole_regions: a region takes part in a quorum round whole or not at all (only its sites
-    hold its model); where a region is not whole, the sites that claim a world round (odd wire
-    parts) wait too, and a site that has run its steps (part -1) still takes part."""
+    hold its model); where a region is not whole, only regions with a region claim (an even wire
+    part) take part: one due for a world round (odd) or done (-1) waits for every region."""
     region = {"A": "eu", "B": "eu", "C": "us", "D": "us"}
     claims = {"A": 0, "B": 0, "C": 0, "D": 0}
 
@@ -149,9 +149,11 @@ def test_elastic_quorum_rounds_of_two_tiers_take_a_region_whole_and_a_world_roun
 
     assert whole_regions(members(), ["A", "B", "C"], region) == ["A", "B"]
     assert whole_regions(members(), ["A", "B", "C", "D"], region) == ["A", "B", "C", "D"]
-    claims.update(A=1, B=-1)  # A claims a world round, B has run its steps
-    assert whole_regions(members(), ["A", "B", "D"], region) == ["B"]
+    claims.update(A=1, B=-1)  # A claims a world round, B has run its steps: eu waits for a round of every region
+    assert whole_regions(members(), ["A", "B", "D"], region) == []
     assert whole_regions(members(), ["A", "B", "C", "D"], region) == ["A", "B", "C", "D"]
+    claims.update(A=0)  # A claims a region round: eu takes part whole, B (done) sits it out
+    assert whole_regions(members(), ["A", "B", "D"], region) == ["A", "B"]
     # a region's source is then its member with the most committed rounds (all of it is there)
     ms = [Member("A", "a", 9, "h9"), Member("B", "b", 9, "h9"), Member("C", "c", 5, "h5"), Member("D", "d", 0, "", joining=True)]
     healers, sources = region_healers(ms, "A", ["A", "B", "C", "D"], region, whole=True)

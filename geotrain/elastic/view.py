@@ -166,16 +166,17 @@ def whole_regions(members: list[Member], admitted: list[str], region_of: dict[st
     of n sites that held some of a region's sites would move their region model and leave the
     others' behind, and a later round of only those others would hold no copy of it. A world
     round needs every region (the world tier is lock-step, as the hubs' is): where a region is
-    not whole, the sites that claim a world round wait for the next round as well."""
+    not whole, only the regions with a site that claims a region round take part (the others, due
+    for a world round or done, wait: a round of some of the done sites would move their round
+    counts apart from the others' and the run's end would never see them agree)."""
     by = {m.site: m for m in members}
     regions: dict[str, list[str]] = {}
     for s, r in region_of.items():
         regions.setdefault(r, []).append(s)
     whole = {r for r, sites in regions.items() if all(s in admitted for s in sites)}
-    kept = [s for s in admitted if region_of[s] in whole]
-    if len(whole) < len(regions):
-        kept = [s for s in kept if by[s].part < 0 or by[s].part % 2 == REGION]
-    return kept
+    if len(whole) < len(regions):  # no world round: a region takes part for a region round of its own only
+        whole = {r for r in whole if any(by[s].part >= 0 and by[s].part % 2 == REGION for s in regions[r])}
+    return [s for s in admitted if region_of[s] in whole]
 
 
 def region_healers(
