@@ -60,8 +60,9 @@ def meet(
     site holds now; ``region_of``: each site's region in two tiers (healers heal from their own
     region's source, :func:`~geotrain.elastic.view.region_healers`, and the round is a region
     round if any site claims one; ``whole``: quorum rounds, where a region takes part whole or
-    not at all, :func:`~geotrain.elastic.view.whole_regions`). Returns the round's view (``error`` set if it cannot go ahead:
-    every site that met rolls back) and the members as they described themselves in the meeting.
+    not at all, :func:`~geotrain.elastic.view.whole_regions`). Returns the round's view
+    (``error`` set if it cannot go ahead: every site that met rolls back) and every member that
+    proved itself, as it described itself in the meeting (also those left out of the round).
 
     Raises:
         MembershipRefused: this site failed authentication (from :func:`authenticate`).
@@ -92,12 +93,13 @@ def meet(
     if len(admitted) < min_sites:  # the quorum had enough sites, but not all of them answered
         view.error = f"round {view.key}: {len(admitted)} site(s) authenticated, fewer than elastic.min_sites={min_sites}"
         return view, members
+    taking = members  # the members the round is about (every one that proved, but see whole_regions)
     if region_of is not None and whole:  # elastic quorum rounds of two tiers: regions take part whole
         admitted = whole_regions(members, admitted, region_of)
         if site not in admitted:
             return RoundView(postponed=True), members
-        members = [m for m in members if m.site in admitted]
-    source = heal_source(members)
+        taking = [m for m in members if m.site in admitted]
+    source = heal_source(taking)
     if source is None:  # every member is a restarted site without a state: nobody to heal from (yet)
         return RoundView(postponed=True), members
     frame_keys = {}
@@ -110,15 +112,15 @@ def meet(
             frame_keys[s] = pair_key(keys.payload, shared, digest[:32], site, s)
     sources: dict[str, str] = {}
     if region_of is None:
-        healing, part = healers(members, source, admitted), round_part(members, source, admitted)
+        healing, part = healers(taking, source, admitted), round_part(taking, source, admitted)
     else:  # two tiers: a region round if any site has steps to bring to its region (the part is the tier)
-        healing, sources = region_healers(members, source, admitted, region_of, whole)
-        part = min((m.part for m in members if m.part >= 0), default=-1)
+        healing, sources = region_healers(taking, source, admitted, region_of, whole)
+        part = min((m.part for m in taking if m.part >= 0), default=-1)
     done = RoundView(
         key=view.key,
         round_id=digest[:32],
         meeting=view.meeting,
-        members=members,
+        members=taking,
         admitted=admitted,
         source=source,
         healers=healing,

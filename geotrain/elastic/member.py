@@ -355,9 +355,8 @@ class SiteMember(Schedule):
         if self.codec_for is not None and self.site in view.healers:  # sync.adapt: a healer encodes as its source does
             what.codec = self.codec_for(next(m.link for m in view.members if m.site == view.source_of(self.site)))
         self.part = view.part
-        self.top = max(
-            (m.committed for m in view.members), default=0
-        )  # (quorum rounds of two tiers: a world round aligns the counts)
+        # (quorum rounds of two tiers: a world round aligns the sites' round counts to the round's most)
+        self.top = max((m.committed for m in view.members), default=0)
         sizes = self._sizes if self.region_of is None else [delta.numel()] * 2  # two tiers: parts 0 and 1 are tiers
         if sizes is not None and not -1 <= view.part < len(sizes):  # a claim no site of this run makes
             view.error = f"round {view.key}: it sums part {view.part}, which this run does not have"
