@@ -166,7 +166,9 @@ def test_a_seeded_sample_of_accepted_triples_runs_end_to_end(tmp_path: Path) -> 
         train_cli(out, run_options(names), topology(names), timeout=300)
         s = read_summary(out)
         hashes = set(s["global_param_hash"].values())
-        first = s["eval_curve"][0]["eval_loss"] if s.get("eval_curve") else math.inf
+        curve = s["runs"][0]["eval_curve"]  # (the top level of the summary leaves the curve out)
+        assert curve and math.isfinite(curve[0]["eval_loss"]), names
+        first = curve[0]["eval_loss"]
         assert len(hashes) == 1 and s["hashes_agree_within_sites"], names
         assert s.get("consistent", True), names
         assert math.isfinite(s["final_eval_loss"]) and s["final_eval_loss"] < first, (names, first, s["final_eval_loss"])
