@@ -52,7 +52,7 @@ def test_int8_error_bound_and_unbiased_table() -> None:
 
 def test_topk_keeps_the_largest_exactly() -> None:
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
-    codec = build_codec("topk", topk_fraction=0.05)
+    codec = build_codec("topk", fraction=0.05)
     y = roundtrip(codec, x)
     kept = y != 0
     assert int(kept.sum()) == 500
@@ -201,7 +201,7 @@ def _coded_rank(rank: int, sites: int, workers: int) -> dict:
     out: dict = {}
     try:
         for name in BYTE_CODECS:
-            codec = build_codec(name, topk_fraction=0.1)
+            codec = build_codec(name, fraction=0.1)
             for n in (1, 7, 4099, 65_537):
                 comm = Collectives(groups)
                 site = topo.site_of(rank)
@@ -230,7 +230,7 @@ def test_coded_all_reduce_identical_everywhere_with_exact_bytes(sites: int, work
         for rank, res in enumerate(results):
             assert res[key]["x"] == first["x"], f"{key}: rank {rank} differs from rank 0"
             # exact wire bytes: encoded chunks to the other sites' owners, then the encoded sum back
-            codec = build_codec(name, topk_fraction=0.1)
+            codec = build_codec(name, fraction=0.1)
             local, site_index = rank % workers, topo.site_of(rank)
             shard = torch.empty(n).tensor_split(workers)[local].numel()
             if shard == 0:
@@ -334,13 +334,19 @@ def test_powersgd_matches_pytorch_powersgd_quality() -> None:
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("sync.codec=int9", "sync.codec: Input should be"),
-        ("sync.bits=3", "sync.bits: the int8 codec sends 8 bits per value (allowed: 8; got 3)"),
-        ("sync.topk_fraction=0", "sync.topk_fraction: Input should be greater than 0"),
-        ("sync.sparse_fraction=0.2", "sync.sparse_fraction: Input should be less than or equal to 0.05"),
-        ("sync.sparse_fraction=0.001", "sync.sparse_fraction: Input should be greater than or equal to 0.005"),
-        ("sync.rank=0", "sync.rank: Input should be greater than or equal to 1"),
-        ("sync.block_size=63", "sync.block_size: must be even"),
+        ("sync.codec=int9", "sync.codec.name: Input should be"),
+        ("sync.codec.bits=3", "sync.codec.bits: the int8 codec sends 8 bits per value (allowed: 8; got 3)"),
+        ("sync.codec.fraction=0", "sync.codec.fraction: Input should be greater than 0"),
+        (
+            "sync.codec={name: sparseloco, fraction: 0.2}",
+            "sync.codec.fraction: sparseloco sends 0.5-5% of each chunk's entries (0.005..0.05; got 0.2)",
+        ),
+        (
+            "sync.codec={name: sparseloco, fraction: 0.001}",
+            "sync.codec.fraction: sparseloco sends 0.5-5% of each chunk's entries (0.005..0.05; got 0.001)",
+        ),
+        ("sync.codec.rank=0", "sync.codec.rank: Input should be greater than or equal to 1"),
+        ("sync.codec.block_size=63", "sync.codec.block_size: must be even"),
         ("run.backend=nccl", "run.backend: nccl runs one rank per GPU"),  # (a codec is no reason: this machine has no GPU)
     ],
 )
@@ -355,6 +361,27 @@ def test_bad_codec_config_is_one_line(override: str, message: str) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_codec_section_is_set_by_name_or_key_by_key(tmp_path: Path) -> None:
+    """sync.codec is one section: its name alone keeps the other keys (in either order, from a
+    file or an override), and every key that was flat in sync is refused naming its new one."""
+    from geotrain.config import ConfigError, load_config
+    from geotrain.config.sync import MOVED_CODEC_KEYS
+
+    for over in (["sync.codec=topk", "sync.codec.fraction=0.05"], ["sync.codec.fraction=0.05", "sync.codec=topk"]):
+        c = load_config(None, over).sync.codec
+        assert (c.name, c.fraction, c.uses_error_feedback) == ("topk", 0.05, True), over
+    f = tmp_path / "c.yaml"
+    f.write_text("sync:\n  codec: sparseloco\n")
+    c = load_config(f, ["sync.codec.variant=chunks"]).sync.codec
+    assert (c.name, c.variant, c.error_decay) == ("sparseloco", "chunks", 1.0)
+    assert load_config(f).sync.codec.published_sparseloco
+    assert len(MOVED_CODEC_KEYS) == 12
+    for old, new in MOVED_CODEC_KEYS.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{old}=1"])
+        assert str(err.value) == f"{old}: moved to {new}"
 
 
 @pytest.mark.slow
@@ -417,7 +444,7 @@ def test_a_reducers_codec_has_its_kernels_loaded_before_any_exchange() -> None:
         "names = ('int8_encode', 'lookup_decode', 'block4_encode', 'block4_decode', 'sparse2_encode', 'sparse2_decode')\n"
         "before = [len(getattr(k, n).signatures) for n in names]\n"
         "for c in ('int8', 'fp4', 'sparseloco'):\n"
-        "    make_codec(SyncConfig(codec=c, sparse_variant='chunks'))\n"
+        "    make_codec(SyncConfig(codec={'name': c, 'variant': 'chunks'}))\n"
         "print(json.dumps([before, [len(getattr(k, n).signatures) for n in names]]))\n"
     )
     out = subprocess.run([sys.executable, "-c", "import json\n" + probe], capture_output=True, text=True, timeout=120, check=True)

@@ -20,7 +20,7 @@ from tests.helpers import read_summary, train_cli
 
 BYTE_CODECS = [n for n in CODEC_NAMES if n != "powersgd"]
 CODECS: dict[str, Callable[[], Codec]] = {
-    **{n: (lambda n=n: build_codec(n, topk_fraction=0.05)) for n in BYTE_CODECS},  # type: ignore[misc]
+    **{n: (lambda n=n: build_codec(n, fraction=0.05)) for n in BYTE_CODECS},  # type: ignore[misc]
     "sparseloco-chunks": lambda: SparseLoCo(0.01, 4096),
     "fp4-block-6": lambda: build_codec("fp4", block_size=6),
 }

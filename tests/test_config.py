@@ -100,8 +100,8 @@ BAD = [
     (None, ["optim.name=lion"], "optim.name: Input should be 'adamw', 'sgd' or 'muon'"),
     (
         None,
-        ["sync.codec=sparseloco", "sync.sparse_fraction=0.1"],
-        "sync.sparse_fraction: Input should be less than or equal to 0.05",
+        ["sync.codec=sparseloco", "sync.codec.fraction=0.1"],
+        "sync.codec.fraction: sparseloco sends 0.5-5% of each chunk's entries (0.005..0.05; got 0.1)",
     ),
     (None, ["train.steps"], "--set: expected KEY=VALUE"),
     (None, ["privacy.dp.epsilon=0"], "privacy.dp.epsilon: Input should be greater than 0"),

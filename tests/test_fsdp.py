@@ -180,7 +180,7 @@ def test_sharded_checkpoint_of_streaming_with_a_codec_in_flight(tmp_path: Path) 
         "sync.fragments=2",
         "sync.tau=1",
         "sync.codec=int8",
-        "sync.error_feedback=true",
+        "sync.codec.error_feedback=true",
         "run.baseline=none",
     ]
     full, full_w = _run(tmp_path, "full", ["train.steps=10", "checkpoint.every=6", *stream] + FSDP)

@@ -78,7 +78,7 @@ def _excluded_sends_nothing(rank: int, forget: bool) -> float:
     from geotrain.sync import SiteReducer
 
     with rank_comm(uniform_topology(2, 1), "off") as (_groups, comm):
-        reducer = SiteReducer(SyncConfig(algorithm="diloco", codec="topk", topk_fraction=0.1), comm, [torch.Size([1000])])
+        reducer = SiteReducer(SyncConfig(algorithm="diloco", codec={"name": "topk", "fraction": 0.1}), comm, [torch.Size([1000])])
         reducer(torch.randn(1000, generator=torch.Generator().manual_seed(rank)))  # leaves a residual
         if forget:
             reducer.forget_residual()

@@ -448,12 +448,13 @@ def test_a_site_that_fails_at_the_start_still_stops_the_run(tmp_path: Path) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dynamic_local_updates_give_a_slow_site_fewer_steps_per_round(tmp_path: Path) -> None:
-    """sync.quorum.local_steps=dynamic, here spelt sync.pace=adaptive (what adaptive pace means in
-    asynchronous rounds): a first round of H/10 steps measures every site's pace; then the syncer
-    gives site C, at a quarter speed, about a quarter of H, so it delivers about as often as the
-    fast sites."""
-    for spelling in (["sync.quorum={sites: 1, local_steps: dynamic}"], ["sync.quorum={sites: 1}", "sync.pace=adaptive"]):
-        assert load_config(None, spelling).sync.dynamic_quorum_steps
+    """Dynamic local updates, sync.pace=adaptive (what adaptive pace means in asynchronous
+    rounds; the old key sync.quorum.local_steps is refused naming it): a first round of H/10 steps
+    measures every site's pace; then the syncer gives site C, at a quarter speed, about a quarter
+    of H, so it delivers about as often as the fast sites."""
+    assert load_config(None, ["sync.quorum={sites: 1}", "sync.pace=adaptive"]).sync.dynamic_quorum_steps
+    with pytest.raises(ConfigError, match=r"^sync\.quorum\.local_steps: moved to sync\.pace "):
+        load_config(None, ["sync.quorum={sites: 1, local_steps: dynamic}"])
     assert not load_config(None, ["sync.quorum={sites: 1}"]).sync.dynamic_quorum_steps
     s, _ = _run(tmp_path, "dynamic", [*SLOW_C, "sync.H=160", "sync.quorum={sites: 1, grace_s: 0}", "sync.pace=adaptive"])
     merges = s["pace"]
@@ -538,7 +539,7 @@ def test_bad_quorum_configs_are_refused_in_one_line(overrides: list[str], messag
     [
         ["sync.quorum={sites: 1}", "sync.algorithm=streaming", "sync.within_site=fsdp"],
         ["sync.quorum={sites: 1}", "sync.pace=adaptive", "checkpoint.every=10"],
-        ["sync.quorum={sites: 1, local_steps: dynamic}", "checkpoint.every=10"],
+        ["sync.quorum={sites: 2}", "sync.pace=adaptive", "sync.algorithm=streaming", "checkpoint.every=10"],
     ],
 )
 def test_quorum_rounds_load_with_fsdp_streaming_and_checkpoints(overrides: list[str]) -> None:

@@ -44,7 +44,7 @@ def _geotrain_rank(rank: int) -> list[list[float]]:
     model = Tensors()
     with rank_comm(uniform_topology(SITES, 1), "off") as (_groups, comm):
         inner = torch.optim.SGD(model.parameters(), lr=1.0)
-        cfg = SyncConfig(algorithm="diloco", H=H, codec="sparseloco", sparse_fraction=FRACTION)
+        cfg = SyncConfig(algorithm="diloco", H=H, codec={"name": "sparseloco", "fraction": FRACTION})
         with build_round(cfg, model, inner, comm, grad_clip=0.0) as sync:
             for rnd in range(ROUNDS):
                 for step in range(H):
@@ -239,12 +239,12 @@ def test_sparseloco_defaults_and_the_outer_step_a_user_sets() -> None:
     def sync(*o: str):  # type: ignore[no-untyped-def]
         return load_config(None, list(o)).sync
 
-    assert (sync().outer_sgd, sync().error_decay) == ((0.7, 0.9, True), 1.0)
+    assert (sync().outer_sgd, sync().codec.error_decay) == ((0.7, 0.9, True), 1.0)
     s = sync("sync.codec=sparseloco")
-    assert (s.outer_sgd, s.error_decay, s.sparse_variant) == ((1.0, 0.0, False), 0.95, "published")
+    assert (s.outer_sgd, s.codec.error_decay, s.codec.variant) == ((1.0, 0.0, False), 0.95, "published")
     assert sync("sync.codec=sparseloco", "sync.outer_lr=0.5").outer_sgd == (0.5, 0.0, False)
-    assert sync("sync.codec=sparseloco", "sync.sparse_variant=chunks").outer_sgd == (0.7, 0.9, True)
-    assert sync("sync.codec=sparseloco", "sync.ef_decay=1.0").error_decay == 1.0
+    assert sync("sync.codec=sparseloco", "sync.codec.variant=chunks").outer_sgd == (0.7, 0.9, True)
+    assert sync("sync.codec=sparseloco", "sync.codec.ef_decay=1.0").codec.error_decay == 1.0
     assert sync("sync.outer_momentum=0").outer_sgd == (0.7, 0.0, False)
 
 

@@ -190,7 +190,7 @@ def test_eager_streaming_ends_on_one_model_and_learns(tmp_path: Path) -> None:
     "extra",
     [
         ["sync.algorithm=ddp"],
-        ["sync.algorithm=diloco", "sync.codec=sparseloco", "sync.sparse_fraction=0.02"],
+        ["sync.algorithm=diloco", "sync.codec=sparseloco", "sync.codec.fraction=0.02"],
         ["sync.algorithm=streaming", "sync.tau=1"],
     ],
     ids=["ddp", "diloco+sparseloco", "streaming"],

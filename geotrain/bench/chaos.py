@@ -158,7 +158,7 @@ def run_chaos(
         "sites": sites,
         "workers": workers,
         "overrides": list(overrides or []),
-        "codec": cfg.sync.codec,
+        "codec": cfg.sync.codec.name,
         "H": H,
         "rounds_planned": rounds,
         "failures_planned": len(cfg.fault.kill) + len(cfg.fault.hang),

@@ -99,7 +99,7 @@ def bench_codecs(
                 continue
             # sparseloco: the chunks variant, whose numba kernel has a torch-ops yardstick (the published
             # variant is torch ops itself and is measured in training: bench codec-quality)
-            codec = build_codec(name, sparse_variant="chunks")
+            codec = build_codec(name, variant="chunks")
             buf = codec.encode(x)
             out = torch.empty(n)
             enc_s = median_seconds(partial(codec.encode, x), reps)

@@ -13,7 +13,7 @@ at the same round boundary), then evaluates the global model:
   site goes on at once. Every site runs H steps per round;
 * ``async-q2``: the same with a quorum of 2 and a 1 s grace window (the two fast sites wait for
   each other);
-* ``async-dyn``: ``async`` with dynamic local updates (``sync.quorum.local_steps=dynamic``): the
+* ``async-dyn``: ``async`` with dynamic local updates (``sync.pace=adaptive`` with ``sync.quorum``): the
   syncer gives each site about H · rate_s / rate_max steps per round from the rates it measured,
   so every site delivers about as often;
 * ``async-kill``: ``async`` where the launcher SIGKILLs fast site B at its step 1,100 (about a
@@ -45,7 +45,7 @@ MODES = {
     "adaptive": ["sync.pace=adaptive"],
     "async": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}"],
     "async-q2": ["sync.pace=lockstep", "sync.quorum={sites: 2, grace_s: 1.0}"],
-    "async-dyn": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0, local_steps: dynamic}"],
+    "async-dyn": ["sync.pace=adaptive", "sync.quorum={sites: 1, grace_s: 0}"],
     "async-kill": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@1100]"],
     "async-rejoin": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "fault.kill=[B@1100]", "fault.restart_after=10"],
     "async-int8": ["sync.pace=lockstep", "sync.quorum={sites: 1, grace_s: 0}", "sync.codec=int8"],

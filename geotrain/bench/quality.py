@@ -55,15 +55,15 @@ def quality_runs(
     runs = [("ddp", ["sync.algorithm=ddp"]), ("diloco", [diloco])]
     if regime == "many":
         k = MANY_K
-        runs += [(f"sparseloco k={x:g}", [diloco, "sync.codec=sparseloco", f"sync.sparse_fraction={x}"]) for x in k]
-        chunks = ["sync.codec=sparseloco", "sync.sparse_variant=chunks", f"sync.sparse_fraction={k[0]}"]
+        runs += [(f"sparseloco k={x:g}", [diloco, "sync.codec=sparseloco", f"sync.codec.fraction={x}"]) for x in k]
+        chunks = ["sync.codec=sparseloco", "sync.codec.variant=chunks", f"sync.codec.fraction={k[0]}"]
         runs.append((f"sparseloco(chunks) k={k[0]:g}", [diloco, *chunks]))
         runs.append((f"muloco k={k[0]:g}", [diloco, *_muloco(k[0])]))
         return runs
     runs.append(("diloco+int8", [diloco, "sync.codec=int8"]))
     runs.append((f"streaming+fp4 H={streaming_H}", ["sync.algorithm=streaming", "sync.codec=fp4", f"sync.H={streaming_H}"]))
-    runs += [(f"diloco+sparseloco k={k:g}", [diloco, "sync.codec=sparseloco", f"sync.sparse_fraction={k}"]) for k in sparse_k]
-    chunks = ["sync.codec=sparseloco", "sync.sparse_variant=chunks", f"sync.sparse_fraction={sparse_k[0]}"]
+    runs += [(f"diloco+sparseloco k={k:g}", [diloco, "sync.codec=sparseloco", f"sync.codec.fraction={k}"]) for k in sparse_k]
+    chunks = ["sync.codec=sparseloco", "sync.codec.variant=chunks", f"sync.codec.fraction={sparse_k[0]}"]
     runs.append((f"diloco+sparseloco(chunks) k={sparse_k[0]:g}", [diloco, *chunks]))
     runs.append((f"muloco k={sparse_k[0]:g}", [diloco, *_muloco(sparse_k[0])]))
     return runs
@@ -72,7 +72,7 @@ def quality_runs(
 def _muloco(fraction: float) -> list[str]:
     """MuLoCo (arXiv 2505.23725): Muon inside sites, the compressed exchange (SparseLoCo's), and
     DiLoCo's Nesterov outer step, as that paper runs it."""
-    sparse = ["sync.codec=sparseloco", f"sync.sparse_fraction={fraction}"]
+    sparse = ["sync.codec=sparseloco", f"sync.codec.fraction={fraction}"]
     return ["optim.name=muon", *sparse, "sync.outer_lr=0.7", "sync.outer_momentum=0.9", "sync.nesterov=true"]
 
 
@@ -145,7 +145,7 @@ def _coverage(cfg: Any) -> dict[str, Any]:
     times some worker sends a given coordinate; DDP and dense codecs: density 1, a round per step)."""
     s = cfg.sync
     rounds = cfg.train.steps if s.algorithm == "ddp" else -(-cfg.train.steps // s.H)
-    density = s.sparse_fraction if s.codec == "sparseloco" else s.topk_fraction if s.codec == "topk" else 1.0
+    density = s.codec.fraction if s.codec.name in ("sparseloco", "topk") else 1.0
     workers = sum(site.workers for site in cfg.topology.sites)
     return {"rounds": rounds, "density": density, "workers": workers, "rounds_x_density_x_workers": rounds * density * workers}
 

@@ -322,12 +322,11 @@ def build_codec(
     *,
     sigma_range: float = 6.0,
     block_size: int = 64,
-    topk_fraction: float = 0.01,
-    sparse_fraction: float = 0.01,
-    sparse_chunk: int = 4096,
-    sparse_variant: str = "published",
-    sparse_tile: int = 64,
-    sparse_spread: float = 6.0,
+    fraction: float = 0.01,
+    chunk: int = 4096,
+    variant: str = "published",
+    tile: int = 64,
+    spread: float = 6.0,
     shapes: list[tuple[int, ...]] | None = None,
 ) -> Codec:
     """The byte codec called ``name`` (``powersgd`` is not a byte codec: see :mod:`.powersgd`);
@@ -345,11 +344,11 @@ def build_codec(
     if name == "fp4":
         return FP4(block_size)
     if name == "topk":
-        return TopK(topk_fraction)
-    if name == "sparseloco" and sparse_variant == "published":
-        return TiledSparseLoCo(sparse_fraction, sparse_tile, sparse_spread, list(shapes or []))
+        return TopK(fraction)
+    if name == "sparseloco" and variant == "published":
+        return TiledSparseLoCo(fraction, tile, spread, list(shapes or []))
     if name == "sparseloco":
-        return SparseLoCo(sparse_fraction, sparse_chunk)
+        return SparseLoCo(fraction, chunk)
     raise ValueError(f"unknown byte codec {name!r} (one of {', '.join(n for n in CODEC_NAMES if n != 'powersgd')})")
 
 

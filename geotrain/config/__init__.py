@@ -18,7 +18,7 @@ from geotrain.config.privacy import DPConfig, PrivacyConfig
 from geotrain.config.reference import markdown_reference
 from geotrain.config.resilience import ElasticConfig, FaultConfig, GuardConfig, LivenessConfig
 from geotrain.config.root import Config
-from geotrain.config.sync import CODEC_BITS, STREAMING_HOLD, AdaptConfig, QuorumConfig, SyncConfig
+from geotrain.config.sync import CODEC_BITS, STREAMING_HOLD, AdaptConfig, CodecConfig, QuorumConfig, SyncConfig
 from geotrain.config.topology import LinkChangeConfig, LinkConfig, LinksConfig, PairLinkConfig, SiteConfig, TopologyConfig
 from geotrain.config.training import (
     CheckpointConfig,
@@ -35,6 +35,7 @@ __all__ = [
     "CODEC_BITS",
     "STREAMING_HOLD",
     "CheckpointConfig",
+    "CodecConfig",
     "Config",
     "ConfigError",
     "DPConfig",

@@ -1,7 +1,8 @@
 """Reading config files: YAML plus ``KEY=VALUE`` overrides, validated into a section model.
 
 Override values are parsed as YAML scalars, so ``sync.algorithm=ddp`` and ``optim.lr=1e-3`` both
-do what one expects, and may reach into defaults (``topology.sites.0.workers=4``). The first
+do what one expects, and may reach into defaults (``topology.sites.0.workers=4``); a section
+with a ``name`` is set by its name alone (``sync.codec=int8``) or key by key (``sync.codec.fraction=0.02``). The first
 validation error becomes one line naming the field: ``field.path: message (got value)``. The
 YAML loader also reads ``1e9`` as a float (YAML 1.1 would make it a string). Shared by the
 training config and the planner/simulator scenarios, so every file geotrain reads has the
@@ -52,6 +53,8 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
             continue
         if part not in node or node[part] is None:
             node[part] = {}
+        if isinstance(node[part], str):  # a section given by its name (sync.codec: topk), now set key by key
+            node[part] = {"name": node[part]}
         node = node[part]
         if not isinstance(node, (dict, list)):
             raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set '{key}'")
@@ -60,6 +63,8 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         if not last.isdigit() or int(last) >= len(node):
             raise ConfigError(f"{key}: no such list element")
         node[int(last)] = value
+    elif isinstance(value, str) and isinstance(node.get(last), dict) and "name" in node[last]:
+        node[last] = {**node[last], "name": value}  # a section set by its name: its other keys stay
     else:
         node[last] = value
 

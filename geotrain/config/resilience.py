@@ -198,8 +198,9 @@ class LivenessConfig(Section):
         return self
 
 
-# keys that moved into liveness: an old key is refused in one line naming its new one
+# keys that moved (into liveness; pace): an old key is refused in one line naming its new one
 MOVED_KEYS = {
+    "sync.quorum.local_steps": "sync.pace (local_steps=dynamic is sync.pace=adaptive)",
     **{f"elastic.{k}": f"liveness.{k}" for k in LivenessConfig.model_fields if not k.startswith(("hub_", "group_"))},
     "run.timeout_s": "liveness.group_timeout_s",
     "sync.quorum.heartbeat_s": "liveness.hub_heartbeat_s",

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from geotrain.config.base import Section
 from geotrain.config.privacy import PrivacyConfig, sparse_degree
 from geotrain.config.resilience import MOVED_KEYS, ElasticConfig, FaultConfig, GuardConfig, LivenessConfig
-from geotrain.config.sync import SyncConfig
+from geotrain.config.sync import MOVED_CODEC_KEYS, SyncConfig
 from geotrain.config.topology import TopologyConfig
 from geotrain.config.training import (
     CheckpointConfig,
@@ -56,7 +56,7 @@ class Config(Section):
         default_factory=LivenessConfig, description="Failure detection and the bound of every wait, for every kind of run."
     )
     report: ReportConfig = Field(default_factory=ReportConfig, description="The HTML report and an experiment tracker.")
-    moved_keys: ClassVar[dict[str, str]] = MOVED_KEYS
+    moved_keys: ClassVar[dict[str, str]] = {**MOVED_KEYS, **MOVED_CODEC_KEYS}
 
     @model_validator(mode="after")
     def _privacy_fits(self) -> Config:
@@ -67,12 +67,12 @@ class Config(Section):
             raise ValueError("privacy.secure_aggregation: works on pseudo-gradients; use sync.algorithm=diloco or streaming")
         if p.dp.unit == "site" and self.sync.algorithm == "ddp":
             raise ValueError("privacy.dp.unit: 'site' protects pseudo-gradients; use sync.algorithm=diloco or streaming")
-        if p.secure_aggregation and self.sync.codec != "none":
+        if p.secure_aggregation and self.sync.codec.name != "none":
             raise ValueError(
                 "sync.codec: secure aggregation sums updates masked uniformly over 2^32, and a masked value carries no "
                 "structure a codec could compress (a codec before masking would need the unmasked update); set sync.codec=none"
             )
-        if p.dp.unit == "site" and self.sync.codec != "none":
+        if p.dp.unit == "site" and self.sync.codec.name != "none":
             raise ValueError(
                 "sync.codec: site-level DP's accountant counts one noised release of each site's update per round, and a "
                 "codec's error feedback adds what the last round's encoding left out to this one's, so each release "
@@ -156,7 +156,7 @@ class Config(Section):
                 "hub is one site whose loss fails every round; elastic rounds run a ring in exchange.order (use shape ring)",
             ),
             (
-                (s.codec if codec is None else codec) != "none",
+                (s.codec.name if codec is None else codec) != "none",
                 "sync.codec",
                 "an encoded sum already goes one hop (each site's payload to every other); a "
                 "tree or hub would decode and re-encode at every hop, adding its error again (use shape ring)",
@@ -188,7 +188,7 @@ class Config(Section):
             (self.sync.eager, "sync.eager",
              "the eager step applies this site's own share of the average at once, and a world round averages the "
              "regions' models, in which no site has a share of its own; set sync.eager=false"),
-            (self.sync.codec == "powersgd", "sync.codec",
+            (self.sync.codec.name == "powersgd", "sync.codec",
              "PowerSGD's low-rank factors are one sum over every site's matrices, and a region round sums a region's "
              "only; use a byte codec or none"),
             (self.privacy.dp.unit == "site", "privacy.dp.unit",
@@ -232,7 +232,7 @@ class Config(Section):
         _refuse([
             (self.sync.algorithm == "ddp", "sync.algorithm",
              "quorum rounds merge the pseudo-gradients of rounds, and DDP has no rounds (allowed: diloco, streaming)"),
-            (self.sync.codec == "powersgd", "sync.codec",
+            (self.sync.codec.name == "powersgd", "sync.codec",
              "PowerSGD's low-rank factors are one sum over every site's matrices, and a quorum round merges whichever "
              "updates have arrived; use a byte codec (bf16, fp16, int8, fp4, int4, topk, sparseloco) or none"),
             (hub and p.secure_aggregation, "privacy.secure_aggregation",
@@ -330,7 +330,7 @@ class Config(Section):
             (self.sync.eager, "sync.eager",
              "the eager variant leaves each site on its own global model until the end, and an elastic round heals and "
              "commits one global model; set sync.eager=false in elastic mode"),
-            (self.sync.codec == "powersgd", "sync.codec",
+            (self.sync.codec.name == "powersgd", "sync.codec",
              "PowerSGD's factors are all-reduced over a fixed world; in elastic mode use a byte codec "
              "(bf16, fp16, int8, int4, fp4, topk, sparseloco) or none"),
             (bool(self.privacy.inject), "privacy.inject",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -93,12 +93,107 @@ class QuorumConfig(Section):
         description="A late update's weight is multiplied by (1 + staleness)^-power, staleness = merges since the global "
         "model it started from (FedAsync's polynomial rule; 0: no discount).",
     )
-    local_steps: Literal["fixed", "dynamic"] = Field(
-        default="fixed",
-        description="'fixed': every site runs sync.H inner steps per round. 'dynamic': each site runs about "
-        "H x its measured steps per second / the fastest site's, at least 1, after a first round of max(1, H/10) steps "
-        "(Async Local-SGD's dynamic local updates), so every site delivers about as often.",
+
+
+# the codec's keys that were flat in sync: refused in one line naming their new key
+MOVED_CODEC_KEYS = {
+    f"sync.{old}": f"sync.codec.{new}"
+    for old, new in {
+        "bits": "bits", "block_size": "block_size", "sigma_range": "sigma_range", "topk_fraction": "fraction",
+        "sparse_fraction": "fraction", "sparse_chunk": "chunk", "sparse_variant": "variant", "sparse_tile": "tile",
+        "sparse_spread": "spread", "rank": "rank", "error_feedback": "error_feedback", "ef_decay": "ef_decay",
+    }.items()
+}  # fmt: skip
+
+
+class CodecConfig(Section):
+    """How what crosses sites is encoded (docs/CODECS.md): the codec by name and its parameters.
+    Set by its name alone (``sync.codec=int8``: the other keys keep their values) or key by key
+    (``sync.codec.fraction=0.02``)."""
+
+    name: Literal["none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd"] = Field(
+        default="none", description="The codec: fp32 ('none'), a fixed width, a sparse one (top-k, SparseLoCo) or PowerSGD."
     )
+    bits: int | None = Field(
+        default=None, description="Optional check of the codec's width: bf16/fp16 16, int8 8, fp4/int4 4, none 32."
+    )
+    block_size: int = Field(default=64, ge=2, le=1 << 20, description="fp4/int4: values per fp32 scale (even).")
+    sigma_range: float = Field(default=6.0, gt=0, le=64, description="int8: buckets span mean ± sigma_range · std.")
+    fraction: float = Field(
+        default=0.01, gt=0, le=1, description="topk: fraction of entries sent; sparseloco: of each chunk's or tile's (0.5-5%)."
+    )
+    chunk: int = Field(
+        default=4096,
+        ge=64,
+        le=1 << 20,
+        description="sparseloco, chunks variant: values per chunk (top-k, offsets and 2-bit scales per chunk).",
+    )
+    variant: Literal["published", "chunks"] = Field(
+        default="published",
+        description="sparseloco: 'published' (arXiv 2508.15706 and its code: top-k in tiles of each matrix of up to "
+        "tile x tile, vectors in runs of tile^2, 2-bit bins per tensor decoded to the bins' means, each coordinate "
+        "averaged over the sites that sent it, error feedback decayed by ef_decay=0.95, outer SGD lr 1 without momentum) "
+        "or 'chunks' (geotrain's first variant: contiguous runs of chunk values, sign and two levels per chunk, the sum "
+        "divided by every site; DiLoCo's outer step; docs/CODECS.md).",
+    )
+    tile: int = Field(
+        default=64, ge=8, le=1024, description="sparseloco, published variant: the side of a matrix's tiles (64: 64 x 64)."
+    )
+    spread: float = Field(
+        default=6.0,
+        gt=0,
+        le=64,
+        description="sparseloco, published variant: the 4 bins of the kept values span spread standard deviations.",
+    )
+    rank: int = Field(default=4, ge=1, le=4096, description="powersgd: approximation rank.")
+    error_feedback: bool | None = Field(
+        default=None,
+        description="Add what the codec left out to the next round's input; default: on for topk, sparseloco and powersgd, "
+        "off otherwise.",
+    )
+    ef_decay: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Error feedback: the residual is multiplied by this before the next round adds it (SparseLoCo's beta); "
+        "default 0.95 for sparseloco's published variant, else 1 (no decay).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _by_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _check(self) -> CodecConfig:
+        if self.bits is not None:
+            width = CODEC_BITS.get(self.name)
+            if width is None:
+                raise ValueError(f"bits: the {self.name} codec has no fixed width; leave bits unset")
+            if self.bits != width:
+                raise ValueError(f"bits: the {self.name} codec sends {width} bits per value (allowed: {width}; got {self.bits})")
+        if self.block_size % 2:
+            raise ValueError(f"block_size: must be even, two 4-bit codes per byte (got {self.block_size})")
+        if self.name == "sparseloco" and not 0.005 <= self.fraction <= 0.05:
+            raise ValueError(f"fraction: sparseloco sends 0.5-5% of each chunk's entries (0.005..0.05; got {self.fraction:g})")
+        return self
+
+    @property
+    def published_sparseloco(self) -> bool:
+        return self.name == "sparseloco" and self.variant == "published"
+
+    @property
+    def error_decay(self) -> float:
+        """:attr:`ef_decay` resolved: what each round's residual is multiplied by."""
+        if self.ef_decay is not None:
+            return self.ef_decay
+        return 0.95 if self.published_sparseloco else 1.0
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        if self.error_feedback is not None:
+            return self.error_feedback
+        return self.name in ("topk", "sparseloco", "powersgd")
 
 
 class SyncConfig(Section):
@@ -135,7 +230,9 @@ class SyncConfig(Section):
         "slowest at every round) or 'adaptive' (site s runs about H * rate_s / rate_max steps, from the step rates measured "
         "in the run and exchanged at each round boundary, so every site reaches the boundary at about the same time; "
         "after a lock-step calibration round of max(1, H/20) steps the run lasts ceil(train.steps / H) rounds; docs/PACE.md). "
-        "With sync.quorum: quorum.local_steps=dynamic.",
+        "With sync.quorum, where no site waits for another: dynamic local updates (Async Local-SGD), each site running about "
+        "H x its measured steps per second / the fastest site's, at least 1, after a first round of max(1, H/10) steps, so "
+        "every site delivers about as often.",
     )
     region_every: int = Field(
         default=0,
@@ -179,50 +276,11 @@ class SyncConfig(Section):
     alpha: float = Field(
         default=0.5, ge=0, le=1, description="Streaming DiLoCo: merged = alpha * local + (1 - alpha) * new global."
     )
-    codec: Literal["none", "bf16", "fp16", "int8", "fp4", "int4", "topk", "sparseloco", "powersgd"] = Field(
-        default="none",
-        description="Encoding of what crosses sites (DiLoCo/streaming pseudo-gradients, DDP gradients); in-site traffic stays fp32.",
+    codec: CodecConfig = Field(
+        default_factory=lambda: CodecConfig(name="none"),
+        description="Encoding of what crosses sites (DiLoCo/streaming pseudo-gradients, DDP gradients; in-site traffic "
+        "stays fp32): a codec's name (sync.codec=int8) or the section {name: topk, fraction: 0.02, ...} (sync.codec.*).",
     )
-    bits: int | None = Field(
-        default=None, description="Optional check of the codec's width: bf16/fp16 16, int8 8, fp4/int4 4, none 32."
-    )
-    block_size: int = Field(default=64, ge=2, le=1 << 20, description="fp4/int4: values per fp32 scale (even).")
-    sigma_range: float = Field(default=6.0, gt=0, le=64, description="int8: buckets span mean ± sigma_range · std.")
-    topk_fraction: float = Field(default=0.01, gt=0, le=1, description="topk: fraction of entries sent.")
-    sparse_fraction: float = Field(
-        default=0.01, ge=0.005, le=0.05, description="sparseloco: fraction of each chunk's entries sent (0.5-5%)."
-    )
-    sparse_chunk: int = Field(
-        default=4096,
-        ge=64,
-        le=1 << 20,
-        description="sparseloco, chunks variant: values per chunk (top-k, offsets and 2-bit scales per chunk).",
-    )
-    sparse_variant: Literal["published", "chunks"] = Field(
-        default="published",
-        description="sparseloco: 'published' (arXiv 2508.15706 and its code: top-k in tiles of each matrix of up to "
-        "sparse_tile x sparse_tile, vectors in runs of sparse_tile^2, 2-bit bins per tensor decoded to the bins' means, "
-        "each coordinate averaged over the sites that sent it, error feedback decayed by ef_decay=0.95, outer SGD lr 1 "
-        "without momentum) or 'chunks' (geotrain's first variant: contiguous runs of sparse_chunk values, sign and two "
-        "levels per chunk, the sum divided by every site; DiLoCo's outer step; docs/CODECS.md).",
-    )
-    sparse_tile: int = Field(
-        default=64, ge=8, le=1024, description="sparseloco, published variant: the side of a matrix's tiles (64: 64 x 64)."
-    )
-    sparse_spread: float = Field(
-        default=6.0,
-        gt=0,
-        le=64,
-        description="sparseloco, published variant: the 4 bins of the kept values span sparse_spread standard deviations.",
-    )
-    ef_decay: float | None = Field(
-        default=None,
-        gt=0,
-        le=1,
-        description="Error feedback: the residual is multiplied by this before the next round adds it (SparseLoCo's beta); "
-        "default 0.95 for sparseloco's published variant, else 1 (no decay).",
-    )
-    rank: int = Field(default=4, ge=1, le=4096, description="powersgd: approximation rank.")
     chunk_bytes: int = Field(
         default=4 << 20,
         ge=4096,
@@ -241,24 +299,11 @@ class SyncConfig(Section):
         description="Streaming DiLoCo, eager variant: a fragment's all-reduce gets a whole round; its outer step uses the "
         "fresh local pseudo-gradient plus the other sites' one-round-old ones (tau is not used).",
     )
-    error_feedback: bool | None = Field(
-        default=None,
-        description="Add what the codec left out to the next round's input; default: on for topk, sparseloco and powersgd, "
-        "off otherwise.",
-    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> SyncConfig:
         if self.outer_sgd[2] and self.outer_sgd[1] == 0:
             raise ValueError("nesterov needs outer_momentum > 0 (set sync.nesterov=false for plain SGD)")
-        if self.bits is not None:
-            width = CODEC_BITS.get(self.codec)
-            if width is None:
-                raise ValueError(f"bits: the {self.codec} codec has no fixed width; leave bits unset")
-            if self.bits != width:
-                raise ValueError(f"bits: the {self.codec} codec sends {width} bits per value (allowed: {width}; got {self.bits})")
-        if self.block_size % 2:
-            raise ValueError(f"block_size: must be even, two 4-bit codes per byte (got {self.block_size})")
         if self.adapt is not None:
             a = self.adapt
             first = self.H * max(1, self.region_every)  # (tiers: adaptation chooses the world tier's period)
@@ -267,14 +312,14 @@ class SyncConfig(Section):
                 raise ValueError(
                     f"H: the first round's H must lie in sync.adapt's H_min..H_max ({a.H_min}..{a.H_max}; got {what})"
                 )
-            if self.codec not in a.codecs:
+            if self.codec.name not in a.codecs:
                 raise ValueError(
                     f"codec: adaptation chooses among fixed-width codecs by their bits per value, and starts from one of "
-                    f"sync.adapt.codecs ({', '.join(a.codecs)}; got {self.codec}): a sparse codec's size depends on its "
+                    f"sync.adapt.codecs ({', '.join(a.codecs)}; got {self.codec.name}): a sparse codec's size depends on its "
                     "density and its error feedback would be lost at every switch"
                 )
-            if self.error_feedback:
-                raise ValueError("error_feedback: adaptation switches codecs between rounds; leave error_feedback unset")
+            if self.codec.error_feedback:
+                raise ValueError("codec.error_feedback: adaptation switches codecs between rounds; leave it unset")
             for name, value in (("fragments", a.fragments), ("hold", a.hold)):
                 if self.algorithm != "streaming" and value is not None:
                     raise ValueError(f"adapt.{name}: Streaming DiLoCo only (sync.algorithm=streaming); leave it unset")
@@ -300,19 +345,15 @@ class SyncConfig(Section):
 
     @property
     def dynamic_quorum_steps(self) -> bool:
-        """Asynchronous quorum rounds whose sites run steps by their measured rates: quorum.local_steps=dynamic,
-        or pace=adaptive (what adaptive pace means when no site waits for another)."""
-        return self.quorum is not None and (self.quorum.local_steps == "dynamic" or self.pace == "adaptive")
-
-    @property
-    def published_sparseloco(self) -> bool:
-        return self.codec == "sparseloco" and self.sparse_variant == "published"
+        """Asynchronous quorum rounds whose sites run steps by their measured rates: pace=adaptive
+        (what adaptive pace means when no site waits for another)."""
+        return self.quorum is not None and self.pace == "adaptive"
 
     @property
     def outer_sgd(self) -> tuple[float, float, bool]:
         """(lr, momentum, nesterov) of the outer SGD, unset ones from the defaults: DiLoCo's 0.7, 0.9,
         Nesterov, or SparseLoCo's 1, 0, plain (with its published variant)."""
-        lr, momentum, nesterov = (1.0, 0.0, False) if self.published_sparseloco else (0.7, 0.9, True)
+        lr, momentum, nesterov = (1.0, 0.0, False) if self.codec.published_sparseloco else (0.7, 0.9, True)
         if self.outer_momentum == 0 and self.nesterov is None:
             nesterov = False
         return (
@@ -320,16 +361,3 @@ class SyncConfig(Section):
             momentum if self.outer_momentum is None else self.outer_momentum,
             nesterov if self.nesterov is None else self.nesterov,
         )
-
-    @property
-    def error_decay(self) -> float:
-        """:attr:`ef_decay` resolved: what each round's residual is multiplied by."""
-        if self.ef_decay is not None:
-            return self.ef_decay
-        return 0.95 if self.published_sparseloco else 1.0
-
-    @property
-    def uses_error_feedback(self) -> bool:
-        if self.error_feedback is not None:
-            return self.error_feedback
-        return self.codec in ("topk", "sparseloco", "powersgd")

@@ -108,7 +108,7 @@ def place_config(pool: Pool, p: Placement, base: Config) -> Config:
         "between": pairs,
     }
     data["train"]["steps"] = max(1, math.ceil(pool.job.tokens / (p.tokens_per_round / p.H)))  # the fastest site's steps
-    data["sync"].update(H=p.H, codec=p.codec, pace=p.pace, region_every=p.region_every)
+    data["sync"].update(H=p.H, codec={**data["sync"]["codec"], "name": p.codec}, pace=p.pace, region_every=p.region_every)
     if data["sync"]["algorithm"] == "ddp":
         data["sync"]["algorithm"] = "diloco"
     try:

@@ -28,7 +28,7 @@ class Adaptation(EngineCore):
         P = sum(p.numel() for p in self.params)
         assert cfg.adapt is not None
         if self.tiers:
-            a = NetworkAdapter(cfg.adapt, self.comm, P, self.every * cfg.H, cfg.codec)
+            a = NetworkAdapter(cfg.adapt, self.comm, P, self.every * cfg.H, cfg.codec.name)
             topo = self.comm.groups.topology
             a.across_regions, a.regions = True, len(set(topo.region_of))
         elif self.streaming:
@@ -36,9 +36,9 @@ class Adaptation(EngineCore):
             counts = [f for f in cfg.adapt.fragment_choices(cfg.fragments) if all(s.__class__(s.names, s.sizes, 1, f).fragments)]
             if self.heals:  # (a healer claims parts by the source's layout, which must be its own: F stays as configured)
                 counts = [s.F]
-            a = NetworkAdapter(cfg.adapt, self.comm, P, cfg.H, cfg.codec, (s.F, sorted({*counts, s.F}), self.tau))
+            a = NetworkAdapter(cfg.adapt, self.comm, P, cfg.H, cfg.codec.name, (s.F, sorted({*counts, s.F}), self.tau))
         else:
-            a = NetworkAdapter(cfg.adapt, self.comm, P, cfg.H, cfg.codec)
+            a = NetworkAdapter(cfg.adapt, self.comm, P, cfg.H, cfg.codec.name)
         a.paced = self.clock.adaptive
         return a
 

@@ -48,7 +48,7 @@ from geotrain.round.state import EngineState
 from geotrain.round.world import region_hubs
 from geotrain.sync.base import PrivateAverage, params_hash
 from geotrain.sync.guard import UpdateGuard
-from geotrain.sync.reducer import SiteReducer
+from geotrain.sync.reducer import SiteReducer, with_codec
 
 T = TypeVar("T")
 
@@ -102,7 +102,7 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
         self.streaming = cfg.algorithm == "streaming"
         self.tau, self.eager = (cfg.tau, cfg.eager) if self.streaming else (0, False)
         self.alpha = cfg.alpha if self.streaming else 0.0
-        self.codec: str = cfg.codec
+        self.codec: str = cfg.codec.name
         # Streaming's exchanges run beside compute, one thread in submission order (but not where a
         # world round of two tiers gathers its Δ whole in the site: FSDP over sites of different sizes)
         self.overlaps = self.streaming and not (self.tiers and self.resharded)
@@ -150,10 +150,10 @@ class RoundEngine(PeerRounds, MemberRounds, HubRounds, Adaptation, EagerSteps, E
     def reducer(self, f: int, tier: str = WORLD) -> SiteReducer:
         """Fragment ``f``'s reducer for ``tier`` in the codec in force (adaptation chooses the world
         tier's), made once per codec, fragment count and tier."""
-        codec = self.codec if tier == WORLD or not self.tiers else self.cfg.codec
+        codec = self.codec if tier == WORLD or not self.tiers else self.cfg.codec.name
         key = (codec, self.F, f, tier)
         if key not in self._reducers:
-            cfg = self.cfg if codec == self.cfg.codec else self.cfg.model_copy(update={"codec": codec})
+            cfg = with_codec(self.cfg, codec)
             frag = self.schedule.fragments[f]
             shapes = [(self.params[i].shape if self.resharded else self.local_params()[i].shape) for i in frag]
             self._reducers[key] = SiteReducer(

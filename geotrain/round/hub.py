@@ -98,12 +98,12 @@ class Hub:
             group = leaders_group(g.topology)  # collective: every rank
             self.mailbox = Mailbox(comm, group, FIELDS) if self.leader else None
         # sync.codec both ways; with sync.adapt, in the sync.adapt.codecs the hub chose last
-        names = list(cfg.adapt.codecs) if cfg.adapt is not None else [cfg.codec]
+        names = list(cfg.adapt.codecs) if cfg.adapt is not None else [cfg.codec.name]
         coders = Codecs(cfg, names, shapes, g.device)  # (SparseLoCo's tiles)
         self.coders = coders.build_all() if self.leader else coders  # (only leaders encode)
-        self.codec_name: str = cfg.codec
+        self.codec_name: str = cfg.codec.name
         feeds = Codecs.feeds_back(cfg)
-        self.residuals = [Residual(decay=cfg.error_decay) for _ in fragments] if feeds else []
+        self.residuals = [Residual(decay=cfg.codec.error_decay) for _ in fragments] if feeds else []
         self._link = (0.0, 0.0, 0.0)  # sync.adapt: this site's last round's bytes both ways, seconds, ping
         self.versions = [0] * len(fragments)
         self.syncer: QuorumSyncer | None = None
@@ -117,7 +117,7 @@ class Hub:
                 outer_sgd(cfg) if region_outer else averaging, cfg if region_outer else plain,
                 self.mailbox, self.leaders, [self.full.site_ranks(i) for i in range(self.full.num_sites)],
                 rejoins=Rejoins(self._run_store, self._hub_channel), codecs=self.coders,
-                adapter=None if cfg.adapt is None else StarAdapter(cfg.adapt, params, cfg.H, cfg.codec),
+                adapter=None if cfg.adapt is None else StarAdapter(cfg.adapt, params, cfg.H, cfg.codec.name),
                 sites=[s for s in range(self.full.num_sites) if one_tier or self.full.same_region(s, self.site_index)],
                 world=None if one_tier else WorldTier(
                     self.full.region_of[self.site_index], [self.leaders[s] for s in self.hubs], theta,

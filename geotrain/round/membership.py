@@ -372,7 +372,7 @@ class MemberRounds(EngineCore):
         healer encodes its first round as its source does); the configured one for any other claim."""
         assert self.adapter is not None
         name = claim.partition("|")[0]
-        codec = name if name in self.adapter.codecs else self.cfg.codec
+        codec = name if name in self.adapter.codecs else self.cfg.codec.name
         was, self.codec = self.codec, codec
         try:
             return self.reducer(0).codec

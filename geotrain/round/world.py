@@ -106,9 +106,11 @@ class WorldTier:
         self.optimizer = step(self.anchor)
         self.mailbox, self.weight_by_tokens, self.timeout_s = mailbox, cfg.weight_by_tokens, timeout_s
         names = list(codecs)
-        self.codec = codecs.get(cfg.codec)
-        self.encoded = float(1 + names.index(cfg.codec)) if cfg.codec in names else 0.0
-        self.residual = Residual(decay=cfg.error_decay) if self.codec is not None and cfg.uses_error_feedback else None
+        self.codec = codecs.get(cfg.codec.name)
+        self.encoded = float(1 + names.index(cfg.codec.name)) if cfg.codec.name in names else 0.0
+        self.residual = (
+            Residual(decay=cfg.codec.error_decay) if self.codec is not None and cfg.codec.uses_error_feedback else None
+        )
         self.round = 0
         self.since, self.tokens = 0, 0.0  # this region's merges and tokens since its last world round
         self.ended: set[int] = set()  # regions that sent their final contribution

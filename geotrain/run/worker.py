@@ -369,7 +369,7 @@ def _train(
             "rounds_rolled_back": sync.rounds_rolled_back,
             "guard_rejections": dict(sync.guard.rejected) if sync.guard is not None else {},
             "guard_events": list(sync.guard.events) if sync.guard is not None else [],
-            "codec": cfg.sync.codec,
+            "codec": cfg.sync.codec.name,
             "pace": sync.pace_log(),
             "adapt": sync.adapt_log(),
             "params": n_params,

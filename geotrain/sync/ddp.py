@@ -41,7 +41,7 @@ class DDP(SyncAlgorithm):
         self.world = comm.groups.topology.world_size
         self.num_sites = comm.groups.topology.num_sites
         shapes = [p.shape for p in self.local_params()]
-        self.reducer = SiteReducer(cfg, comm, shapes, sharded=self.sharded) if cfg and cfg.codec != "none" else None
+        self.reducer = SiteReducer(cfg, comm, shapes, sharded=self.sharded) if cfg and cfg.codec.name != "none" else None
 
     def sync_gradients(self) -> None:
         if self.sharded:  # HSDP: FSDP averaged over the site; each rank averages its shard over sites

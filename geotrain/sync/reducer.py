@@ -20,22 +20,27 @@ from geotrain.comm.collectives import Collectives
 from geotrain.config import SyncConfig
 
 
+def with_codec(cfg: SyncConfig, name: str) -> SyncConfig:
+    """``cfg`` with the codec called ``name`` (adaptation's switch), its other codec keys kept."""
+    return cfg if name == cfg.codec.name else cfg.model_copy(update={"codec": cfg.codec.model_copy(update={"name": name})})
+
+
 def make_codec(cfg: SyncConfig, shapes: Sequence[torch.Size] | None = None, device: torch.device | None = None) -> Codec | None:
     """The byte codec of ``cfg`` (None: fp32 ring, or PowerSGD which is not a byte codec), its
     kernels loaded (:meth:`Codec.warm`: no round times their load as network); ``shapes``: the
     tensors a reduced vector concatenates (SparseLoCo's tiles)."""
-    if cfg.codec in ("none", "powersgd"):
+    c = cfg.codec
+    if c.name in ("none", "powersgd"):
         return None
     return build_codec(
-        cfg.codec,
-        sigma_range=cfg.sigma_range,
-        block_size=cfg.block_size,
-        topk_fraction=cfg.topk_fraction,
-        sparse_fraction=cfg.sparse_fraction,
-        sparse_chunk=cfg.sparse_chunk,
-        sparse_variant=cfg.sparse_variant,
-        sparse_tile=cfg.sparse_tile,
-        sparse_spread=cfg.sparse_spread,
+        c.name,
+        sigma_range=c.sigma_range,
+        block_size=c.block_size,
+        fraction=c.fraction,
+        chunk=c.chunk,
+        variant=c.variant,
+        tile=c.tile,
+        spread=c.spread,
         shapes=[tuple(s) for s in shapes or []],
     ).warm(device or torch.device("cpu"))
 
@@ -60,13 +65,13 @@ class Codecs(Mapping[str, "Codec | None"]):
         if name not in self.names:
             raise KeyError(name)
         if name not in self._built:
-            self._built[name] = make_codec(self.cfg.model_copy(update={"codec": name}), self.shapes, self.device)
+            self._built[name] = make_codec(with_codec(self.cfg, name), self.shapes, self.device)
         return self._built[name]
 
     @staticmethod
     def feeds_back(cfg: SyncConfig) -> bool:
         """Whether ``cfg``'s codec keeps error feedback (never with sync.adapt, whose codecs change)."""
-        return Codecs.encodes(cfg.codec) and cfg.uses_error_feedback and cfg.adapt is None
+        return Codecs.encodes(cfg.codec.name) and cfg.codec.uses_error_feedback and cfg.adapt is None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -127,12 +132,14 @@ class SiteReducer:
         self.comm = comm
         self.region = region  # sum over the sites of this rank's region only (multi-tier sync)
         self.codec = make_codec(cfg, shapes, comm.groups.device)
-        self.residual = Residual(decay=cfg.error_decay) if (self.codec is not None and cfg.uses_error_feedback) else None
+        self.residual = (
+            Residual(decay=cfg.codec.error_decay) if (self.codec is not None and cfg.codec.uses_error_feedback) else None
+        )
         self.shapes = list(shapes)
         self.sharded = sharded  # each rank holds its own FSDP shard (``shapes``: its shards' shapes)
         self.powersgd: PowerSGD | None = None
-        if cfg.codec == "powersgd":
-            self.powersgd = PowerSGD(cfg.rank, cfg.uses_error_feedback, seed)
+        if cfg.codec.name == "powersgd":
+            self.powersgd = PowerSGD(cfg.codec.rank, cfg.codec.uses_error_feedback, seed)
             g = comm.groups
             numels = [int(s.numel()) for s in self.shapes]
             # the carrying local ranks take the runs (unequal sites: the smallest site's size of them)
