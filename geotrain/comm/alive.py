@@ -12,6 +12,11 @@ geotrain's launchers or torchrun; a site that came back rendezvouses its own ran
 finds the run's store at ``GEOTRAIN_RUN_PORT``). Each beat is one small request to it; the watcher reads every
 rank's counter once per ``heartbeat_s``. Keys are ``geotrain/alive/<rank>``. The watcher measures
 silence on its own clock, so clocks of different machines never need to agree.
+
+:class:`Silence` is the one failure detector every round reads: counters that must advance,
+measured on this process's clock. The hub's :class:`SilenceWatch` feeds it from the run's store;
+an elastic round's peers (:class:`geotrain.elastic.roundstore.Monitor`) feed it from their round's
+sealed store, whose counters a forger or a replay cannot advance.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -77,6 +82,41 @@ class Heartbeat:
         self._thread.join(timeout=2 * self.period_s + 1.0)
 
 
+class Silence:
+    """Who has stopped beating: each watched name's counter and when it last advanced, on this
+    process's clock. A counter that does not grow (a repeat, or a replayed older value) is no
+    beat; a name not seen yet has ``limit_s`` from the start (or its :meth:`restart`)."""
+
+    def __init__(self, names: Iterable[Any], limit_s: float) -> None:
+        self.limit_s = limit_s
+        now = time.monotonic()
+        self._count: dict[Any, int] = {n: -1 for n in names}
+        self._since: dict[Any, float] = {n: now for n in self._count}
+
+    def saw(self, counts: Mapping[Any, int], now: float) -> None:
+        """The counters read at ``now``."""
+        for n, count in counts.items():
+            if count > self._count[n]:
+                self._count[n], self._since[n] = count, now
+
+    def silent(self, now: float, names: Iterable[Any] | None = None) -> dict[Any, float]:
+        """Of ``names`` (default: all, in the order watched), each silent for at least ``limit_s``:
+        its silence in seconds."""
+        names = self._since if names is None else names
+        return {n: now - self._since[n] for n in names if now - self._since[n] >= self.limit_s}
+
+    def excuse(self, gap_s: float) -> None:
+        """``gap_s`` seconds in which nobody's counter could be read: nobody's silence."""
+        for n in self._since:
+            self._since[n] += gap_s
+
+    def restart(self, names: Iterable[Any]) -> None:
+        """``names`` started again: each has ``limit_s`` from now to beat."""
+        now = time.monotonic()
+        for n in names:
+            self._since[n] = now
+
+
 class StoreLost(RuntimeError):
     """The run's rendezvous store has not answered for longer than the watch's bound."""
 
@@ -93,9 +133,7 @@ class SilenceWatch:
     def __init__(self, ranks: Sequence[int], period_s: float, limit_s: float) -> None:
         self.period_s, self.limit_s = period_s, limit_s
         self.outage_limit_s = max(60.0, 10 * limit_s)
-        now = time.monotonic()
-        self._count = {r: -1 for r in ranks}
-        self._since = {r: now for r in ranks}  # a rank that has not beaten yet has until limit_s from now
+        self.beats = Silence(ranks, limit_s)
         self._read_at = 0.0
         self._store: Any = None
         self._down_since: float | None = None  # when the store stopped answering
@@ -123,8 +161,7 @@ class SilenceWatch:
             return None
         if self._down_since is not None:  # the outage is nobody's silence
             gap = now - self._down_since
-            for r in self._since:
-                self._since[r] += gap
+            self.beats.excuse(gap)
             print(f"geotrain: the run's rendezvous store answers again after {gap:.1f} s", file=sys.stderr, flush=True)
             self._down_since = None
         return counts
@@ -141,15 +178,11 @@ class SilenceWatch:
             counts = self._read(ranks, now)
             if counts is None:
                 return {}
-            for r, count in counts.items():
-                if count != self._count[r]:
-                    self._count[r], self._since[r] = count, now
+            self.beats.saw(counts, now)
         if self._down_since is not None:
             return {}
-        return {r: now - self._since[r] for r in ranks if now - self._since[r] >= self.limit_s}
+        return self.beats.silent(now, ranks)
 
     def restart(self, ranks: Sequence[int]) -> None:
         """``ranks`` started again (a site that came back): each has ``limit_s`` from now to beat."""
-        now = time.monotonic()
-        for r in ranks:
-            self._since[r] = now
+        self.beats.restart(ranks)

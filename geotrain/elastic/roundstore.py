@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from geotrain.comm.alive import Silence
 from geotrain.comm.authstore import MAX_WAIT_S, AuthStore, StoreRefused
 from geotrain.errors import RoundFailed
 
@@ -56,7 +57,8 @@ class Stores:
 
 class Monitor:
     """Heartbeats of this rank and its ring peers through the round store, in a thread: a peer
-    whose counter stops for ``timeout`` seconds (or an unreachable store) fails the round.
+    whose counter stops for ``timeout`` seconds (:class:`~geotrain.comm.alive.Silence`, the
+    detector the hub reads too) or an unreachable store fails the round.
 
     ``store`` is a sealed store (:class:`geotrain.elastic.auth.SealedStore`): each rank sets its
     own counter as an authenticated value, so a counter that does not verify (forged, or replayed
@@ -74,7 +76,7 @@ class Monitor:
         self._thread.start()
 
     def _run(self) -> None:
-        seen = {p: (-1, time.monotonic()) for p in self.peers}
+        beats = Silence(self.peers, self.timeout)
         last_ok = time.monotonic()
         beat = 0
         while not self._stop.wait(self.interval):
@@ -82,14 +84,11 @@ class Monitor:
             try:
                 beat += 1
                 self.store.set(f"hb/{self.me}", str(beat))
-                for p in self.peers:
-                    raw = self.store.peek(f"hb/{p}")
-                    v = int(raw) if raw is not None else -1
-                    if v > seen[p][0]:
-                        seen[p] = (v, now)
-                    elif now - seen[p][1] > self.timeout:
-                        self._fail(f"no heartbeat from {p.split('/')[0]} for {now - seen[p][1]:.1f}s", p)
-                        return
+                raw = {p: self.store.peek(f"hb/{p}") for p in self.peers}
+                beats.saw({p: int(v) for p, v in raw.items() if v is not None}, now)
+                for p, quiet in beats.silent(now).items():
+                    self._fail(f"no heartbeat from {p.split('/')[0]} for {quiet:.1f}s", p)
+                    return
                 last_ok = now
             except Exception as exc:  # the store's host is gone or stopped
                 if now - last_ok > self.timeout:
