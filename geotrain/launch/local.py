@@ -14,16 +14,15 @@ If any rank exits non-zero, the others get SIGTERM, then SIGKILL after a grace p
 reports the loss in the run's store, and the launcher kills the site's processes. With
 ``fault.restart_after``, a site lost in any of these ways is started again that many seconds
 later, as a torch.distributed world of its own (its rendezvous store hosted here too), and
-rejoins the asynchronous rounds through the run's store. Children also get ``PR_SET_PDEATHSIG`` so they die
+rejoins the asynchronous rounds through the run's store (the policy below, run by
+:class:`geotrain.launch.supervise.Supervisor`). Children also get ``PR_SET_PDEATHSIG`` so they die
 if the launcher itself is killed: no orphans either way.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,17 +38,8 @@ from geotrain.comm.procs import free_port, host_store
 from geotrain.comm.topology import Topology
 from geotrain.config import Config
 from geotrain.errors import LaunchError
-from geotrain.launch.spawn import (
-    Rank,
-    describe_exit,
-    forks_ranks,
-    own_world_env,
-    rank_env,
-    spawn_rank,
-    stop_all,
-    worker_args,
-    zygote_pid,
-)
+from geotrain.launch.spawn import describe_exit, forks_ranks, own_world_env, rank_env
+from geotrain.launch.supervise import Site, Supervisor
 
 REJOIN_ENV = "GEOTRAIN_REJOIN"  # a quorum-rounds site started again: its world is its own ranks
 KILLS_DONE_ENV = "GEOTRAIN_KILLS_DONE"  # ... and the fault.kill steps of its site already carried out
@@ -127,132 +117,114 @@ def _launch(
     first_step = out / "metrics" / "rank0.jsonl"  # rank 0 logged a step: every rank is past the start's collectives
     if tolerant:
         first_step.unlink(missing_ok=True)  # an earlier run's (quorum rounds take no checkpoints to resume)
-    procs: list[Rank] = []
-    pumps: list[threading.Thread] = []
     wan_mode = "inprocess" if cfg.topology.links.emulate == "kernel" else cfg.topology.links.emulate
-    for rank in range(topo.world_size):
-        info = topo.info(rank)
-        env = {**rank_env(rank, topo.world_size, topo.world_size, port, wan_mode), **agent}
-        netns = None
-        if kernel is not None:  # the rank lives in its site's namespace; Gloo binds to its veth
-            env.update(MASTER_ADDR=kernel.address(0), GLOO_SOCKET_IFNAME=IFNAME, GEOTRAIN_WAN_MODE="kernel")
-            netns = kernel.namespaces[info.site_index]
-        forward = console_print if info.local_rank == 0 else None
-        p, t = spawn_rank(worker_args(cfg_path, out), env, out / "logs" / f"rank{rank}.log", forward, netns, fork)
-        procs.append(p)
-        pumps.append(t)
-    pids = {"launcher": os.getpid(), "zygote": zygote_pid(), "ranks": [p.pid for p in procs]}
-    (out / "pids.json").write_text(json.dumps(pids))
+    kills_done = [0] * topo.num_sites  # fault.kill steps carried out per site (a restarted site skips them)
+    stores: list[Any] = []  # the rendezvous stores of sites started again (kept alive while they run)
+    agent_of: dict[int, dict[str, str]] = {}  # their rendezvous agents' environment
 
-    failure: str | None = None
+    def start_rank(site: Site, local: int) -> tuple[dict[str, str], Path, str | None]:
+        """The first incarnation joins the run's world; a site started again is a world of its own:
+        its ranks find the run's store (and its link state) at the run's port, and rejoin the
+        asynchronous rounds through it."""
+        rank = topo.first_rank(site.index) + local
+        log = out / "logs" / (f"rank{rank}.{site.incarnation}.log" if site.incarnation else f"rank{rank}.log")
+        if site.incarnation:
+            env = own_world_env(topo, wan_mode, site.index, site.incarnation, local, site.store.port, wan_key=str(port))
+            env.update(agent_of[site.index], GEOTRAIN_RUN_PORT=str(port))
+            env.update({REJOIN_ENV: "1", KILLS_DONE_ENV: str(kills_done[site.index])})
+            return env, log, None
+        env = {**rank_env(rank, topo.world_size, topo.world_size, port, wan_mode), **agent}
+        if kernel is None:
+            return env, log, None
+        # the rank lives in its site's namespace; Gloo binds to its veth
+        env.update(MASTER_ADDR=kernel.address(0), GLOO_SOCKET_IFNAME=IFNAME, GEOTRAIN_WAN_MODE="kernel")
+        return env, log, kernel.namespaces[site.index]
+
+    sup = Supervisor(topo.site_names, topo.workers, cfg_path, out, start_rank, console_print, fork, out / "pids.json")
+    sites = sup.sites
+    failure: list[str] = []
     # asynchronous quorum rounds go on without a site that dies (any but the first, which holds the
     # syncer) once training has started: its other ranks are killed too, and the run ends when
     # every live site's ranks have. A failure at the start (a missing corpus, say) still stops the
     # run, since the others would wait for it in the start's collectives.
-    lost: set[int] = set()
-    restart_at: dict[int, float] = {}  # sites that died, and when they start again (fault.restart_after)
-    incarnation = [0] * topo.num_sites
-    kills_done = [0] * topo.num_sites  # fault.kill steps carried out per site (a restarted site skips them)
-    stores: list[Any] = []  # the rendezvous stores of sites started again (kept alive while they run)
 
-    def log_of(rank: int) -> Path:
-        """``rank``'s log: ``rank<r>.log``, or ``rank<r>.<k>.log`` for its site's k-th restart."""
-        k = incarnation[topo.info(rank).site_index]
-        return out / "logs" / (f"rank{rank}.{k}.log" if k else f"rank{rank}.log")
-
-    def lose(site: int, why: str, come_back: bool = True) -> None:
+    def lose(site: Site, why: str, come_back: bool = True) -> None:
         """Kill ``site``'s ranks and go on without it; with ``fault.restart_after`` (and
         ``come_back``: the run is not over) start it again that many seconds from now."""
-        lost.add(site)
+        site.state = "down"
         if come_back and cfg.fault.restart_after:
-            restart_at[site] = time.monotonic() + cfg.fault.restart_after
-        if incarnation[site] and store is not None:  # the syncer reaches a site started again through the store only
-            store.set(down_key(site), str(incarnation[site]))
-        for r in topo.site_ranks(site):
-            if procs[r].poll() is None:
-                procs[r].kill()
-        if console_print is not None:
-            console_print(f"[launcher] site {topo.site_names[site]} {why}; the asynchronous rounds go on without it")
+            site.restart_at = time.monotonic() + cfg.fault.restart_after
+        if site.incarnation and store is not None:  # the syncer reaches a site started again through the store only
+            store.set(down_key(site.index), str(site.incarnation))
+        site.kill()
+        sup.say(f"[launcher] site {site.name} {why}; the asynchronous rounds go on without it")
 
-    def restart(site: int) -> None:
-        """Start ``site`` again: its ranks' world is the site alone; they find the run's store (and
-        its link state) at the run's port, and rejoin the rounds through it."""
-        incarnation[site] += 1
-        site_store, site_agent = host_store(timeout_s=cfg.liveness.group_timeout_s, attempt=incarnation[site])
-        stores.append(site_store)
-        for local, rank in enumerate(topo.site_ranks(site)):
-            env = own_world_env(topo, wan_mode, site, incarnation[site], local, site_store.port, wan_key=str(port))
-            env.update(site_agent, GEOTRAIN_RUN_PORT=str(port), **{REJOIN_ENV: "1", KILLS_DONE_ENV: str(kills_done[site])})
-            procs[rank], t = spawn_rank(
-                worker_args(cfg_path, out), env, log_of(rank), console_print if local == 0 else None, None, fork
+    def restart(site: Site) -> None:
+        site.store, site_agent = host_store(timeout_s=cfg.liveness.group_timeout_s, attempt=site.incarnation + 1)
+        stores.append(site.store)
+        agent_of[site.index] = site_agent
+        sup.start(site)
+        sup.say(f"[launcher] restarting site {site.name} (incarnation {site.incarnation})")
+
+    def requests() -> None:
+        """fault.kill requests, the syncer's reports of silent sites, and restarts that are due."""
+        for f in sorted((out / "faults").glob("fault-*.json")):  # fault.kill: a site asked to be killed
+            request = json.loads(f.read_text())
+            f.unlink()
+            site = sites[topo.site_names.index(request["site"])]
+            kills_done[site.index] += 1
+            lose(site, f"killed (fault injection at step {request['step']})")
+        for site in sites[1:] if store is not None else ():  # the syncer lost it for silence
+            if store.check([silent_key(site.index)]):
+                k = int(store.get(silent_key(site.index)))
+                store.delete_key(silent_key(site.index))
+                if k == site.incarnation and site.state == "running":  # (not a report on an incarnation gone by)
+                    lose(site, "was lost by the syncer (silent: stopped or hung); its ranks are killed")
+        for site in sites:
+            if site.restart_at is not None and time.monotonic() >= site.restart_at:
+                site.restart_at = None
+                if sites[0].procs[0].poll() is None:  # else the run is over: nothing to rejoin
+                    restart(site)
+
+    def policy(_now: float) -> bool:
+        if tolerant:
+            requests()
+        ranks = [(topo.first_rank(s.index) + i, s, c) for s in sites for i, c in enumerate(s.codes())]
+        bad = [(r, s, c) for r, s, c in ranks if c not in (None, 0) and s.state == "running"]
+        started = tolerant and bad and first_step.exists() and first_step.stat().st_size > 0
+        for r, s, c in sorted(bad, key=lambda x: (x[2] > 0, x[0])) if started else []:
+            if s.index and s.state == "running":
+                lose(
+                    s, f"lost: rank {r} {describe_exit(c)} (log: {s.logs[r - topo.first_rank(s.index)]})"
+                )  # any death comes back
+        if tolerant and ranks[0][2] == 0 and summary_path.exists():  # the run is over: stop the sites it lost
+            for name in json.loads(summary_path.read_text()).get("lost_sites", []):  # hung ones still run
+                if sites[topo.site_names.index(name)].state == "running":
+                    lose(
+                        sites[topo.site_names.index(name)],
+                        "was lost by the syncer (silent: stopped or hung); its ranks are killed",
+                        come_back=False,
+                    )
+        bad = [(r, s, c) for r, s, c in bad if s.state == "running"]
+        if bad:
+            # a peer that lost its connection may exit in the same poll: name the cause first
+            r, s, c = min(bad, key=lambda x: (x[2] > 0, x[0]))
+            info = topo.info(r)
+            failure.append(
+                f"rank {r} (site {info.site}, local rank {info.local_rank}) {describe_exit(c)}; "
+                f"stopped the other ranks. Log: {out / 'logs' / f'rank{r}.log'}"
             )
-            pumps.append(t)
-        lost.discard(site)
-        pids["ranks"] = [p.pid for p in procs]
-        (out / "pids.json").write_text(json.dumps(pids))
-        if console_print is not None:
-            console_print(f"[launcher] restarting site {topo.site_names[site]} (incarnation {incarnation[site]})")
+            if c != 0 and info.local_rank != 0:
+                for line in (out / "logs" / f"rank{r}.log").read_text().strip().splitlines()[-5:]:
+                    sup.say(f"[{info.tag}] {line}")
+            return True
+        return all(c is not None and (c == 0 or s.state != "running") for _, s, c in ranks)
 
-    try:
-        while True:
-            if tolerant:
-                for f in sorted((out / "faults").glob("fault-*.json")):  # fault.kill: a site asked to be killed
-                    request = json.loads(f.read_text())
-                    f.unlink()
-                    site = topo.site_names.index(request["site"])
-                    kills_done[site] += 1
-                    lose(site, f"killed (fault injection at step {request['step']})")
-                for site in range(1, topo.num_sites) if store is not None else ():  # the syncer lost it for silence
-                    if store.check([silent_key(site)]):
-                        k = int(store.get(silent_key(site)))
-                        store.delete_key(silent_key(site))
-                        if k == incarnation[site] and site not in lost:  # (not a report on an incarnation gone by)
-                            lose(site, "was lost by the syncer (silent: stopped or hung); its ranks are killed")
-                for site, at in sorted(restart_at.items()):
-                    if time.monotonic() >= at:
-                        del restart_at[site]
-                        if procs[0].poll() is None:  # else the run is over: nothing to rejoin
-                            restart(site)
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and topo.info(r).site_index not in lost]
-            started = tolerant and bad and first_step.exists() and first_step.stat().st_size > 0
-            for r, c in sorted(bad, key=lambda rc: (rc[1] > 0, rc[0])) if started else []:
-                site = topo.info(r).site_index
-                if site and site not in lost:
-                    lose(site, f"lost: rank {r} {describe_exit(c)} (log: {log_of(r)})")  # any death comes back
-            if tolerant and codes[0] == 0 and summary_path.exists():  # the run is over: stop the sites it lost
-                for name in json.loads(summary_path.read_text()).get("lost_sites", []):  # hung ones still run
-                    if topo.site_names.index(name) not in lost:
-                        lose(
-                            topo.site_names.index(name),
-                            "was lost by the syncer (silent: stopped or hung); its ranks are killed",
-                            come_back=False,
-                        )
-            bad = [(r, c) for r, c in bad if topo.info(r).site_index not in lost]
-            if bad:
-                # a peer that lost its connection may exit in the same poll: name the cause first
-                r, c = min(bad, key=lambda rc: (rc[1] > 0, rc[0]))
-                info = topo.info(r)
-                failure = (
-                    f"rank {r} (site {info.site}, local rank {info.local_rank}) {describe_exit(c)}; "
-                    f"stopped the other ranks. Log: {out / 'logs' / f'rank{r}.log'}"
-                )
-                if c != 0 and console_print is not None and info.local_rank != 0:
-                    tail = (out / "logs" / f"rank{r}.log").read_text().strip().splitlines()[-5:]
-                    for line in tail:
-                        console_print(f"[{info.tag}] {line}")
-                break
-            if all(c is not None and (c == 0 or topo.info(r).site_index in lost) for r, c in enumerate(codes)):
-                break
-            if on_poll is not None:
-                on_poll()
-            time.sleep(0.2)
-    finally:
-        stop_all(procs)
-        for t in pumps:
-            t.join(timeout=2)
-    if failure is not None:
-        raise LaunchError(failure)
+    for site in sites:
+        sup.start(site)
+    sup.run(policy, on_poll, 0.2)
+    if failure:
+        raise LaunchError(failure[0])
     if not summary_path.exists():
         raise LaunchError(f"all ranks exited but {summary_path} was not written")
     return dict(json.loads(summary_path.read_text()))

@@ -28,9 +28,9 @@ import fcntl
 import signal
 import socket
 import struct
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -42,7 +42,8 @@ from geotrain.elastic.auth import load_secret
 from geotrain.elastic.records import drain_file
 from geotrain.errors import DRAINED_EXIT, ConfigError, LaunchError, MembershipRefused
 from geotrain.launch.preflight import preflight
-from geotrain.launch.spawn import describe_exit, forks_ranks, rank_env, spawn_rank, stop_all, worker_args
+from geotrain.launch.spawn import describe_exit, forks_ranks, rank_env
+from geotrain.launch.supervise import Site, Supervisor
 
 _SIOCGIFADDR = 0x8915
 
@@ -123,10 +124,9 @@ def run_site(
     wan_key = f"site-{site}-{store.port}"
     state_path(wan_key).unlink(missing_ok=True)  # one left by a SIGKILLed launcher would lend this run its clock
     mode = "inprocess" if cfg.topology.links.emulate == "inprocess" else "off"  # the real network is the link
-    procs, pumps = [], []
     workers = topo.workers[index]
-    fork = forks_ranks(cfg.run.backend)  # once: it may ask torch whether a GPU is there
-    for local in range(workers):
+
+    def start_rank(_site: Site, local: int) -> tuple[dict[str, str], Path, str | None]:
         env = rank_env(local, workers, workers, store.port, mode)
         env.update(
             MASTER_ADDR="127.0.0.1",
@@ -139,12 +139,13 @@ def run_site(
             GEOTRAIN_WAN_KEY=wan_key,
         )
         suffix = f".{incarnation}" if incarnation else ""
-        log = out / "logs" / f"{site}-rank{local}{suffix}.log"
-        forward = console_print if local == 0 else None
-        p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=fork)
-        procs.append((p, log))
-        pumps.append(t)
+        return env, out / "logs" / f"{site}-rank{local}{suffix}.log", None
+
+    sup = Supervisor([site], [workers], cfg_path, out, start_rank, console_print, forks_ranks(cfg.run.backend))
+    me = sup.sites[0]
+    me.incarnation = incarnation - 1  # (its first start here is the run's incarnation ``incarnation``)
     stop = {"signal": 0}
+    ended: dict[str, Any] = {}
 
     def on_signal(signum: int, _frame: object) -> None:
         stop["signal"] = signum
@@ -152,29 +153,34 @@ def run_site(
     def on_drain(_signum: int, _frame: object) -> None:  # SIGUSR1: leave after the next committed round
         drain_file(out, site).touch()
 
+    def policy(_now: float) -> bool:
+        codes = me.codes()
+        if all(c == DRAINED_EXIT for c in codes):  # left right after a committed round (SIGUSR1)
+            ended["drained"] = True
+            return True
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, DRAINED_EXIT)]
+        if failed:
+            i, code = failed[0]
+            ended["error"] = f"site {site} rank {i} {describe_exit(int(code))}; log: {me.logs[i]}"
+            return True
+        if stop["signal"]:
+            ended["error"] = f"site {site} stopped by {signal.Signals(stop['signal']).name}"
+            return True
+        return all(c == 0 for c in codes)
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_drain)
     try:
-        while True:
-            codes = [p.poll() for p, _ in procs]
-            if all(c == DRAINED_EXIT for c in codes):  # left right after a committed round (SIGUSR1)
-                return None
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, DRAINED_EXIT)]
-            if failed:
-                i, code = failed[0]
-                raise LaunchError(f"site {site} rank {i} {describe_exit(int(code))}; log: {procs[i][1]}")
-            if all(c == 0 for c in codes):
-                break
-            if stop["signal"]:
-                raise LaunchError(f"site {site} stopped by {signal.Signals(stop['signal']).name}")
-            time.sleep(0.05)
+        sup.start(me)
+        sup.run(policy, None, 0.05)
     finally:
-        stop_all([p for p, _ in procs])
-        for t in pumps:
-            t.join(timeout=3.0)
         for s, handler in previous.items():
             signal.signal(s, handler)
         state_path(wan_key).unlink(missing_ok=True)
+    if "error" in ended:
+        raise LaunchError(ended["error"])
+    if ended.get("drained"):
+        return None
     if not summary.exists():
         raise LaunchError(f"site {site} ended without a summary; logs under {out / 'logs'}")
     return summary

@@ -9,6 +9,8 @@ the failure injection that kills, hangs and restarts whole sites with real signa
 * A site that reaches an injected fault writes a request file; the launcher then SIGKILLs or
   SIGSTOPs every process of that site at once and, with ``fault.restart_after``, starts a fresh
   incarnation that heals from a live peer. Hung sites are SIGKILLed before they restart.
+* The policy below, run by :class:`geotrain.launch.supervise.Supervisor`, handles each site's
+  exits, fault requests, restarts and migrations.
 * The run ends when every site has finished or is down for good; the summary merges the sites'
   own summaries and round logs (``OUT/elastic``) with the injected failures.
 
@@ -24,10 +26,8 @@ import json
 import os
 import secrets
 import signal
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +38,10 @@ from geotrain.config import Config
 from geotrain.elastic.lighthouse import LighthouseProcess
 from geotrain.elastic.records import merge_summaries
 from geotrain.errors import DRAINED_EXIT, LaunchError
-from geotrain.launch.spawn import (
-    GRACE_SECONDS,
-    Rank,
-    describe_exit,
-    forks_ranks,
-    own_world_env,
-    spawn_rank,
-    stop_all,
-    worker_args,
-    zygote_pid,
-)
+from geotrain.launch.spawn import describe_exit, forks_ranks, own_world_env
+from geotrain.launch.supervise import Site, Supervisor
 
 REFUSED_EXIT = 3  # a worker that failed membership authentication
-
-
-@dataclass
-class _Site:
-    index: int
-    name: str
-    procs: list[Rank] = field(default_factory=list)
-    incarnation: int = -1
-    state: str = "down"  # running | finished | stopped (SIGSTOP) | down
-    restart_at: float | None = None
-    store: Any = None  # the rendezvous store of its current incarnation (hosted by the launcher)
 
 
 def site_env(
@@ -117,44 +97,28 @@ def launch_elastic(
         )  # it reports its port
         lighthouse.start()
         address = lighthouse.address
-    sites = [_Site(i, name) for i, name in enumerate(topo.site_names)]
-    pumps: list[threading.Thread] = []
     injected: list[dict[str, Any]] = []
     crashes: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     handled: set[str] = set()
     t_start = time.monotonic()
 
-    def say(line: str) -> None:
-        if console_print is not None:
-            console_print(line)
+    def start_rank(site: Site, local: int) -> tuple[dict[str, str], Path, str | None]:
+        if local == 0:  # the site's rendezvous, one per incarnation
+            site.store, agent[site.index] = host_store(timeout_s=cfg.liveness.group_timeout_s, attempt=site.incarnation)
+        env = site_env(topo, cfg.topology.links.emulate, site.index, site.incarnation, local, site.store.port, address, wan_key)
+        env.update(agent[site.index])
+        suffix = f".{site.incarnation}" if site.incarnation else ""
+        return env, out / "logs" / f"rank{topo.first_rank(site.index) + local}{suffix}.log", None
 
-    fork = forks_ranks(cfg.run.backend)  # once: it may ask torch whether a GPU is there
+    agent: dict[int, dict[str, str]] = {}
+    sup = Supervisor(
+        topo.site_names, topo.workers, cfg_path, out, start_rank, console_print, forks_ranks(cfg.run.backend),
+        out / "pids.json", lambda: {"lighthouse": lighthouse.proc.pid if lighthouse is not None and lighthouse.proc else None},
+    )  # fmt: skip
+    sites, say = sup.sites, sup.say
 
-    def start(site: _Site) -> None:
-        site.incarnation += 1
-        site.store, agent = host_store(timeout_s=cfg.liveness.group_timeout_s, attempt=site.incarnation)  # the site's rendezvous
-        site.procs = []
-        for local in range(topo.workers[site.index]):
-            env = site_env(
-                topo, cfg.topology.links.emulate, site.index, site.incarnation, local, site.store.port, address, wan_key
-            )
-            env.update(agent)
-            rank = topo.first_rank(site.index) + local
-            suffix = f".{site.incarnation}" if site.incarnation else ""
-            forward = console_print if local == 0 else None
-            log = out / "logs" / f"rank{rank}{suffix}.log"
-            p, t = spawn_rank(worker_args(cfg_path, out), env, log, forward, fork=fork)
-            site.procs.append(p)
-            pumps.append(t)
-        site.state, site.restart_at = "running", None
-        _write_pids(out, sites, lighthouse)
-
-    def signal_site(site: _Site, sig: signal.Signals) -> None:
-        for p in site.procs:
-            p.send_signal(sig)
-
-    def live(site: _Site) -> bool:
+    def live(site: Site) -> bool:
         return site.state == "running" and (out / "elastic" / f"live-{site.name}.{site.incarnation}").exists()
 
     def inject(request: dict[str, Any], path: Path) -> None:
@@ -166,7 +130,7 @@ def launch_elastic(
             say(f"[launcher] fault skipped: {request['kind']} {site.name} would leave {left} live sites")
             return
         sig = signal.SIGKILL if request["kind"] == "kill" else signal.SIGSTOP
-        signal_site(site, sig)
+        site.signal(sig)
         now = time.monotonic()
         injected.append({**request, "injected_at": now, "incarnation": site.incarnation})
         site.state = "down" if sig == signal.SIGKILL else "stopped"
@@ -174,75 +138,69 @@ def launch_elastic(
             site.restart_at = now + cfg.fault.restart_after
         say(f"[launcher] fault injected: {request['kind']} site {site.name} at step {request['step']}")
 
-    def migrate(site: _Site) -> None:
+    def migrate(site: Site) -> None:
         """fault.migrate: every rank of the site left right after a committed round (DRAINED_EXIT);
         a new incarnation with the same data slice starts at once and heals from a live site."""
         now = time.monotonic()
         drained = json.loads((out / "elastic" / f"drained-{site.name}.{site.incarnation}.json").read_text())
         injected.append({"site": site.name, "kind": "migrate", "injected_at": now, "incarnation": site.incarnation})
         say(f"[launcher] site {site.name} drained after committed round {drained['committed']}; starting it again")
-        start(site)
+        sup.start(site)
 
-    for s in sites:
-        start(s)
-    try:
-        while True:
-            for f in sorted((out / "elastic").glob("fault-*.json")):
-                if f.name not in handled:
-                    try:
-                        request = json.loads(f.read_text())
-                    except json.JSONDecodeError:  # not yet whole (the writer renames it into place): next poll
-                        continue
-                    handled.add(f.name)
-                    inject(request, f)
-            now = time.monotonic()
-            for s in sites:
-                if s.restart_at is not None and now >= s.restart_at and not any(live(o) for o in sites if o is not s):
-                    s.restart_at = None  # the run is over: nobody is left to heal from
-                    say(f"[launcher] not restarting site {s.name}: no live site is left to heal from")
-                if s.restart_at is not None and now >= s.restart_at:
-                    signal_site(s, signal.SIGKILL)  # a hung site is killed before its new incarnation starts
-                    for p in s.procs:
-                        p.wait()
-                    say(f"[launcher] restarting site {s.name} (incarnation {s.incarnation + 1})")
-                    start(s)
-                if s.state != "running":
+    def policy(now: float) -> bool:
+        for f in sorted((out / "elastic").glob("fault-*.json")):
+            if f.name not in handled:
+                try:
+                    request = json.loads(f.read_text())
+                except json.JSONDecodeError:  # not yet whole (the writer renames it into place): next poll
                     continue
-                codes = [p.poll() for p in s.procs]
-                if all(c == DRAINED_EXIT for c in codes):
-                    migrate(s)
-                    continue
-                if all(c == 0 for c in codes):
-                    s.state = "finished"
-                elif any(c not in (None, 0) for c in codes):
-                    code = next(c for c in codes if c not in (None, 0))
-                    kind = "refused" if code == REFUSED_EXIT else "crash"
-                    crashes.append({"site": s.name, "kind": kind, "injected_at": now, "exit": describe_exit(int(code))})
-                    signal_site(s, signal.SIGKILL)
-                    s.state = "down"
-                    say(f"[launcher] site {s.name} {describe_exit(int(code))}; the other sites carry on")
-            if lighthouse is not None and lighthouse.supervise():
-                say("[launcher] the Lighthouse had died: restarted it on the same address")
-                _write_pids(out, sites, lighthouse)
-            if all(s.state in ("finished", "down", "stopped") and s.restart_at is None for s in sites):
-                break  # a site hung for good is stopped with the rest below
-            joining = [s for s in sites if s.state == "running" and not live(s)]
-            if any(s.state == "finished" for s in sites) and joining and not any(live(s) for s in sites):
-                for s in joining:  # restarted too late: the others finished, nobody can heal it
-                    say(f"[launcher] stopping site {s.name}: the run ended before it could rejoin")
-                    signal_site(s, signal.SIGTERM)
-                    s.state = "down"
-            if on_poll is not None:
-                on_poll()
-            time.sleep(0.05)
-    finally:
+                handled.add(f.name)
+                inject(request, f)
         for s in sites:
-            signal_site(s, signal.SIGCONT)
-            stop_all(s.procs)
+            if s.restart_at is not None and now >= s.restart_at and not any(live(o) for o in sites if o is not s):
+                s.restart_at = None  # the run is over: nobody is left to heal from
+                say(f"[launcher] not restarting site {s.name}: no live site is left to heal from")
+            if s.restart_at is not None and now >= s.restart_at:
+                s.signal(signal.SIGKILL)  # a hung site is killed before its new incarnation starts
+                for p in s.procs:
+                    p.wait()
+                say(f"[launcher] restarting site {s.name} (incarnation {s.incarnation + 1})")
+                sup.start(s)
+            if s.state != "running":
+                continue
+            codes = s.codes()
+            if all(c == DRAINED_EXIT for c in codes):
+                migrate(s)
+                continue
+            if all(c == 0 for c in codes):
+                s.state = "finished"
+            elif any(c not in (None, 0) for c in codes):
+                code = next(c for c in codes if c not in (None, 0))
+                kind = "refused" if code == REFUSED_EXIT else "crash"
+                crashes.append({"site": s.name, "kind": kind, "injected_at": now, "exit": describe_exit(int(code))})
+                s.signal(signal.SIGKILL)
+                s.state = "down"
+                say(f"[launcher] site {s.name} {describe_exit(int(code))}; the other sites carry on")
+        if lighthouse is not None and lighthouse.supervise():
+            say("[launcher] the Lighthouse had died: restarted it on the same address")
+            sup.write_pids()
+        if all(s.state in ("finished", "down", "stopped") and s.restart_at is None for s in sites):
+            return True  # a site hung for good is stopped with the rest
+        joining = [s for s in sites if s.state == "running" and not live(s)]
+        if any(s.state == "finished" for s in sites) and joining and not any(live(s) for s in sites):
+            for s in joining:  # restarted too late: the others finished, nobody can heal it
+                say(f"[launcher] stopping site {s.name}: the run ended before it could rejoin")
+                s.signal(signal.SIGTERM)
+                s.state = "down"
+        return False
+
+    try:
+        for s in sites:
+            sup.start(s)
+        sup.run(policy, on_poll, 0.05)
+    finally:
         if lighthouse is not None:
             lighthouse.stop()
-        for t in pumps:
-            t.join(timeout=GRACE_SECONDS)
         state_path(wan_key).unlink(missing_ok=True)
     summary = merge_summaries(out, topo, injected + crashes, cfg.liveness.heartbeat_timeout_s, time.monotonic() - t_start)
     if summary is None:
@@ -250,13 +208,3 @@ def launch_elastic(
     summary["faults_skipped"] = skipped
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def _write_pids(out: Path, sites: list[_Site], lighthouse: LighthouseProcess | None) -> None:
-    pids = {
-        "launcher": os.getpid(),
-        "zygote": zygote_pid(),
-        "ranks": [p.pid for s in sites for p in s.procs],
-        "lighthouse": lighthouse.proc.pid if lighthouse is not None and lighthouse.proc is not None else None,
-    }
-    (out / "pids.json").write_text(json.dumps(pids))
